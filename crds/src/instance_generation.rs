@@ -1,0 +1,212 @@
+//! `InstanceGeneration`: the build a user wants running on a set of nodes.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::settings::{
+    BuildSpec, Cause, Demand, HealthSpec, InstanceKind, Mode, NodeSelector, Outcome, ProcessSpec,
+    ResourcesSpec, SettleSpec, SocketSpec, StopSpec,
+};
+
+/// The desired state of one host process identity on every node its selector picks.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "genswap.dev",
+    version = "v1alpha1",
+    kind = "InstanceGeneration",
+    doc = "The build a user wants running as a host process on every node the selector picks.",
+    plural = "instancegenerations",
+    shortname = "ig",
+    category = "genswap",
+    namespaced,
+    status = "InstanceGenerationStatus",
+    derive = "PartialEq",
+    printcolumn = r#"{"name":"Build","type":"string","jsonPath":".spec.build.id"}"#,
+    printcolumn = r#"{"name":"Mode","type":"string","jsonPath":".spec.mode"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","description":"nodes ready / nodes selected","jsonPath":".status.ready"}"#,
+    printcolumn = r#"{"name":"Status","type":"string","description":"the Ready condition's reason","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct InstanceGenerationSpec {
+    /// Node labels; one instance runs on each matching node. Empty selects every node.
+    #[serde(default, skip_serializing_if = "NodeSelector::is_empty")]
+    pub node_selector: NodeSelector,
+    #[serde(default)]
+    pub kind: InstanceKind,
+    pub build: BuildSpec,
+    #[serde(default)]
+    pub cause: Cause,
+    #[serde(default)]
+    pub mode: Mode,
+    #[serde(default)]
+    pub demand: Demand,
+    /// Opaque; a change with the same build is a new desired state (cause `config`).
+    #[serde(default)]
+    pub config_rev: String,
+    /// Opaque; a change with the same build is a new desired state (cause `restart`).
+    #[serde(default, rename = "restartID")]
+    pub restart_id: String,
+    /// Opaque; a change re-arms one attempt of a held-down build.
+    #[serde(default)]
+    pub retry: String,
+    #[serde(default)]
+    pub process: ProcessSpec,
+    #[serde(default)]
+    pub health: HealthSpec,
+    #[serde(default)]
+    pub settle: SettleSpec,
+    #[serde(default)]
+    pub stop: StopSpec,
+    #[serde(default)]
+    pub resources: ResourcesSpec,
+    #[serde(default)]
+    pub rollout: RolloutSpec,
+    #[serde(default)]
+    pub socket: SocketSpec,
+}
+
+/// How a new desired state rolls across the selected nodes.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutSpec {
+    /// The first cohort; it must be done before the rest start.
+    #[serde(default = "one")]
+    #[x_kube(validation = Rule::new("self >= 0").message("rollout.canaryNodes must not be negative"))]
+    pub canary_nodes: i32,
+    /// Attempts in flight at once after the canaries.
+    #[serde(default = "one")]
+    #[x_kube(validation = Rule::new("self >= 1").message("rollout.maxParallel must be at least 1"))]
+    pub max_parallel: i32,
+    /// A failed or down outcome stops the rollout of that build.
+    #[serde(default = "yes")]
+    pub halt_on_failure: bool,
+}
+
+impl Default for RolloutSpec {
+    fn default() -> Self {
+        Self {
+            canary_nodes: one(),
+            max_parallel: one(),
+            halt_on_failure: yes(),
+        }
+    }
+}
+
+fn one() -> i32 {
+    1
+}
+fn yes() -> bool {
+    true
+}
+
+/// What the controller observed and decided.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct InstanceGenerationStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// The newest scheduler revision issued; reserved before an attempt is created.
+    #[serde(default)]
+    pub sched_rev: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub desired: Option<DesiredState>,
+    /// Nodes ready / nodes selected, for `kubectl get`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
+    pub nodes: Vec<NodeGeneration>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub held_down: Vec<HeldDown>,
+    /// The newest build that reached `done` on every selected node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub good_build: Option<String>,
+    /// `Ready`, `Reconciling` and `Stalled`, with their kstatus meanings.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    pub conditions: Vec<Condition>,
+}
+
+/// The desired tuple the controller compares every node against.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[serde(rename_all = "camelCase")]
+pub struct DesiredState {
+    pub build: String,
+    pub sha256: String,
+    #[serde(default)]
+    pub config_rev: String,
+    #[serde(default, rename = "restartID")]
+    pub restart_id: String,
+    #[serde(default)]
+    pub mode: Mode,
+}
+
+/// What one node runs.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeGeneration {
+    pub name: String,
+    /// The serving generation N; absent before the first `done`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<i64>,
+    /// The serving build id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build: Option<String>,
+    /// The serving build's sha256.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_rev: Option<String>,
+    #[serde(default, rename = "restartID", skip_serializing_if = "Option::is_none")]
+    pub restart_id: Option<String>,
+    /// When the serving generation took over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_attempt: Option<LastAttempt>,
+}
+
+/// The newest finished attempt on a node.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct LastAttempt {
+    pub sched_rev: i64,
+    pub cause: Cause,
+    pub mode: Mode,
+    pub outcome: Outcome,
+    #[serde(default)]
+    pub reason: String,
+    pub executed: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_ms: Option<i64>,
+}
+
+/// A (build, mode) that failed and is not attempted again on its own.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct HeldDown {
+    pub build: String,
+    pub mode: Mode,
+    pub node: String,
+    pub reason: String,
+    pub since: Time,
+    /// A change of `spec.retry` armed one more attempt of this build.
+    #[serde(default)]
+    pub retry_armed: bool,
+}
+
+impl InstanceGenerationSpec {
+    /// The tuple every node is compared against.
+    pub fn desired(&self) -> DesiredState {
+        DesiredState {
+            build: self.build.id.clone(),
+            sha256: self.build.sha256.clone(),
+            config_rev: self.config_rev.clone(),
+            restart_id: self.restart_id.clone(),
+            mode: self.mode,
+        }
+    }
+}

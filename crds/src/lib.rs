@@ -1,0 +1,32 @@
+//! The genswap API, group `genswap.dev`, version `v1alpha1`.
+//!
+//! - [`InstanceGeneration`] (short name `ig`): the build a user wants running on
+//!   the nodes its selector picks.
+//! - [`SwapAttempt`] (short name `swa`): one try at moving one instance on one
+//!   node to a new generation; created by the controller, reported on by the
+//!   node agent.
+//!
+//! The CRD YAML under `crds/` is generated from these types by the `crdgen`
+//! binary and is never edited by hand.
+#![deny(rust_2018_idioms)]
+#![forbid(unsafe_code)]
+
+pub mod conditions;
+pub mod crdgen;
+pub mod instance_generation;
+pub mod manifest;
+pub mod settings;
+pub mod swap_attempt;
+
+pub use conditions::{ConditionType, set_condition};
+pub use instance_generation::{
+    DesiredState, HeldDown, InstanceGeneration, InstanceGenerationSpec, InstanceGenerationStatus,
+    LastAttempt, NodeGeneration, RolloutSpec,
+};
+pub use settings::*;
+pub use swap_attempt::{StepTiming, SwapAttempt, SwapAttemptSpec, SwapAttemptStatus};
+
+/// The API group of every genswap resource.
+pub const GROUP: &str = "genswap.dev";
+/// The one served and stored version.
+pub const VERSION: &str = "v1alpha1";

@@ -1,0 +1,108 @@
+//! Reading InstanceGeneration manifests from YAML the way the API server would
+//! take them: the same schema, unknown fields refused (as `kubectl apply`'s
+//! strict field validation does) and every CEL rule evaluated.
+
+use kube::core::CustomResourceExt;
+use serde_json::Value;
+use thiserror::Error;
+
+use crate::instance_generation::InstanceGeneration;
+
+/// Why a manifest was refused. Each message names the field or the rule.
+#[derive(Debug, Error)]
+pub enum ManifestError {
+    #[error("not valid YAML: {0}")]
+    Yaml(String),
+    #[error("apiVersion/kind is {found:?}, expected \"genswap.dev/v1alpha1 InstanceGeneration\"")]
+    WrongKind { found: String },
+    #[error("unknown field(s): {}", .0.join(", "))]
+    UnknownFields(Vec<String>),
+    #[error("does not match the InstanceGeneration schema: {0}")]
+    Schema(String),
+    #[error("metadata.name is missing")]
+    MissingName,
+    #[error("{0}")]
+    Rules(String),
+}
+
+/// Parses and validates one InstanceGeneration from YAML.
+pub fn parse_instance_generation(yaml: &str) -> Result<InstanceGeneration, ManifestError> {
+    let value: Value =
+        serde_saphyr::from_str(yaml).map_err(|e| ManifestError::Yaml(e.to_string()))?;
+    let api_version = value
+        .get("apiVersion")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let kind = value
+        .get("kind")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let expected = InstanceGeneration::api_resource();
+    if api_version != expected.api_version || kind != expected.kind {
+        return Err(ManifestError::WrongKind {
+            found: format!("{api_version} {kind}"),
+        });
+    }
+    let schema = openapi_schema::<InstanceGeneration>();
+    let mut unknown = Vec::new();
+    unknown_fields(&value, &schema, "", &mut unknown);
+    if !unknown.is_empty() {
+        return Err(ManifestError::UnknownFields(unknown));
+    }
+    let ig: InstanceGeneration =
+        serde_json::from_value(value).map_err(|e| ManifestError::Schema(e.to_string()))?;
+    if ig.metadata.name.as_deref().unwrap_or_default().is_empty() {
+        return Err(ManifestError::MissingName);
+    }
+    kube::core::cel::validate_cel(&ig).map_err(|e| ManifestError::Rules(e.to_string()))?;
+    Ok(ig)
+}
+
+/// The openAPIV3Schema of a derived CRD, as JSON.
+fn openapi_schema<K: CustomResourceExt>() -> Value {
+    K::crd()
+        .spec
+        .versions
+        .first()
+        .and_then(|v| v.schema.as_ref())
+        .and_then(|s| s.open_api_v3_schema.as_ref())
+        .and_then(|s| serde_json::to_value(s).ok())
+        .unwrap_or(Value::Null)
+}
+
+/// Collects the paths of fields that the structural schema does not declare.
+/// `apiVersion`, `kind` and `metadata` are the API server's and are not
+/// described by a CRD schema.
+fn unknown_fields(value: &Value, schema: &Value, path: &str, out: &mut Vec<String>) {
+    match value {
+        Value::Object(map) => {
+            let properties = schema.get("properties").and_then(Value::as_object);
+            let additional = schema.get("additionalProperties").filter(|a| a.is_object());
+            for (key, child) in map {
+                let child_path = if path.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{path}.{key}")
+                };
+                if path.is_empty() && matches!(key.as_str(), "apiVersion" | "kind" | "metadata") {
+                    continue;
+                }
+                match (properties.and_then(|p| p.get(key)), additional) {
+                    (Some(child_schema), _) | (None, Some(child_schema)) => {
+                        unknown_fields(child, child_schema, &child_path, out)
+                    }
+                    (None, None) if properties.is_some() => out.push(child_path),
+                    (None, None) => {}
+                }
+            }
+        }
+        Value::Array(items) => {
+            if let Some(item_schema) = schema.get("items") {
+                for (i, item) in items.iter().enumerate() {
+                    unknown_fields(item, item_schema, &format!("{path}[{i}]"), out);
+                }
+            }
+        }
+        _ => {}
+    }
+}

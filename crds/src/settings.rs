@@ -1,0 +1,340 @@
+//! The vocabulary and the per-instance settings shared by both resources.
+//!
+//! A SwapAttempt carries a copy of these settings as they were when it was
+//! issued, so both specs embed the same types.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::KubeSchema;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Why an attempt exists.
+#[derive(
+    Serialize,
+    Deserialize,
+    JsonSchema,
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+)]
+#[serde(rename_all = "camelCase")]
+pub enum Cause {
+    /// A new build was asked for.
+    #[default]
+    Release,
+    /// The node runs no generation of the instance yet.
+    Install,
+    /// `spec.retry` changed and re-armed a held-down build.
+    Retry,
+    /// Only `spec.restartID` changed.
+    Restart,
+    /// Only `spec.configRev` changed.
+    Config,
+}
+
+/// How an instance moves to a new generation.
+#[derive(
+    Serialize,
+    Deserialize,
+    JsonSchema,
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+)]
+#[serde(rename_all = "camelCase")]
+pub enum Mode {
+    /// The successor starts beside the incumbent, is health-checked, and takes over.
+    #[default]
+    Overlap,
+    /// The incumbent stops, then the successor starts: a gap in service.
+    Hold,
+}
+
+/// What an artifact demands of the way it is started.
+#[derive(
+    Serialize,
+    Deserialize,
+    JsonSchema,
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+)]
+pub enum Demand {
+    /// No demand: the spec's mode applies.
+    #[default]
+    #[serde(rename = "")]
+    None,
+    /// The artifact may only ever be started in hold mode.
+    #[serde(rename = "hold")]
+    Hold,
+}
+
+/// What kind of process an instance is.
+#[derive(
+    Serialize,
+    Deserialize,
+    JsonSchema,
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+)]
+#[serde(rename_all = "camelCase")]
+pub enum InstanceKind {
+    /// A server: it may overlap.
+    #[default]
+    Instance,
+    /// Always stop-then-start; may be a one-shot that exits 0.
+    Worker,
+}
+
+/// How an attempt ended.
+#[derive(
+    Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord,
+)]
+#[serde(rename_all = "camelCase")]
+pub enum Outcome {
+    /// The successor serves (overlap: switched; hold: started healthy).
+    Done,
+    /// Overlap: the successor failed health or settle; the incumbent still serves.
+    Failed,
+    /// Superseded, refused by a gate, or cancelled; never the build's fault.
+    Abandoned,
+    /// Hold: the new build failed after the old one stopped; nothing serves.
+    Down,
+}
+
+impl Outcome {
+    /// `failed` and `down` are the build's fault and hold the build down.
+    pub fn is_build_failure(self) -> bool {
+        matches!(self, Outcome::Failed | Outcome::Down)
+    }
+}
+
+/// Where each generation of an instance listens.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[serde(rename_all = "camelCase")]
+pub enum SocketLayout {
+    /// Each generation binds its own socket; generations can coexist.
+    #[default]
+    PerGeneration,
+    /// The process binds one fixed address; an overlap runs as a hold.
+    Fixed,
+}
+
+/// The signal that asks a generation to stop.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum StopSignal {
+    #[default]
+    #[serde(rename = "SIGTERM")]
+    Term,
+    #[serde(rename = "SIGINT")]
+    Int,
+    #[serde(rename = "SIGQUIT")]
+    Quit,
+    #[serde(rename = "SIGHUP")]
+    Hup,
+    #[serde(rename = "SIGUSR1")]
+    Usr1,
+    #[serde(rename = "SIGUSR2")]
+    Usr2,
+}
+
+/// The build an instance runs: an immutable artifact pinned by its digest.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct BuildSpec {
+    /// The build's name, reported in status and to the process as GENSWAP_BUILD.
+    #[x_kube(validation = Rule::new("self.size() > 0 && self.size() <= 128").message("build.id must be 1 to 128 characters"))]
+    pub id: String,
+    /// Where the artifact comes from.
+    pub artifact: Artifact,
+    /// The sha256 of the artifact, 64 lowercase hex characters.
+    #[x_kube(validation = Rule::new("self.matches('^[0-9a-f]{64}$')").message("build.sha256 must be 64 lowercase hex characters"))]
+    pub sha256: String,
+}
+
+/// Where an artifact comes from: exactly one of `path` and `url`.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.path) != has(self.url)").message("build.artifact needs exactly one of path and url"))]
+pub struct Artifact {
+    /// An absolute path on the node, under the agent's staging root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self.startsWith('/')").message("build.artifact.path must be an absolute path"))]
+    pub path: Option<String>,
+    /// An http or https URL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self.matches('^https?://[^/]+')").message("build.artifact.url must be an http or https URL"))]
+    pub url: Option<String>,
+}
+
+/// One environment variable of the process.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq)]
+pub struct EnvVar {
+    pub name: String,
+    #[serde(default)]
+    pub value: String,
+}
+
+/// How the process is started.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct ProcessSpec {
+    /// Arguments after the executable.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    /// Environment; GENSWAP_SOCKET, GENSWAP_GENERATION and GENSWAP_BUILD are added.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
+    pub env: Vec<EnvVar>,
+    /// Working directory, absolute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self.startsWith('/')").message("process.workingDir must be an absolute path"))]
+    pub working_dir: Option<String>,
+    /// Numeric uid. 0 is refused unless the agent allows root instances.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self >= 0 && self <= 4294967294").message("process.user must be a non-negative numeric uid"))]
+    pub user: Option<i64>,
+    /// Numeric gid.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self >= 0 && self <= 4294967294").message("process.group must be a non-negative numeric gid"))]
+    pub group: Option<i64>,
+}
+
+/// The health check: HTTP GET over the generation's own socket.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct HealthSpec {
+    /// Request path; a status below 500 is healthy.
+    #[serde(default = "default_health_path")]
+    #[x_kube(validation = Rule::new("self.startsWith('/')").message("health.path must start with /"))]
+    pub path: String,
+    /// How long a successor has to become healthy.
+    #[serde(default = "thirty")]
+    #[x_kube(validation = Rule::new("self > 0").message("health.timeoutSeconds must be greater than 0"))]
+    pub timeout_seconds: i32,
+}
+
+impl Default for HealthSpec {
+    fn default() -> Self {
+        Self {
+            path: default_health_path(),
+            timeout_seconds: thirty(),
+        }
+    }
+}
+
+/// The settle window after a successor is healthy.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct SettleSpec {
+    /// How long a canary is watched; an exit inside it fails the attempt.
+    #[serde(default = "ten")]
+    #[x_kube(validation = Rule::new("self >= 0").message("settle.seconds must not be negative"))]
+    pub seconds: i32,
+    /// Watch every attempt, not only canaries.
+    #[serde(default)]
+    pub all_nodes: bool,
+}
+
+impl Default for SettleSpec {
+    fn default() -> Self {
+        Self {
+            seconds: ten(),
+            all_nodes: false,
+        }
+    }
+}
+
+/// How a generation is stopped.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct StopSpec {
+    #[serde(default)]
+    pub signal: StopSignal,
+    /// After this the generation's cgroup is killed.
+    #[serde(default = "thirty")]
+    #[x_kube(validation = Rule::new("self > 0").message("stop.timeoutSeconds must be greater than 0"))]
+    pub timeout_seconds: i32,
+}
+
+impl Default for StopSpec {
+    fn default() -> Self {
+        Self {
+            signal: StopSignal::default(),
+            timeout_seconds: thirty(),
+        }
+    }
+}
+
+/// The generation's cgroup tier.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ResourcesSpec {
+    /// memory.max, a Kubernetes quantity of bytes such as `512Mi`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).sign() > 0").message("resources.memoryMax must be a positive quantity such as 512Mi"))]
+    pub memory_max: Option<Quantity>,
+    /// cpu.max in cores, a Kubernetes quantity such as `500m` or `2`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).sign() > 0").message("resources.cpuMax must be a positive quantity of cores such as 500m"))]
+    pub cpu_max: Option<Quantity>,
+    /// pids.max.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self >= 1").message("resources.pidsMax must be at least 1"))]
+    pub pids_max: Option<i64>,
+}
+
+impl ResourcesSpec {
+    /// Whether any limit is asked for.
+    pub fn is_empty(&self) -> bool {
+        self.memory_max.is_none() && self.cpu_max.is_none() && self.pids_max.is_none()
+    }
+}
+
+/// Where generations listen.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct SocketSpec {
+    #[serde(default)]
+    pub layout: SocketLayout,
+}
+
+/// Node labels that select nodes; empty selects every node.
+pub type NodeSelector = BTreeMap<String, String>;
+
+fn default_health_path() -> String {
+    "/".into()
+}
+fn thirty() -> i32 {
+    30
+}
+fn ten() -> i32 {
+    10
+}

@@ -1,0 +1,117 @@
+//! `SwapAttempt`: one try at moving one instance on one node to a new generation.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::settings::{
+    BuildSpec, Cause, Demand, HealthSpec, InstanceKind, Mode, Outcome, ProcessSpec, ResourcesSpec,
+    SettleSpec, SocketSpec, StopSpec,
+};
+
+/// An attempt as the controller issued it. It never changes after creation.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "genswap.dev",
+    version = "v1alpha1",
+    kind = "SwapAttempt",
+    doc = "One try at moving one instance on one node to a new generation.",
+    plural = "swapattempts",
+    shortname = "swa",
+    category = "genswap",
+    namespaced,
+    status = "SwapAttemptStatus",
+    derive = "PartialEq",
+    selectable = ".spec.nodeName",
+    printcolumn = r#"{"name":"Node","type":"string","jsonPath":".spec.nodeName"}"#,
+    printcolumn = r#"{"name":"Rev","type":"integer","jsonPath":".spec.schedRev"}"#,
+    printcolumn = r#"{"name":"Outcome","type":"string","jsonPath":".status.outcome"}"#,
+    printcolumn = r#"{"name":"Mode","type":"string","description":"the mode that ran","jsonPath":".status.effectiveMode"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[x_kube(validation = Rule::new("self == oldSelf").message("SwapAttempt spec is immutable"))]
+#[serde(rename_all = "camelCase")]
+pub struct SwapAttemptSpec {
+    /// The InstanceGeneration this attempt moves.
+    pub instance: String,
+    pub node_name: String,
+    /// Strictly increasing per InstanceGeneration; a higher one supersedes every lower one.
+    #[x_kube(validation = Rule::new("self >= 1").message("schedRev must be at least 1"))]
+    pub sched_rev: i64,
+    pub cause: Cause,
+    #[serde(default)]
+    pub kind: InstanceKind,
+    pub build: BuildSpec,
+    pub mode: Mode,
+    #[serde(default)]
+    pub demand: Demand,
+    #[serde(default)]
+    pub config_rev: String,
+    #[serde(default, rename = "restartID")]
+    pub restart_id: String,
+    /// In the first rollout cohort: watched for the settle window.
+    #[serde(default)]
+    pub canary: bool,
+    #[serde(default)]
+    pub process: ProcessSpec,
+    #[serde(default)]
+    pub health: HealthSpec,
+    #[serde(default)]
+    pub settle: SettleSpec,
+    #[serde(default)]
+    pub stop: StopSpec,
+    #[serde(default)]
+    pub resources: ResourcesSpec,
+    #[serde(default)]
+    pub socket: SocketSpec,
+}
+
+/// What the node agent reports. Written only by the agent.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SwapAttemptStatus {
+    /// Absent while the attempt runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<Outcome>,
+    /// The mode that actually ran: an overlap runs as a hold for a fixed
+    /// socket layout or a hold demand.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub effective_mode: Option<Mode>,
+    /// The generation N the attempt started (or would have).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// False only when it is proven that no process of the build started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub executed: Option<bool>,
+    /// A worker's new build exited 0 inside the settle window: a one-shot's success.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clean_exit: Option<bool>,
+    /// From the stop signal to the retiring generation's proven exit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_ms: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<Time>,
+    /// How long each step took and how it ended, in the order they ran.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub steps: Vec<StepTiming>,
+    /// `Ready` on done, `Reconciling` while running, `Stalled` on failed or down.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    pub conditions: Vec<Condition>,
+}
+
+/// One step of an attempt.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct StepTiming {
+    /// stage, admit, raise, journal, spawn, health, settle, switch, retire or stop.
+    pub step: String,
+    /// ok, cancelled, stale or failed.
+    pub result: String,
+    pub millis: i64,
+}
