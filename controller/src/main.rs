@@ -1,4 +1,4 @@
-//! genswap cluster controller: turns InstanceGenerations into per-node SwapAttempts.
+//! genswap cluster controller binary.
 
 use clap::Parser;
 

@@ -1,2 +1,21 @@
 //! genswap node agent: swaps host processes between generations under cgroup v2.
+//!
+//! The swap engine knows nothing of Kubernetes. Its parts, each in the file
+//! whose name says it:
+//! - [`cgroup`]: the cgroup v2 manager (mount discovery, layout, limits,
+//!   parent raise/restore, stop with proof of exit).
+//! - [`spawn`]: starting a generation inside its fresh cgroup.
+//! - [`stage`]: resolving, verifying and storing artifacts.
+//! - [`health`]: the HTTP health check over a generation's own socket.
+//! - [`journal`]: the per-instance intent journal.
+//! - [`switch`]: repointing `current.sock`.
+//! - [`gate`]: the attempt gate the adapters implement.
 #![deny(rust_2018_idioms)]
+
+pub mod cgroup;
+pub mod gate;
+pub mod health;
+pub mod journal;
+pub mod spawn;
+pub mod stage;
+pub mod switch;

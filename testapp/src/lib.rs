@@ -1,0 +1,1 @@
+//! Helpers for tests to locate the test application binary.

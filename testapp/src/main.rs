@@ -1,0 +1,2 @@
+//! genswap-testapp: filled by the swap engine work.
+fn main() {}
