@@ -10,9 +10,13 @@
 //! - [`journal`]: the per-instance intent journal.
 //! - [`switch`]: repointing `current.sock`.
 //! - [`gate`]: the attempt gate the adapters implement.
+//! - [`classify`]: the one outcome classifier every step's error goes through.
+//! - [`engine`]: the swap itself, overlap, hold and worker, step by step.
 #![deny(rust_2018_idioms)]
 
 pub mod cgroup;
+pub mod classify;
+pub mod engine;
 pub mod gate;
 pub mod health;
 pub mod journal;

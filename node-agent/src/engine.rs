@@ -1,0 +1,1 @@
+//! Filled by the swap engine work.
