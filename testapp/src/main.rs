@@ -1,2 +1,459 @@
-//! genswap-testapp: filled by the swap engine work.
-fn main() {}
+//! `genswap-testapp`: an HTTP/1.1 server on `GENSWAP_SOCKET` with failure
+//! knobs. The exact behaviour is documented in the `testapp` crate docs.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::ffi::OsString;
+use std::fs::File;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::header::{CONTENT_TYPE, HeaderName, HeaderValue};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use nix::sys::signal::{SigHandler, Signal, signal};
+use nix::unistd::{ForkResult, dup2_stderr, dup2_stdin, dup2_stdout, fork, pause};
+use testapp::{BINARY_NAME, env, identity_body, knob};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::signal::unix::{SignalKind, signal as tokio_signal};
+use tokio::sync::watch;
+use tokio::time::{Instant, sleep, sleep_until, timeout};
+
+const DEFAULT_DRAIN: Duration = Duration::from_millis(2000);
+const DEFAULT_EXIT_CODE: i32 = 1;
+/// Pause after a failed accept, so a persistent failure (EMFILE) neither
+/// spins nor floods the log.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+const X_GENSWAP_BUILD: HeaderName = HeaderName::from_static("x-genswap-build");
+const X_GENSWAP_GENERATION: HeaderName = HeaderName::from_static("x-genswap-generation");
+const TEXT_PLAIN: HeaderValue = HeaderValue::from_static("text/plain; charset=utf-8");
+
+/// One lifecycle line on stderr.
+macro_rules! event {
+    ($($arg:tt)*) => {
+        eprintln!("{}[{}]: {}", BINARY_NAME, std::process::id(), format_args!($($arg)*))
+    };
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ConfigError {
+    #[error("{name} is not set")]
+    Missing { name: &'static str },
+    #[error("{name}={value:?} is not {expected}")]
+    Invalid {
+        name: &'static str,
+        value: String,
+        expected: &'static str,
+    },
+    #[error("unknown argument {arg:?}: flags are --<knob>[=value] for the knobs {}", knob::ALL.join(", "))]
+    UnknownFlag { arg: String },
+}
+
+#[derive(Debug, thiserror::Error)]
+enum RunError {
+    #[error("ignoring SIGTERM")]
+    IgnoreSigterm(#[source] nix::Error),
+    #[error("forking child {index}")]
+    Fork {
+        index: u32,
+        #[source]
+        source: nix::Error,
+    },
+    #[error("starting the runtime")]
+    Runtime(#[source] io::Error),
+    #[error("installing the SIGTERM handler")]
+    SigtermHandler(#[source] io::Error),
+    #[error("removing the stale file at {path}")]
+    RemoveStale {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("binding {path}")]
+    Bind {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Knob values from `--flag[=value]` arguments, falling back to the environment.
+struct Knobs {
+    flags: HashMap<&'static str, String>,
+}
+
+impl Knobs {
+    fn from_args(args: impl Iterator<Item = OsString>) -> Result<Self, ConfigError> {
+        let mut flags = HashMap::new();
+        for arg in args {
+            let unknown = || ConfigError::UnknownFlag {
+                arg: arg.to_string_lossy().into_owned(),
+            };
+            let text = arg.to_str().ok_or_else(unknown)?;
+            let flag = text.strip_prefix("--").ok_or_else(unknown)?;
+            let (flag, value) = flag.split_once('=').unwrap_or((flag, "1"));
+            let name = format!("TESTAPP_{}", flag.to_ascii_uppercase().replace('-', "_"));
+            let name = knob::ALL
+                .into_iter()
+                .find(|known| *known == name)
+                .ok_or_else(unknown)?;
+            flags.insert(name, value.to_string());
+        }
+        Ok(Knobs { flags })
+    }
+
+    /// The value of a knob; empty counts as absent.
+    fn raw(&self, name: &'static str) -> Option<String> {
+        self.flags
+            .get(name)
+            .cloned()
+            .or_else(|| std::env::var(name).ok())
+            .filter(|value| !value.is_empty())
+    }
+
+    fn parsed<T: FromStr>(
+        &self,
+        name: &'static str,
+        expected: &'static str,
+    ) -> Result<Option<T>, ConfigError> {
+        self.raw(name)
+            .map(|value| {
+                value.parse().map_err(|_| ConfigError::Invalid {
+                    name,
+                    value,
+                    expected,
+                })
+            })
+            .transpose()
+    }
+
+    fn millis(&self, name: &'static str) -> Result<Option<Duration>, ConfigError> {
+        Ok(self
+            .parsed(name, "a whole number of milliseconds")?
+            .map(Duration::from_millis))
+    }
+
+    fn switch(&self, name: &'static str) -> Result<bool, ConfigError> {
+        match self.raw(name).as_deref() {
+            None | Some("0" | "false") => Ok(false),
+            Some("1" | "true") => Ok(true),
+            Some(other) => Err(ConfigError::Invalid {
+                name,
+                value: other.to_string(),
+                expected: "1, true, 0 or false",
+            }),
+        }
+    }
+}
+
+struct Config {
+    socket: PathBuf,
+    build: String,
+    generation: String,
+    boot_delay: Option<Duration>,
+    status: StatusCode,
+    exit_after: Option<Duration>,
+    exit_code: i32,
+    ignore_sigterm: bool,
+    drain: Duration,
+    fork_children: u32,
+    slow: Option<Duration>,
+    never_bind: bool,
+    hang: bool,
+}
+
+impl Config {
+    fn load(knobs: &Knobs) -> Result<Self, ConfigError> {
+        let socket = std::env::var_os(env::SOCKET)
+            .filter(|value| !value.is_empty())
+            .ok_or(ConfigError::Missing { name: env::SOCKET })?;
+        let status = match knobs.parsed::<u16>(knob::STATUS, "an HTTP status code")? {
+            None => StatusCode::OK,
+            Some(code) => StatusCode::from_u16(code).map_err(|_| ConfigError::Invalid {
+                name: knob::STATUS,
+                value: code.to_string(),
+                expected: "an HTTP status code",
+            })?,
+        };
+        Ok(Config {
+            socket: PathBuf::from(socket),
+            build: identity_var(env::BUILD)?,
+            generation: identity_var(env::GENERATION)?,
+            boot_delay: knobs.millis(knob::BOOT_DELAY_MS)?,
+            status,
+            exit_after: knobs.millis(knob::EXIT_AFTER_MS)?,
+            exit_code: knobs
+                .parsed(knob::EXIT_CODE, "an exit code")?
+                .unwrap_or(DEFAULT_EXIT_CODE),
+            ignore_sigterm: knobs.switch(knob::IGNORE_SIGTERM)?,
+            drain: knobs.millis(knob::DRAIN_MS)?.unwrap_or(DEFAULT_DRAIN),
+            fork_children: knobs
+                .parsed(knob::FORK_CHILDREN, "a number of children")?
+                .unwrap_or(0),
+            slow: knobs.millis(knob::SLOW_MS)?,
+            never_bind: knobs.switch(knob::NEVER_BIND)?,
+            hang: knobs.switch(knob::HANG)?,
+        })
+    }
+}
+
+/// `GENSWAP_BUILD` or `GENSWAP_GENERATION`; [`Responder::new`] checks it fits in a header.
+fn identity_var(name: &'static str) -> Result<String, ConfigError> {
+    let Some(value) = std::env::var_os(name) else {
+        return Ok("unknown".to_string());
+    };
+    value.into_string().map_err(|value| ConfigError::Invalid {
+        name,
+        value: value.to_string_lossy().into_owned(),
+        expected: "UTF-8",
+    })
+}
+
+/// Everything a response needs, built once.
+struct Responder {
+    status: StatusCode,
+    body: Bytes,
+    build: HeaderValue,
+    generation: HeaderValue,
+    slow: Option<Duration>,
+    hang: bool,
+}
+
+impl Responder {
+    fn new(config: &Config) -> Result<Self, ConfigError> {
+        let header = |name, value: &str| {
+            HeaderValue::from_str(value).map_err(|_| ConfigError::Invalid {
+                name,
+                value: value.to_string(),
+                expected: "printable ASCII",
+            })
+        };
+        Ok(Responder {
+            status: config.status,
+            body: Bytes::from(identity_body(
+                &config.build,
+                &config.generation,
+                std::process::id(),
+            )),
+            build: header(env::BUILD, &config.build)?,
+            generation: header(env::GENERATION, &config.generation)?,
+            slow: config.slow,
+            hang: config.hang,
+        })
+    }
+
+    async fn respond(&self) -> Response<Full<Bytes>> {
+        if self.hang {
+            std::future::pending::<()>().await;
+        }
+        if let Some(delay) = self.slow {
+            sleep(delay).await;
+        }
+        let mut response = Response::new(Full::new(self.body.clone()));
+        *response.status_mut() = self.status;
+        let headers = response.headers_mut();
+        headers.insert(CONTENT_TYPE, TEXT_PLAIN);
+        headers.insert(X_GENSWAP_BUILD, self.build.clone());
+        headers.insert(X_GENSWAP_GENERATION, self.generation.clone());
+        response
+    }
+}
+
+fn main() {
+    let started = Instant::now();
+    let loaded = Knobs::from_args(std::env::args_os().skip(1)).and_then(|knobs| {
+        let config = Config::load(&knobs)?;
+        let responder = Responder::new(&config)?;
+        Ok((config, responder))
+    });
+    let (config, responder) = match loaded {
+        Ok(loaded) => loaded,
+        Err(err) => {
+            event!("error {}", chain(&err));
+            event!("exit code=2");
+            std::process::exit(2);
+        }
+    };
+    event!(
+        "start build={} generation={} socket={}",
+        config.build,
+        config.generation,
+        config.socket.display()
+    );
+    match start(config, responder, started) {
+        Ok(()) => event!("exit code=0"),
+        Err(err) => {
+            event!("error {}", chain(&err));
+            event!("exit code=1");
+            std::process::exit(1);
+        }
+    }
+}
+
+fn start(config: Config, responder: Responder, started: Instant) -> Result<(), RunError> {
+    if config.ignore_sigterm {
+        ignore_sigterm().map_err(RunError::IgnoreSigterm)?;
+    }
+    // Before the runtime exists, so this process is single-threaded for fork.
+    fork_children(config.fork_children)?;
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(RunError::Runtime)?
+        .block_on(run(config, responder, started))
+}
+
+fn ignore_sigterm() -> nix::Result<()> {
+    // SAFETY: SIG_IGN installs no handler code, so no code runs in signal context.
+    unsafe { signal(Signal::SIGTERM, SigHandler::SigIgn) }.map(drop)
+}
+
+fn fork_children(count: u32) -> Result<(), RunError> {
+    for index in 0..count {
+        // SAFETY: called before any thread or runtime exists, so the child is a
+        // complete single-threaded copy in which any code may run.
+        match unsafe { fork() } {
+            Ok(ForkResult::Parent { child }) => event!("forked child pid={child}"),
+            Ok(ForkResult::Child) => sleep_forever_ignoring_sigterm(),
+            Err(source) => return Err(RunError::Fork { index, source }),
+        }
+    }
+    Ok(())
+}
+
+fn sleep_forever_ignoring_sigterm() -> ! {
+    if let Err(err) = ignore_sigterm() {
+        event!("error child ignoring SIGTERM: {err}");
+        std::process::exit(1);
+    }
+    // A reader waiting for EOF on the app's stderr must not wait for these.
+    if let Ok(null) = File::options().read(true).write(true).open("/dev/null") {
+        let _ = dup2_stdin(&null)
+            .and(dup2_stdout(&null))
+            .and(dup2_stderr(&null));
+    }
+    loop {
+        pause();
+    }
+}
+
+/// Resolves on SIGTERM, or never when SIGTERM is ignored.
+async fn terminated(sigterm: &mut Option<tokio::signal::unix::Signal>) {
+    match sigterm {
+        Some(sigterm) => {
+            sigterm.recv().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+async fn run(config: Config, responder: Responder, started: Instant) -> Result<(), RunError> {
+    let mut sigterm = if config.ignore_sigterm {
+        None
+    } else {
+        Some(tokio_signal(SignalKind::terminate()).map_err(RunError::SigtermHandler)?)
+    };
+    if let Some(after) = config.exit_after {
+        let code = config.exit_code;
+        tokio::spawn(async move {
+            sleep_until(started + after).await;
+            event!("exit code={code} after_ms={}", after.as_millis());
+            std::process::exit(code);
+        });
+    }
+    if let Some(delay) = config.boot_delay {
+        tokio::select! {
+            () = sleep(delay) => {}
+            () = terminated(&mut sigterm) => return Ok(()),
+        }
+    }
+    if config.never_bind {
+        event!("not binding ({})", knob::NEVER_BIND);
+        terminated(&mut sigterm).await;
+        return Ok(());
+    }
+
+    let listener = bind(&config.socket)?;
+    event!("bound socket={}", config.socket.display());
+    let responder = Arc::new(responder);
+    // Each connection holds a receiver: a change asks it to shut down
+    // gracefully, and all receivers gone means every connection has ended.
+    let (shutdown, _) = watch::channel(());
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    tokio::spawn(serve(stream, Arc::clone(&responder), shutdown.subscribe()));
+                }
+                Err(err) => {
+                    event!("error accepting: {err}");
+                    sleep(ACCEPT_BACKOFF).await;
+                }
+            },
+            () = terminated(&mut sigterm) => break,
+        }
+    }
+
+    drop(listener);
+    event!("draining drain_ms={}", config.drain.as_millis());
+    shutdown.send_replace(());
+    let drained = timeout(config.drain, shutdown.closed()).await.is_ok();
+    event!("drain finished timed_out={}", !drained);
+    Ok(())
+}
+
+fn bind(path: &Path) -> Result<UnixListener, RunError> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+        Err(source) => {
+            return Err(RunError::RemoveStale {
+                path: path.to_path_buf(),
+                source,
+            });
+        }
+    }
+    UnixListener::bind(path).map_err(|source| RunError::Bind {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+async fn serve(stream: UnixStream, responder: Arc<Responder>, mut shutdown: watch::Receiver<()>) {
+    let service = service_fn(move |_: Request<Incoming>| {
+        let responder = Arc::clone(&responder);
+        async move { Ok::<_, Infallible>(responder.respond().await) }
+    });
+    let connection = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
+    let mut connection = std::pin::pin!(connection);
+    tokio::select! {
+        _ = connection.as_mut() => return,
+        _ = shutdown.changed() => {}
+    }
+    // Closes the connection now if it is between requests; otherwise the
+    // request in flight finishes with `connection: close`.
+    connection.as_mut().graceful_shutdown();
+    // A client that went away is its own business, not a lifecycle event.
+    let _ = connection.await;
+    drop(shutdown);
+}
+
+/// An error and its sources, one line.
+fn chain(err: &dyn std::error::Error) -> String {
+    let mut line = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        line.push_str(": ");
+        line.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    line
+}
