@@ -1,1 +1,836 @@
-//! Filled by the staging/health/journal work.
+//! The per-instance intent journal (SPEC §5.5 step 4, §5.7).
+//!
+//! One file per instance, `<state dir>/journal/<namespace>.<instance>.json`,
+//! holds everything the agent must know about that instance after a crash:
+//!
+//! - the generation counter: the next N to hand out, strictly above every N
+//!   ever handed out or seen on the host, across restarts;
+//! - the serving generation, so a restarted agent adopts it;
+//! - the attempt in flight, as a [`Record`] the engine advances step by step
+//!   ([`Phase`]), written before the step it announces takes effect on the
+//!   host; and, once it ended, its outcome until the adapter acknowledges
+//!   that the API server (or the standalone status file) accepted it;
+//! - outcomes of earlier attempts not yet acknowledged when a newer attempt
+//!   began (`unreported`), so no outcome is ever lost.
+//!
+//! Every write replaces the whole file: a temp file in the same directory is
+//! written and fsynced, renamed over the file, and the directory is fsynced.
+//! A reader sees the old file or the new one, never a mix; a crash leaves at
+//! most a `*.tmp-*` file that readers ignore and
+//! [`Journal::remove_temp_files`] deletes.
+//!
+//! A file that cannot be read back (truncated by a disk fault, garbage,
+//! another format version) is reported as a [`CorruptEntry`] by
+//! [`Journal::load_all`] and never hides other instances. Writes to that
+//! instance are refused until recovery quarantines the file
+//! ([`Journal::quarantine`]); the generation counter is then rebuilt with
+//! [`Journal::observe_generation`] from what the host shows.
+//!
+//! Calls are blocking file I/O (each write is one fsync'd file and one
+//! fsync'd directory): async callers run them in `spawn_blocking`. Calls for
+//! the same instance are serialized inside the journal, so the adapter may
+//! acknowledge while the engine records. Open the journal only while holding
+//! the node lock: one agent writes it at a time.
+//!
+//! For the one classifier (SPEC §5.4) a [`JournalError`] before the exec is
+//! `stale`: the host refused, nothing of the build ran.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io::{self, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use genswap_crds::{Cause, InstanceKind, Mode, Outcome, StepTiming};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::gate::InstanceKey;
+use crate::switch::{fsync_dir, temp_name};
+
+/// The journal's directory under the agent's state dir.
+pub const JOURNAL_DIR: &str = "journal";
+/// The file format this code writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// The first generation number of an instance.
+pub const FIRST_GENERATION: u64 = 1;
+
+/// Milliseconds since the Unix epoch, the journal's timestamps.
+pub fn unix_millis_now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// One generation of an instance as the journal knows it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct GenerationRecord {
+    /// N, strictly increasing per instance.
+    pub n: u64,
+    /// The build id.
+    pub build: String,
+    /// The artifact's sha256.
+    pub sha256: String,
+    /// The store path it was (or will be) executed from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store_path: Option<PathBuf>,
+    /// Its cgroup directory.
+    pub cgroup: PathBuf,
+    /// Its own socket, `gen-<N>.sock`.
+    pub socket: PathBuf,
+    /// The configRev it was started with (reported in node status).
+    #[serde(default)]
+    pub config_rev: String,
+    /// The restartID it was started with (reported in node status).
+    #[serde(default, rename = "restartID")]
+    pub restart_id: String,
+    /// When it began serving, unix millis; `None` before it serves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving_since_ms: Option<i64>,
+}
+
+/// Which attempt a record is about.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct AttemptRef {
+    /// The SwapAttempt's name (or the standalone adapter's name for it).
+    pub name: String,
+    /// The SwapAttempt's uid, when it came from the API server.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
+    /// Its scheduler revision.
+    pub sched_rev: i64,
+}
+
+/// The instance's parent cgroup limits as they were before an overlap raised
+/// them: what to write back on restore. `None` for a file that did not exist
+/// (its controller is not enabled), which needs no restore.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct SavedLimits {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_max: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_max: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids_max: Option<String>,
+}
+
+/// The last step an attempt reached. The engine records each phase BEFORE
+/// the action it names can have an effect on the host, so recovery always
+/// assumes the action may have happened.
+///
+/// Overlap: `Admitted`, `ParentRaised`, `Spawning`, `Spawned`, `Healthy`,
+/// `Switched`, `IncumbentStopped`, `Finished`. Hold and workers: `Admitted`,
+/// `IncumbentStopped` (written before the stop begins), `Spawning`,
+/// `Spawned`, `Healthy`, `Finished`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(tag = "name", rename_all = "camelCase")]
+pub enum Phase {
+    /// Admitted by the gate; nothing of the attempt has touched the host.
+    Admitted,
+    /// The parent raise begins; `saved` is what to restore.
+    ParentRaised { saved: SavedLimits },
+    /// The exec is about to happen: from here a process of the build may
+    /// have run, so `executed` can no longer be proven false.
+    Spawning,
+    /// The successor runs with this pid (in its own cgroup).
+    Spawned { pid: i32 },
+    /// The successor answered its health check.
+    Healthy,
+    /// `current.sock` moves (or moved) to the successor.
+    Switched,
+    /// The incumbent's stop begins (overlap: the retirement after the
+    /// switch; hold: the stop before the successor starts).
+    IncumbentStopped,
+    /// The attempt ended; the record carries its outcome.
+    Finished,
+}
+
+impl Phase {
+    /// The phase's name as the journal file spells it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Phase::Admitted => "admitted",
+            Phase::ParentRaised { .. } => "parentRaised",
+            Phase::Spawning => "spawning",
+            Phase::Spawned { .. } => "spawned",
+            Phase::Healthy => "healthy",
+            Phase::Switched => "switched",
+            Phase::IncumbentStopped => "incumbentStopped",
+            Phase::Finished => "finished",
+        }
+    }
+}
+
+/// How an attempt ended, kept until acknowledged. The fields are what the
+/// SwapAttempt's status carries.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct OutcomeRecord {
+    pub outcome: Outcome,
+    pub effective_mode: Mode,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
+    #[serde(default)]
+    pub reason: String,
+    pub executed: bool,
+    #[serde(default)]
+    pub clean_exit: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_ms: Option<i64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub steps: Vec<StepTiming>,
+    pub started_at_ms: i64,
+    pub finished_at_ms: i64,
+}
+
+/// One attempt of one instance: its intent, how far it got, and its outcome
+/// once known.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Record {
+    pub instance: InstanceKey,
+    pub attempt: AttemptRef,
+    pub cause: Cause,
+    #[serde(default)]
+    pub kind: InstanceKind,
+    /// The mode the attempt asked for.
+    pub requested_mode: Mode,
+    /// The mode that runs (SPEC §5.2), written with the first record.
+    pub effective_mode: Mode,
+    /// The generation serving when the attempt was admitted, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incumbent: Option<GenerationRecord>,
+    /// The generation the attempt starts; `None` before its number is
+    /// reserved (an attempt refused at staging has none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub successor: Option<GenerationRecord>,
+    /// The last phase reached.
+    pub phase: Phase,
+    /// Set from [`Phase::ParentRaised`] until [`Record::parent_restored`]:
+    /// the parent limits to restore, whatever phase follows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub raised_parent: Option<SavedLimits>,
+    /// Set from [`Phase::Spawning`] on: a process of the build may have run.
+    #[serde(default)]
+    pub exec_may_have_run: bool,
+    /// The successor's pid once [`Phase::Spawned`] was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub successor_pid: Option<i32>,
+    pub started_at_ms: i64,
+    pub updated_at_ms: i64,
+    /// Set with [`Phase::Finished`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<OutcomeRecord>,
+}
+
+impl Record {
+    /// A freshly admitted attempt, with its requested and effective modes.
+    /// The caller fills in `incumbent` and `successor`.
+    pub fn admitted(
+        instance: InstanceKey,
+        attempt: AttemptRef,
+        cause: Cause,
+        kind: InstanceKind,
+        requested_mode: Mode,
+        effective_mode: Mode,
+    ) -> Self {
+        let now = unix_millis_now();
+        Self {
+            instance,
+            attempt,
+            cause,
+            kind,
+            requested_mode,
+            effective_mode,
+            incumbent: None,
+            successor: None,
+            phase: Phase::Admitted,
+            raised_parent: None,
+            exec_may_have_run: false,
+            successor_pid: None,
+            started_at_ms: now,
+            updated_at_ms: now,
+            outcome: None,
+        }
+    }
+
+    /// Moves to `phase`, keeping what recovery needs after later phases:
+    /// the saved parent limits, that the exec may have run, the pid.
+    pub fn advance(&mut self, phase: Phase) {
+        match &phase {
+            Phase::ParentRaised { saved } => self.raised_parent = Some(saved.clone()),
+            Phase::Spawning => self.exec_may_have_run = true,
+            Phase::Spawned { pid } => {
+                self.exec_may_have_run = true;
+                self.successor_pid = Some(*pid);
+            }
+            _ => {}
+        }
+        self.phase = phase;
+        self.updated_at_ms = unix_millis_now();
+    }
+
+    /// The raised parent limits were written back.
+    pub fn parent_restored(&mut self) {
+        self.raised_parent = None;
+        self.updated_at_ms = unix_millis_now();
+    }
+
+    /// Ends the attempt with `outcome` ([`Phase::Finished`]).
+    pub fn finish(&mut self, outcome: OutcomeRecord) {
+        self.advance(Phase::Finished);
+        self.outcome = Some(outcome);
+    }
+
+    /// Whether this record and `other` are the same attempt.
+    pub fn same_attempt(&self, other: &Record) -> bool {
+        self.attempt.sched_rev == other.attempt.sched_rev && self.attempt.name == other.attempt.name
+    }
+}
+
+/// Everything the journal holds for one instance: the content of its file.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct InstanceEntry {
+    /// [`FORMAT_VERSION`].
+    pub version: u32,
+    pub instance: InstanceKey,
+    /// The next generation number to hand out.
+    pub next_generation: u64,
+    /// The generation serving now, as far as the journal knows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving: Option<GenerationRecord>,
+    /// The attempt in flight, or the newest finished one until acknowledged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<Record>,
+    /// Finished attempts replaced by a newer one before they were
+    /// acknowledged, oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unreported: Vec<Record>,
+}
+
+impl InstanceEntry {
+    fn new(instance: InstanceKey) -> Self {
+        Self {
+            version: FORMAT_VERSION,
+            instance,
+            next_generation: FIRST_GENERATION,
+            serving: None,
+            attempt: None,
+            unreported: Vec::new(),
+        }
+    }
+
+    /// Finished records not yet acknowledged, oldest first.
+    pub fn pending_reports(&self) -> Vec<Record> {
+        let mut pending = self.unreported.clone();
+        pending.extend(self.attempt.iter().filter(|r| r.outcome.is_some()).cloned());
+        pending
+    }
+
+    /// Keeps the counter above every generation the entry mentions.
+    fn bump_above_known(&mut self) {
+        let known = [
+            self.serving.as_ref(),
+            self.attempt.as_ref().and_then(|r| r.incumbent.as_ref()),
+            self.attempt.as_ref().and_then(|r| r.successor.as_ref()),
+        ];
+        for generation in known.into_iter().flatten() {
+            self.next_generation = self.next_generation.max(generation.n.saturating_add(1));
+        }
+    }
+}
+
+/// A journal file that could not be read back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CorruptEntry {
+    pub path: PathBuf,
+    /// The instance its name says, when the name is one.
+    pub instance: Option<InstanceKey>,
+    /// What is wrong with it.
+    pub error: String,
+}
+
+/// Why a journal operation failed.
+#[derive(Debug, Error)]
+pub enum JournalError {
+    #[error("cannot create the journal directory {path}: {source}")]
+    CreateDir {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot read the journal directory {path}: {source}")]
+    ReadDir {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot read the journal file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error(
+        "the journal file {path} is corrupt ({error}); recovery must quarantine it before this instance can swap"
+    )]
+    Corrupt { path: PathBuf, error: String },
+    #[error("cannot write the journal file {path}: {source}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot encode the journal entry for {instance}: {source}")]
+    Encode {
+        instance: InstanceKey,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error(
+        "attempt {in_flight} (schedRev {sched_rev}, phase {phase}) of {instance} is still in flight; it must finish or be recovered before another is journaled"
+    )]
+    InFlight {
+        instance: InstanceKey,
+        in_flight: String,
+        sched_rev: i64,
+        phase: &'static str,
+    },
+    #[error("the generation counter of {instance} is exhausted")]
+    GenerationsExhausted { instance: InstanceKey },
+}
+
+/// The intent journal under `<state dir>/journal`.
+#[derive(Debug)]
+pub struct Journal {
+    dir: PathBuf,
+    /// One lock per instance: read-modify-write of one file is atomic
+    /// against other calls for the same instance.
+    locks: Mutex<HashMap<InstanceKey, Arc<Mutex<()>>>>,
+}
+
+impl Journal {
+    /// Opens (creating, mode 0700) `<state_dir>/journal`.
+    pub fn open(state_dir: &Path) -> Result<Self, JournalError> {
+        let dir = state_dir.join(JOURNAL_DIR);
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|source| JournalError::CreateDir {
+                path: dir.clone(),
+                source,
+            })?;
+        Ok(Self {
+            dir,
+            locks: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The journal's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// `<journal dir>/<namespace>.<instance>.json`.
+    pub fn path_of(&self, instance: &InstanceKey) -> PathBuf {
+        self.dir.join(format!("{instance}.json"))
+    }
+
+    /// Writes `record` as the instance's attempt (durably, before returning).
+    ///
+    /// The same attempt (same name and schedRev) is replaced. A different
+    /// attempt replaces a finished one, whose outcome moves to `unreported`;
+    /// it is refused with [`JournalError::InFlight`] while the one on file
+    /// has not finished. The generation counter is kept above the record's
+    /// generations.
+    pub fn record(&self, record: &Record) -> Result<(), JournalError> {
+        self.update(&record.instance, |entry| {
+            if let Some(current) = entry.attempt.take() {
+                if current.same_attempt(record) {
+                    // Replaced below.
+                } else if current.outcome.is_some() {
+                    entry.unreported.push(current);
+                } else {
+                    let err = JournalError::InFlight {
+                        instance: record.instance.clone(),
+                        in_flight: current.attempt.name.clone(),
+                        sched_rev: current.attempt.sched_rev,
+                        phase: current.phase.name(),
+                    };
+                    entry.attempt = Some(current);
+                    return Err(err);
+                }
+            }
+            entry.attempt = Some(record.clone());
+            entry.bump_above_known();
+            Ok(((), true))
+        })
+    }
+
+    /// The instance's current attempt record (in flight, or finished and
+    /// unacknowledged); `None` when there is none or no file.
+    pub fn load(&self, instance: &InstanceKey) -> Result<Option<Record>, JournalError> {
+        let entry = self.locked(instance, || self.read_entry(instance))?;
+        Ok(entry.and_then(|entry| entry.attempt))
+    }
+
+    /// Everything on file for the instance.
+    pub fn load_entry(
+        &self,
+        instance: &InstanceKey,
+    ) -> Result<Option<InstanceEntry>, JournalError> {
+        self.locked(instance, || self.read_entry(instance))
+    }
+
+    /// Every instance's entry, sorted by instance, and every file that could
+    /// not be read back. One bad file never hides the others; only a
+    /// journal directory that cannot be listed is an error. Temp files of
+    /// interrupted writes and quarantined files are skipped.
+    pub fn load_all(&self) -> Result<(Vec<InstanceEntry>, Vec<CorruptEntry>), JournalError> {
+        let read_dir_err = |source| JournalError::ReadDir {
+            path: self.dir.clone(),
+            source,
+        };
+        let mut entries = Vec::new();
+        let mut corrupt = Vec::new();
+        for dir_entry in fs::read_dir(&self.dir).map_err(read_dir_err)? {
+            let dir_entry = dir_entry.map_err(read_dir_err)?;
+            let file_name = dir_entry.file_name();
+            let path = dir_entry.path();
+            let Some(name) = file_name.to_str() else {
+                corrupt.push(CorruptEntry {
+                    path,
+                    instance: None,
+                    error: "the file name is not UTF-8".into(),
+                });
+                continue;
+            };
+            if is_temp_name(name) || is_quarantined_name(name) {
+                continue;
+            }
+            let Some(stem) = name.strip_suffix(".json") else {
+                continue;
+            };
+            let instance = match stem.parse::<InstanceKey>() {
+                Ok(instance) => instance,
+                Err(e) => {
+                    corrupt.push(CorruptEntry {
+                        path,
+                        instance: None,
+                        error: format!("the file name is not an instance key: {e}"),
+                    });
+                    continue;
+                }
+            };
+            match self.locked(&instance, || self.read_entry(&instance)) {
+                Ok(Some(entry)) => entries.push(entry),
+                Ok(None) => {}
+                Err(e) => corrupt.push(CorruptEntry {
+                    path,
+                    instance: Some(instance),
+                    error: match e {
+                        JournalError::Corrupt { error, .. } => error,
+                        other => other.to_string(),
+                    },
+                }),
+            }
+        }
+        entries.sort_by(|a, b| a.instance.cmp(&b.instance));
+        corrupt.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok((entries, corrupt))
+    }
+
+    /// Drops the outcome of the instance's attempt with `sched_rev` once the
+    /// API server accepted it. A no-op (`Ok(false)`) when no finished record
+    /// of that revision is on file: a newer attempt replaced it and it was
+    /// acknowledged before, or it has not finished.
+    pub fn acknowledge(
+        &self,
+        instance: &InstanceKey,
+        sched_rev: i64,
+    ) -> Result<bool, JournalError> {
+        self.update(instance, |entry| {
+            let before = entry.unreported.len();
+            entry
+                .unreported
+                .retain(|r| r.attempt.sched_rev != sched_rev);
+            let mut changed = entry.unreported.len() != before;
+            if entry
+                .attempt
+                .as_ref()
+                .is_some_and(|r| r.attempt.sched_rev == sched_rev && r.outcome.is_some())
+            {
+                entry.attempt = None;
+                changed = true;
+            }
+            Ok((changed, changed))
+        })
+    }
+
+    /// Every finished, unacknowledged record of every readable instance,
+    /// oldest first per instance. Corrupt files are skipped here;
+    /// [`Journal::load_all`] reports them.
+    pub fn pending_reports(&self) -> Result<Vec<Record>, JournalError> {
+        let (entries, _corrupt) = self.load_all()?;
+        Ok(entries
+            .iter()
+            .flat_map(InstanceEntry::pending_reports)
+            .collect())
+    }
+
+    /// Reserves the instance's next generation number, durably: the number
+    /// returned is never returned again, across restarts.
+    pub fn allocate_generation(&self, instance: &InstanceKey) -> Result<u64, JournalError> {
+        self.update(instance, |entry| {
+            let n = entry.next_generation;
+            entry.next_generation =
+                n.checked_add(1)
+                    .ok_or_else(|| JournalError::GenerationsExhausted {
+                        instance: entry.instance.clone(),
+                    })?;
+            Ok((n, true))
+        })
+    }
+
+    /// Keeps the instance's counter above `generation`, a number seen on the
+    /// host (a `gen-<N>` cgroup or socket). Recovery calls it for each one.
+    pub fn observe_generation(
+        &self,
+        instance: &InstanceKey,
+        generation: u64,
+    ) -> Result<(), JournalError> {
+        self.update(instance, |entry| {
+            let above = generation.saturating_add(1);
+            let changed = above > entry.next_generation;
+            entry.next_generation = entry.next_generation.max(above);
+            Ok(((), changed))
+        })
+    }
+
+    /// Records the generation serving now (`None`: nothing serves).
+    pub fn set_serving(
+        &self,
+        instance: &InstanceKey,
+        serving: Option<GenerationRecord>,
+    ) -> Result<(), JournalError> {
+        self.update(instance, |entry| {
+            entry.serving = serving;
+            entry.bump_above_known();
+            Ok(((), true))
+        })
+    }
+
+    /// The generation serving, as recorded.
+    pub fn serving(
+        &self,
+        instance: &InstanceKey,
+    ) -> Result<Option<GenerationRecord>, JournalError> {
+        Ok(self.load_entry(instance)?.and_then(|entry| entry.serving))
+    }
+
+    /// Deletes the instance's file: its InstanceGeneration is gone and
+    /// nothing of it runs. Refused while an attempt is in flight; pending
+    /// outcomes are lost, so acknowledge them first.
+    pub fn remove_instance(&self, instance: &InstanceKey) -> Result<(), JournalError> {
+        self.locked(instance, || self.remove_instance_locked(instance))
+    }
+
+    fn remove_instance_locked(&self, instance: &InstanceKey) -> Result<(), JournalError> {
+        if let Some(entry) = self.read_entry(instance)?
+            && let Some(current) = entry.attempt.filter(|r| r.outcome.is_none())
+        {
+            return Err(JournalError::InFlight {
+                instance: instance.clone(),
+                in_flight: current.attempt.name,
+                sched_rev: current.attempt.sched_rev,
+                phase: current.phase.name(),
+            });
+        }
+        let path = self.path_of(instance);
+        match fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(source) => return Err(JournalError::Write { path, source }),
+        }
+        fsync_dir(&self.dir).map_err(|source| JournalError::Write {
+            path: self.dir.clone(),
+            source,
+        })
+    }
+
+    /// Renames a corrupt file to `<name>.corrupt-<unix millis>` (kept for a
+    /// human to read) so the instance can be journaled again from scratch.
+    /// Returns the new path.
+    pub fn quarantine(&self, corrupt: &CorruptEntry) -> Result<PathBuf, JournalError> {
+        let name = corrupt
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let target = self
+            .dir
+            .join(format!("{name}.corrupt-{}", unix_millis_now()));
+        fs::rename(&corrupt.path, &target).map_err(|source| JournalError::Write {
+            path: corrupt.path.clone(),
+            source,
+        })?;
+        fsync_dir(&self.dir).map_err(|source| JournalError::Write {
+            path: self.dir.clone(),
+            source,
+        })?;
+        Ok(target)
+    }
+
+    /// Deletes temp files left by writes a crash interrupted; returns how
+    /// many. Call only while holding the node lock.
+    pub fn remove_temp_files(&self) -> Result<usize, JournalError> {
+        let read_dir_err = |source| JournalError::ReadDir {
+            path: self.dir.clone(),
+            source,
+        };
+        let mut removed = 0;
+        for dir_entry in fs::read_dir(&self.dir).map_err(read_dir_err)? {
+            let dir_entry = dir_entry.map_err(read_dir_err)?;
+            if dir_entry.file_name().to_str().is_some_and(is_temp_name) {
+                let path = dir_entry.path();
+                fs::remove_file(&path).map_err(|source| JournalError::Write { path, source })?;
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Read, change, and (when `change` says so) write back one instance's
+    /// entry under its lock. `change` returns its result and whether the
+    /// entry changed.
+    fn update<T>(
+        &self,
+        instance: &InstanceKey,
+        change: impl FnOnce(&mut InstanceEntry) -> Result<(T, bool), JournalError>,
+    ) -> Result<T, JournalError> {
+        self.locked(instance, || {
+            let mut entry = self
+                .read_entry(instance)?
+                .unwrap_or_else(|| InstanceEntry::new(instance.clone()));
+            let (result, changed) = change(&mut entry)?;
+            if changed {
+                self.write_entry(&entry)?;
+            }
+            Ok(result)
+        })
+    }
+
+    fn read_entry(&self, instance: &InstanceKey) -> Result<Option<InstanceEntry>, JournalError> {
+        let path = self.path_of(instance);
+        let bytes = match fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(JournalError::Read { path, source }),
+        };
+        let corrupt = |error: String| JournalError::Corrupt {
+            path: path.clone(),
+            error,
+        };
+        let entry: InstanceEntry = serde_json::from_slice(&bytes)
+            .map_err(|e| corrupt(format!("not a journal entry: {e}")))?;
+        if entry.version != FORMAT_VERSION {
+            return Err(corrupt(format!(
+                "format version {} is not the supported {FORMAT_VERSION}",
+                entry.version
+            )));
+        }
+        let records = entry.attempt.iter().chain(entry.unreported.iter());
+        if entry.instance != *instance || records.clone().any(|r| r.instance != *instance) {
+            return Err(corrupt(format!(
+                "it names instance {} but the file is {instance}'s",
+                entry.instance
+            )));
+        }
+        Ok(Some(entry))
+    }
+
+    /// Temp file, write, fsync, rename, fsync the directory.
+    fn write_entry(&self, entry: &InstanceEntry) -> Result<(), JournalError> {
+        let path = self.path_of(&entry.instance);
+        let bytes = serde_json::to_vec_pretty(entry).map_err(|source| JournalError::Encode {
+            instance: entry.instance.clone(),
+            source,
+        })?;
+        let file_name = format!("{}.json", entry.instance);
+        let temp = self.dir.join(temp_name(&file_name));
+        let write_err = |source| JournalError::Write {
+            path: path.clone(),
+            source,
+        };
+        let written = (|| {
+            let mut file = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&temp)?;
+            file.write_all(&bytes)?;
+            file.sync_all()?;
+            fs::rename(&temp, &path)
+        })();
+        if let Err(e) = written {
+            let _ = fs::remove_file(&temp);
+            return Err(write_err(e));
+        }
+        fsync_dir(&self.dir).map_err(write_err)
+    }
+
+    /// Runs `f` holding the instance's lock.
+    fn locked<T>(&self, instance: &InstanceKey, f: impl FnOnce() -> T) -> T {
+        let lock = self
+            .locks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(instance.clone())
+            .or_default()
+            .clone();
+        // The mutex guards `()`: a poisoned lock carries no broken state.
+        let _guard = lock.lock().unwrap_or_else(PoisonError::into_inner);
+        f()
+    }
+}
+
+fn is_temp_name(name: &str) -> bool {
+    name.contains(".json.tmp-")
+}
+
+fn is_quarantined_name(name: &str) -> bool {
+    name.contains(".json.corrupt-")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phase_names_are_the_names_on_file() {
+        let phases = [
+            Phase::Admitted,
+            Phase::ParentRaised {
+                saved: SavedLimits::default(),
+            },
+            Phase::Spawning,
+            Phase::Spawned { pid: 1 },
+            Phase::Healthy,
+            Phase::Switched,
+            Phase::IncumbentStopped,
+            Phase::Finished,
+        ];
+        for phase in phases {
+            let json = serde_json::to_value(&phase).expect("serializes");
+            assert_eq!(json["name"], phase.name(), "{json}");
+        }
+    }
+}
