@@ -1,0 +1,210 @@
+//! `Ready`, `Reconciling` and `Stalled` with their kstatus meanings, and
+//! messages that name the nodes and builds concerned.
+
+use genswap_crds::{ConditionType, DesiredState, set_condition};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+
+use super::failure_book::FailureBook;
+use super::rollout::Progress;
+use super::{Context, mode_name};
+
+/// The condition that remembers the last `spec.retry` seen (its message is
+/// the token), until the status type has a field for it.
+pub const RETRY_OBSERVED_CONDITION: &str = "RetryObserved";
+
+/// The reasons the scheduler writes on its conditions.
+pub mod reasons {
+    /// Ready=True: every selected node serves the desired state.
+    pub const ALL_NODES_READY: &str = "AllNodesReady";
+    /// Attempts are in flight or wait their turn (canaries, maxParallel).
+    pub const ROLLOUT_IN_PROGRESS: &str = "RolloutInProgress";
+    /// Attempts for an older desired state are being replaced or still run.
+    pub const SUPERSEDING: &str = "Superseding";
+    /// An abandoned attempt is re-issued, or waits for its backoff.
+    pub const RETRYING_ABANDONED: &str = "RetryingAbandoned";
+    /// A change of `spec.retry` armed one attempt of the held-down build.
+    pub const RETRYING_HELD_BUILD: &str = "RetryingHeldBuild";
+    /// The desired build failed and is held down: a human must act.
+    pub const BUILD_FAILED: &str = "BuildFailed";
+    /// Like BuildFailed, and nothing serves on a node (a hold went down).
+    pub const NODE_DOWN: &str = "NodeDown";
+    /// The selector matches no node.
+    pub const NO_MATCHING_NODES: &str = "NoMatchingNodes";
+}
+
+/// At most this many names in one message.
+const NAMES_SHOWN: usize = 8;
+
+pub(super) fn write(
+    conditions: &mut Vec<Condition>,
+    ctx: &Context<'_>,
+    progress: &Progress<'_>,
+    book: &FailureBook,
+) {
+    let generation = ctx.generation;
+    let now = &ctx.now;
+    let target = describe(&ctx.desired);
+    let none_selected = progress.selected == 0;
+    let all_ready = !none_selected && progress.ready == progress.selected;
+    let stall_reason = (!progress.stalled.is_empty()).then_some(if progress.down.is_empty() {
+        reasons::BUILD_FAILED
+    } else {
+        reasons::NODE_DOWN
+    });
+    let idle_reason = if none_selected {
+        reasons::NO_MATCHING_NODES
+    } else if all_ready {
+        reasons::ALL_NODES_READY
+    } else {
+        stall_reason.unwrap_or(reasons::ROLLOUT_IN_PROGRESS)
+    };
+
+    let (ready_reason, ready_message) = if none_selected {
+        (
+            reasons::NO_MATCHING_NODES,
+            if ctx.spec.node_selector.is_empty() {
+                "there are no nodes".to_string()
+            } else {
+                format!(
+                    "no node has the labels {}",
+                    ctx.spec
+                        .node_selector
+                        .iter()
+                        .map(|(k, v)| format!("{k}={v}"))
+                        .collect::<Vec<_>>()
+                        .join(",")
+                )
+            },
+        )
+    } else if all_ready {
+        (
+            reasons::ALL_NODES_READY,
+            format!("all {} nodes serve {target}", progress.selected),
+        )
+    } else {
+        (
+            stall_reason.unwrap_or(reasons::ROLLOUT_IN_PROGRESS),
+            format!(
+                "{}/{} nodes serve {target}; not yet: {}",
+                progress.ready,
+                progress.selected,
+                names(&progress.not_ready)
+            ),
+        )
+    };
+    set_condition(
+        conditions,
+        ConditionType::Ready,
+        all_ready,
+        ready_reason,
+        &ready_message,
+        generation,
+        now,
+    );
+
+    let reconciling = progress.in_flight > 0 || progress.waiting > 0;
+    let (reconciling_reason, reconciling_message) = if reconciling {
+        let reason = if progress.superseding {
+            reasons::SUPERSEDING
+        } else if progress.retrying_held {
+            reasons::RETRYING_HELD_BUILD
+        } else if progress.retrying_abandoned {
+            reasons::RETRYING_ABANDONED
+        } else {
+            reasons::ROLLOUT_IN_PROGRESS
+        };
+        (
+            reason,
+            format!(
+                "moving to {target}: {} attempt(s) in flight, {} node(s) waiting their turn",
+                progress.in_flight, progress.waiting
+            ),
+        )
+    } else {
+        (idle_reason, "no attempt in flight or to issue".to_string())
+    };
+    set_condition(
+        conditions,
+        ConditionType::Reconciling,
+        reconciling,
+        reconciling_reason,
+        &reconciling_message,
+        generation,
+        now,
+    );
+
+    let (stalled_reason, stalled_message) = match stall_reason {
+        Some(reason) => (reason, stall_message(ctx, progress, book)),
+        None => (idle_reason, "progress needs no human".to_string()),
+    };
+    set_condition(
+        conditions,
+        ConditionType::Stalled,
+        stall_reason.is_some(),
+        stalled_reason,
+        &stalled_message,
+        generation,
+        now,
+    );
+
+    // Fixed order, whatever order the conditions were first added in.
+    conditions.sort_by_key(|c| match c.type_.as_str() {
+        "Ready" => 0,
+        "Reconciling" => 1,
+        "Stalled" => 2,
+        _ => 3,
+    });
+}
+
+fn stall_message(ctx: &Context<'_>, progress: &Progress<'_>, book: &FailureBook) -> String {
+    let failures: Vec<String> = book
+        .holds(&ctx.desired.build, ctx.mode)
+        .take(NAMES_SHOWN)
+        .map(|e| {
+            if e.reason.is_empty() {
+                e.node.clone()
+            } else {
+                format!("{} ({})", e.node, e.reason)
+            }
+        })
+        .collect();
+    let down = if progress.down.is_empty() {
+        String::new()
+    } else {
+        format!("; nothing serves on {}", names(&progress.down))
+    };
+    format!(
+        "build {} ({}) is held down after failing on {}{down}; stopped: {}; \
+         change spec.retry to attempt it once more, or choose another build",
+        ctx.desired.build,
+        mode_name(ctx.mode),
+        failures.join(", "),
+        names(&progress.stalled),
+    )
+}
+
+/// `build b2` with the configRev and restartID when they are set.
+fn describe(desired: &DesiredState) -> String {
+    let mut text = format!("build {}", desired.build);
+    if !desired.config_rev.is_empty() {
+        text.push_str(&format!(" configRev {}", desired.config_rev));
+    }
+    if !desired.restart_id.is_empty() {
+        text.push_str(&format!(" restartID {}", desired.restart_id));
+    }
+    text
+}
+
+/// `a, b, c and 4 more`.
+fn names(list: &[&str]) -> String {
+    let mut text = list
+        .iter()
+        .take(NAMES_SHOWN)
+        .copied()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if list.len() > NAMES_SHOWN {
+        text.push_str(&format!(" and {} more", list.len() - NAMES_SHOWN));
+    }
+    text
+}

@@ -1,0 +1,481 @@
+//! Which nodes get an attempt now: drift, cause, the canary cohort,
+//! `maxParallel`, supersession, holds, the retry allowance and the backoff
+//! of abandoned attempts; and which old attempts go.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use genswap_crds::{
+    Cause, Demand, DesiredState, InstanceKind, Mode, NodeGeneration, NodeSelector, Outcome,
+    SocketLayout, SwapAttempt, SwapAttemptSpec,
+};
+use k8s_openapi::api::core::v1::Node;
+
+use super::failure_book::FailureBook;
+use super::{ABANDONED_RUN_KEPT, Context, KEEP_ATTEMPTS_PER_NODE, NodeSlot};
+
+/// The first re-issue of an abandoned attempt waits this long.
+const BACKOFF_BASE: Duration = Duration::from_secs(5);
+/// No re-issue waits longer.
+const BACKOFF_CAP: Duration = Duration::from_secs(300);
+
+/// Whether a node with `labels` matches `selector`: every selector pair is
+/// among the labels. An empty selector matches every node.
+pub fn selects(selector: &NodeSelector, labels: Option<&BTreeMap<String, String>>) -> bool {
+    selector.iter().all(|(key, value)| {
+        labels
+            .and_then(|labels| labels.get(key))
+            .is_some_and(|v| v == value)
+    })
+}
+
+/// The mode an attempt will run in on the node (§5.2): an overlap runs as a
+/// hold for a fixed socket, a hold demand, or a worker (workers always stop
+/// then start).
+pub fn effective_mode(
+    mode: Mode,
+    demand: Demand,
+    layout: SocketLayout,
+    kind: InstanceKind,
+) -> Mode {
+    if mode == Mode::Hold
+        || demand == Demand::Hold
+        || layout == SocketLayout::Fixed
+        || kind == InstanceKind::Worker
+    {
+        Mode::Hold
+    } else {
+        Mode::Overlap
+    }
+}
+
+/// The mode an issued attempt runs in, when the agent did not say.
+pub(super) fn effective_mode_of(spec: &SwapAttemptSpec) -> Mode {
+    effective_mode(spec.mode, spec.demand, spec.socket.layout, spec.kind)
+}
+
+/// How long to wait before re-issuing after `consecutive` abandoned attempts
+/// of the same desired state on a node: 5 s, 10 s, 20 s, ... capped at 5 min.
+pub fn abandoned_backoff(consecutive: usize) -> Duration {
+    if consecutive == 0 {
+        return Duration::ZERO;
+    }
+    let doublings = u32::try_from(consecutive - 1).unwrap_or(u32::MAX).min(16);
+    BACKOFF_BASE.saturating_mul(1 << doublings).min(BACKOFF_CAP)
+}
+
+/// The names of the nodes `selector` picks, sorted: the rollout order.
+pub(super) fn select_nodes<'a>(selector: &NodeSelector, nodes: &'a [Node]) -> Vec<&'a str> {
+    let mut names: Vec<&str> = nodes
+        .iter()
+        .filter(|node| selects(selector, node.metadata.labels.as_ref()))
+        .filter_map(|node| node.metadata.name.as_deref())
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    names
+}
+
+/// One attempt to create.
+pub(super) struct Issue {
+    /// Index into the slots.
+    pub slot: usize,
+    pub cause: Cause,
+}
+
+/// Where the rollout stands after this plan, for the status.
+#[derive(Default)]
+pub(super) struct Progress<'a> {
+    pub selected: usize,
+    /// Nodes that serve the desired state.
+    pub ready: usize,
+    pub not_ready: Vec<&'a str>,
+    /// Nodes with an attempt in flight once this plan's attempts exist.
+    pub in_flight: usize,
+    /// Nodes waiting for the canaries, `maxParallel` or a backoff.
+    pub waiting: usize,
+    /// Attempts for an older desired state are being replaced or still run.
+    pub superseding: bool,
+    /// An abandoned attempt is being re-issued or waits for its backoff.
+    pub retrying_abandoned: bool,
+    /// A retry allowance of the held-down desired build is in use.
+    pub retrying_held: bool,
+    /// Nodes the failure book stops, with no retry armed: a human must act.
+    pub stalled: Vec<&'a str>,
+    /// Stalled nodes where nothing serves after a `down`.
+    pub down: Vec<&'a str>,
+}
+
+pub(super) struct Decisions<'a> {
+    /// In node order, which is also revision order.
+    pub issues: Vec<Issue>,
+    pub requeue_after: Option<Duration>,
+    pub progress: Progress<'a>,
+}
+
+/// What `decide` needs to know about one node.
+struct Facts {
+    serves: bool,
+    /// The newest attempt has no outcome yet.
+    in_flight: bool,
+    /// The newest attempt carries the desired tuple.
+    aims: bool,
+    held: bool,
+    /// Milliseconds since the epoch before which an abandoned attempt of
+    /// the desired state is not re-issued.
+    backoff_until: Option<i64>,
+}
+
+impl Facts {
+    fn of(slot: &NodeSlot<'_>, ctx: &Context<'_>, book: &FailureBook) -> Self {
+        let desired = &ctx.desired;
+        let newest = slot.attempts.last();
+        let outcome = newest
+            .and_then(|a| a.status.as_ref())
+            .and_then(|s| s.outcome);
+        let aims = newest.is_some_and(|a| aims_at(&a.spec, desired));
+        let in_flight = newest.is_some() && outcome.is_none();
+        let backoff_until = if aims && outcome == Some(Outcome::Abandoned) {
+            backoff_until(&slot.attempts, desired)
+        } else {
+            None
+        };
+        Self {
+            serves: serves(&slot.entry, desired),
+            in_flight,
+            aims,
+            held: book.blocks(&desired.build, ctx.mode, slot.name, ctx.halt),
+            backoff_until,
+        }
+    }
+}
+
+/// Decides the attempts of this plan, in node order.
+pub(super) fn decide<'a>(
+    ctx: &Context<'_>,
+    slots: &[NodeSlot<'a>],
+    book: &FailureBook,
+) -> Decisions<'a> {
+    let desired = &ctx.desired;
+    let now_ms = ctx.now.0.as_millisecond();
+    let max_parallel = usize::try_from(ctx.spec.rollout.max_parallel)
+        .unwrap_or(1)
+        .max(1);
+    let facts: Vec<Facts> = slots.iter().map(|s| Facts::of(s, ctx, book)).collect();
+    // Under haltOnFailure a held canary stops everything anyway; without it
+    // a canary the book stops no longer holds the rest back.
+    let canaries_done = slots
+        .iter()
+        .zip(&facts)
+        .filter(|(slot, _)| slot.canary)
+        .all(|(_, f)| f.serves || (!ctx.halt && f.held));
+    let retry_targets = retry_targets(ctx, slots, &facts, book);
+
+    let mut in_flight = facts.iter().filter(|f| f.in_flight).count();
+    let mut issues = Vec::new();
+    let mut earliest_due: Option<i64> = None;
+    let mut progress = Progress {
+        selected: slots.len(),
+        ..Progress::default()
+    };
+
+    for (index, (slot, f)) in slots.iter().zip(&facts).enumerate() {
+        let pending_backoff = f.backoff_until.filter(|due| *due > now_ms);
+        if f.serves {
+            progress.ready += 1;
+            if f.in_flight && !f.aims {
+                progress.superseding = true;
+                // Take the node back to what it serves (a rollback while an
+                // attempt moves it away). Never for a held build: that
+                // attempt would be the held build's, not a restore.
+                if !f.held {
+                    issues.push(Issue {
+                        slot: index,
+                        cause: cause_for(&slot.entry, desired, ctx.spec.cause),
+                    });
+                }
+            }
+            continue;
+        }
+        progress.not_ready.push(slot.name);
+        if f.in_flight && f.aims {
+            continue;
+        }
+        if f.in_flight {
+            progress.superseding = true;
+        }
+        if f.held {
+            if !book.armed_for(&desired.build, ctx.mode, slot.name, ctx.halt) {
+                progress.stalled.push(slot.name);
+                if is_down(&slot.entry) {
+                    progress.down.push(slot.name);
+                }
+                continue;
+            }
+            progress.retrying_held = true;
+            if !retry_targets.contains(&index) {
+                continue;
+            }
+            if let Some(due) = pending_backoff {
+                progress.retrying_abandoned = true;
+                progress.waiting += 1;
+                earliest_due = Some(earliest_due.map_or(due, |e| e.min(due)));
+                continue;
+            }
+            if !f.in_flight {
+                in_flight += 1;
+            }
+            issues.push(Issue {
+                slot: index,
+                cause: Cause::Retry,
+            });
+            continue;
+        }
+        if let Some(due) = pending_backoff {
+            progress.retrying_abandoned = true;
+            progress.waiting += 1;
+            earliest_due = Some(earliest_due.map_or(due, |e| e.min(due)));
+            continue;
+        }
+        let others_in_flight = in_flight - usize::from(f.in_flight);
+        let turn = slot.canary || (canaries_done && others_in_flight < max_parallel);
+        if !turn {
+            progress.waiting += 1;
+            continue;
+        }
+        if f.backoff_until.is_some() {
+            progress.retrying_abandoned = true;
+        }
+        if !f.in_flight {
+            in_flight += 1;
+        }
+        issues.push(Issue {
+            slot: index,
+            cause: cause_for(&slot.entry, desired, ctx.spec.cause),
+        });
+    }
+    progress.in_flight = in_flight;
+    Decisions {
+        issues,
+        requeue_after: earliest_due
+            .map(|due| Duration::from_millis(u64::try_from(due - now_ms).unwrap_or(0))),
+        progress,
+    }
+}
+
+/// The nodes an armed retry allowance may go to now. Under haltOnFailure the
+/// hold is one for every node, so the allowance is one attempt in all: on
+/// the node that failed when it is still selected, else on the first node
+/// that needs the build. Without haltOnFailure each armed node gets its own.
+fn retry_targets(
+    ctx: &Context<'_>,
+    slots: &[NodeSlot<'_>],
+    facts: &[Facts],
+    book: &FailureBook,
+) -> Vec<usize> {
+    let desired = &ctx.desired;
+    let armed: Vec<&str> = book
+        .holds(&desired.build, ctx.mode)
+        .filter(|e| e.retry_armed)
+        .map(|e| e.node.as_str())
+        .collect();
+    if armed.is_empty() {
+        return Vec::new();
+    }
+    let needs = |index: &usize| !facts[*index].serves;
+    let position = |node: &str| slots.iter().position(|s| s.name == node);
+    if !ctx.halt {
+        return armed
+            .into_iter()
+            .filter_map(position)
+            .filter(needs)
+            .collect();
+    }
+    let running = (0..slots.len()).find(|&index| {
+        let f = &facts[index];
+        f.in_flight
+            && f.aims
+            && slots[index]
+                .attempts
+                .last()
+                .is_some_and(|a| a.spec.cause == Cause::Retry)
+    });
+    let target = running
+        .or_else(|| armed.into_iter().filter_map(position).find(needs))
+        .or_else(|| (0..slots.len()).find(needs));
+    target.into_iter().collect()
+}
+
+/// Whether the node serves the desired state (mode aside: see the module
+/// docs of the scheduler).
+fn serves(entry: &NodeGeneration, desired: &DesiredState) -> bool {
+    entry.build.as_deref() == Some(desired.build.as_str())
+        && entry.sha256.as_deref() == Some(desired.sha256.as_str())
+        && entry.config_rev.as_deref().unwrap_or_default() == desired.config_rev
+        && entry.restart_id.as_deref().unwrap_or_default() == desired.restart_id
+}
+
+/// Whether an attempt carries the desired tuple, mode included.
+fn aims_at(spec: &SwapAttemptSpec, desired: &DesiredState) -> bool {
+    spec.build.id == desired.build
+        && spec.build.sha256 == desired.sha256
+        && spec.config_rev == desired.config_rev
+        && spec.restart_id == desired.restart_id
+        && spec.mode == desired.mode
+}
+
+/// Nothing serves on the node after a `down`.
+fn is_down(entry: &NodeGeneration) -> bool {
+    entry.build.is_none()
+        && entry
+            .last_attempt
+            .as_ref()
+            .is_some_and(|l| l.outcome == Outcome::Down)
+}
+
+/// `install` for a node that never had a generation; `config` / `restart`
+/// when only those changed on the same build; otherwise the spec's cause.
+/// `retry` is kept for the armed allowance, so a spec asking for it gets
+/// `release`.
+fn cause_for(entry: &NodeGeneration, desired: &DesiredState, spec_cause: Cause) -> Cause {
+    let spec_cause = if spec_cause == Cause::Retry {
+        Cause::Release
+    } else {
+        spec_cause
+    };
+    if entry.generation.is_none() && entry.build.is_none() {
+        return Cause::Install;
+    }
+    let same_build = entry.build.as_deref() == Some(desired.build.as_str())
+        && entry.sha256.as_deref() == Some(desired.sha256.as_str());
+    if !same_build {
+        return spec_cause;
+    }
+    if entry.config_rev.as_deref().unwrap_or_default() != desired.config_rev {
+        Cause::Config
+    } else if entry.restart_id.as_deref().unwrap_or_default() != desired.restart_id {
+        Cause::Restart
+    } else {
+        spec_cause
+    }
+}
+
+/// When the newest abandoned attempt of the desired state may be re-issued:
+/// its end (or creation) plus the backoff for the run of consecutive
+/// abandoned attempts of that state. `None` when no time is known.
+fn backoff_until(attempts: &[&SwapAttempt], desired: &DesiredState) -> Option<i64> {
+    let run = attempts
+        .iter()
+        .rev()
+        .take_while(|a| {
+            aims_at(&a.spec, desired)
+                && a.status.as_ref().and_then(|s| s.outcome) == Some(Outcome::Abandoned)
+        })
+        .count();
+    let newest = attempts.last()?;
+    let ended = newest
+        .status
+        .as_ref()
+        .and_then(|s| s.finished_at.as_ref())
+        .or(newest.metadata.creation_timestamp.as_ref())?;
+    let wait = i64::try_from(abandoned_backoff(run).as_millis()).unwrap_or(i64::MAX);
+    Some(ended.0.as_millisecond().saturating_add(wait))
+}
+
+/// Attempts of a selected node that are no longer needed, oldest first: all
+/// but the newest [`KEEP_ATTEMPTS_PER_NODE`], except that a trailing run of
+/// abandoned attempts (the backoff's memory) is kept up to
+/// [`ABANDONED_RUN_KEPT`].
+pub(super) fn expired(attempts: &[&SwapAttempt]) -> Vec<String> {
+    let run = attempts
+        .iter()
+        .rev()
+        .take_while(|a| a.status.as_ref().and_then(|s| s.outcome) == Some(Outcome::Abandoned))
+        .count()
+        .min(ABANDONED_RUN_KEPT);
+    let keep = KEEP_ATTEMPTS_PER_NODE.max(run);
+    let expired = attempts.len().saturating_sub(keep);
+    attempts[..expired]
+        .iter()
+        .filter_map(|a| a.metadata.name.clone())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_from_five_seconds_up_to_five_minutes() {
+        let steps: Vec<u64> = (1..=8).map(|n| abandoned_backoff(n).as_secs()).collect();
+        assert_eq!(steps, [5, 10, 20, 40, 80, 160, 300, 300]);
+        assert_eq!(abandoned_backoff(0), Duration::ZERO);
+        assert_eq!(abandoned_backoff(usize::MAX), BACKOFF_CAP);
+    }
+
+    #[test]
+    fn an_overlap_runs_as_a_hold_where_the_spec_says_so() {
+        use InstanceKind::{Instance, Worker};
+        use SocketLayout::{Fixed, PerGeneration};
+        let cases = [
+            (
+                Mode::Overlap,
+                Demand::None,
+                PerGeneration,
+                Instance,
+                Mode::Overlap,
+            ),
+            (
+                Mode::Hold,
+                Demand::None,
+                PerGeneration,
+                Instance,
+                Mode::Hold,
+            ),
+            (
+                Mode::Overlap,
+                Demand::Hold,
+                PerGeneration,
+                Instance,
+                Mode::Hold,
+            ),
+            (Mode::Overlap, Demand::None, Fixed, Instance, Mode::Hold),
+            (
+                Mode::Overlap,
+                Demand::None,
+                PerGeneration,
+                Worker,
+                Mode::Hold,
+            ),
+        ];
+        for (mode, demand, layout, kind, expected) in cases {
+            assert_eq!(
+                effective_mode(mode, demand, layout, kind),
+                expected,
+                "{mode:?} {demand:?} {layout:?} {kind:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_selector_is_a_subset_of_the_labels() {
+        let labels = BTreeMap::from([
+            ("pool".to_string(), "edge".to_string()),
+            ("zone".to_string(), "a".to_string()),
+        ]);
+        let selector = |pairs: &[(&str, &str)]| -> NodeSelector {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        assert!(selects(&selector(&[]), None));
+        assert!(selects(&selector(&[("pool", "edge")]), Some(&labels)));
+        assert!(!selects(&selector(&[("pool", "core")]), Some(&labels)));
+        assert!(!selects(
+            &selector(&[("pool", "edge"), ("gpu", "yes")]),
+            Some(&labels)
+        ));
+        assert!(!selects(&selector(&[("pool", "edge")]), None));
+    }
+}
