@@ -2,8 +2,26 @@
 //!
 //! [`scheduler`] is the pure middle: (InstanceGeneration, its SwapAttempts,
 //! Nodes, now) -> [`scheduler::Plan`]. Everything else adapts it to the API
-//! server.
+//! server, as a pipeline a reader can follow:
+//!
+//! - [`observe`]: the reads (watch caches, no requests);
+//! - [`scheduler`]: the plan (pure);
+//! - [`apply`]: the writes, in the order that keeps revisions unique;
+//! - [`reconciler`]: one reconcile, read → plan → apply, and its error policy;
+//! - [`run`]: the kube-runtime Controller and its watches ([`node_index`]
+//!   decides which IGs a Node event concerns);
+//! - [`leader`], [`metrics`], [`http`], [`shutdown`], [`cli`]: operations.
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 
+pub mod apply;
+pub mod cli;
+pub mod http;
+pub mod leader;
+pub mod metrics;
+pub mod node_index;
+pub mod observe;
+pub mod reconciler;
+pub mod run;
 pub mod scheduler;
+pub mod shutdown;

@@ -1,0 +1,483 @@
+//! The write side of a reconcile: applies a [`Plan`] to the API server in the
+//! order that keeps a revision from ever being issued twice.
+//!
+//! 1. status, by server-side apply on `/status` carrying the object's
+//!    resourceVersion: the write is the reservation of `status.schedRev`, and
+//!    a 409 means another writer got there first, so nothing is created;
+//! 2. the SwapAttempts, only after the reservation stands (a create that
+//!    fails burns its revision; the next plan issues a higher one);
+//! 3. deletions of old attempts;
+//! 4. Events on the InstanceGeneration.
+//!
+//! Leadership is checked right before every request, so a replica that loses
+//! the Lease mid-way sends nothing more.
+
+use std::collections::HashSet;
+
+use genswap_crds::{InstanceGeneration, InstanceGenerationStatus, Mode, Outcome, SwapAttempt};
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::{Resource, ResourceExt};
+use serde_json::{Value, json};
+use thiserror::Error;
+use tracing::{debug, info, warn};
+
+use crate::reconciler::Context;
+use crate::scheduler::{Plan, PlanEvent};
+
+/// The field manager of every status write.
+pub const FIELD_MANAGER: &str = "genswap-controller";
+
+/// The `action` of every Event the controller records.
+pub const EVENT_ACTION: &str = "Reconcile";
+
+/// Reason of the Warning recorded when an attempt could not be created.
+pub const REASON_CREATE_FAILED: &str = "AttemptCreateFailed";
+
+/// events.k8s.io/v1 refuses notes longer than this many bytes.
+const MAX_NOTE_BYTES: usize = 1024;
+
+/// Why a plan could not be applied in full.
+#[derive(Debug, Error)]
+pub enum ApplyError {
+    #[error("{name} has no resourceVersion; refusing an unconditional status write")]
+    MissingResourceVersion { name: String },
+    #[error("{name} has no namespace")]
+    MissingNamespace { name: String },
+    #[error(
+        "plan lowers status.schedRev of {name} from {previous} to {planned}; a revision must never be reissued"
+    )]
+    RevisionWentBackwards {
+        name: String,
+        previous: i64,
+        planned: i64,
+    },
+    #[error(
+        "plan creates {attempt} with schedRev {sched_rev}, outside the reserved range ({previous}, {reserved}]"
+    )]
+    RevisionNotReserved {
+        attempt: String,
+        sched_rev: i64,
+        previous: i64,
+        reserved: i64,
+    },
+    #[error("plan creates two attempts with schedRev {sched_rev}")]
+    DuplicateRevision { sched_rev: i64 },
+    #[error(
+        "reserving status.schedRev of {name} at resourceVersion {resource_version} conflicted; nothing was created"
+    )]
+    ReservationConflict {
+        name: String,
+        resource_version: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("writing the status of {name} failed; nothing was created")]
+    StatusWrite {
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("creating SwapAttempt {attempt} (schedRev {sched_rev}) failed; the revision is burned")]
+    Create {
+        attempt: String,
+        sched_rev: i64,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("deleting SwapAttempt {attempt} failed")]
+    Delete {
+        attempt: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+impl ApplyError {
+    /// A short, fixed label for the `error` label of the error metric.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            ApplyError::MissingResourceVersion { .. } | ApplyError::MissingNamespace { .. } => {
+                "incomplete_object"
+            }
+            ApplyError::RevisionWentBackwards { .. }
+            | ApplyError::RevisionNotReserved { .. }
+            | ApplyError::DuplicateRevision { .. } => "plan_invariant",
+            ApplyError::ReservationConflict { .. } => "conflict",
+            ApplyError::StatusWrite { .. } => "status_write",
+            ApplyError::Create { .. } => "create",
+            ApplyError::Delete { .. } => "delete",
+        }
+    }
+}
+
+/// The write that was next when leadership was lost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Write {
+    Status,
+    Create,
+    Delete,
+    Event,
+}
+
+/// What applying a plan did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Applied {
+    /// Every write was attempted.
+    Complete(Summary),
+    /// Leadership was lost before `next`; nothing from there on was sent.
+    SteppedDown { next: Write, done: Summary },
+}
+
+/// Counts of the writes that succeeded.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Summary {
+    pub status_written: bool,
+    pub created: usize,
+    pub deleted: usize,
+    pub events: usize,
+}
+
+/// Applies `plan` for `ig` (as the cache last saw it). Returns the first
+/// create or delete failure after every write was tried and every Event
+/// recorded; Event failures are logged and counted but do not fail it.
+pub async fn apply_plan(
+    ctx: &Context,
+    ig: &InstanceGeneration,
+    plan: &Plan,
+) -> Result<Applied, ApplyError> {
+    let name = ig.name_any();
+    let namespace = ig
+        .namespace()
+        .ok_or_else(|| ApplyError::MissingNamespace { name: name.clone() })?;
+    let previous = ig.status.as_ref();
+    check_revisions(&name, previous.map_or(0, |s| s.sched_rev), plan)?;
+
+    let mut done = Summary::default();
+    let status_changed = match previous {
+        Some(previous) => previous != &plan.status,
+        None => plan.status != InstanceGenerationStatus::default(),
+    };
+    if status_changed {
+        if !ctx.leadership.is_leader() {
+            return Ok(stepped_down(Write::Status, done));
+        }
+        write_status(ctx, ig, &name, &namespace, &plan.status).await?;
+        done.status_written = true;
+        for (outcome, mode) in newly_recorded_outcomes(previous, &plan.status) {
+            ctx.metrics.outcome_recorded(outcome, mode);
+        }
+    } else {
+        debug!(%name, "status unchanged; no write");
+    }
+
+    let mut failures = Vec::new();
+    let attempts: Api<SwapAttempt> = Api::namespaced(ctx.client.clone(), &namespace);
+    for attempt in &plan.create {
+        if !ctx.leadership.is_leader() {
+            return Ok(stepped_down(Write::Create, done));
+        }
+        match create_attempt(&attempts, attempt).await {
+            Ok(()) => {
+                done.created += 1;
+                ctx.metrics
+                    .attempt_issued(attempt.spec.cause, attempt.spec.mode);
+                info!(
+                    ig = %name,
+                    attempt = %attempt.name_any(),
+                    node = %attempt.spec.node_name,
+                    sched_rev = attempt.spec.sched_rev,
+                    "attempt issued"
+                );
+            }
+            Err(error) => failures.push(error),
+        }
+    }
+    for attempt in &plan.delete {
+        if !ctx.leadership.is_leader() {
+            return Ok(stepped_down(Write::Delete, done));
+        }
+        match attempts.delete(attempt, &DeleteParams::default()).await {
+            Ok(_) => done.deleted += 1,
+            Err(kube::Error::Api(status)) if status.is_not_found() => {}
+            Err(source) => failures.push(ApplyError::Delete {
+                attempt: attempt.clone(),
+                source,
+            }),
+        }
+    }
+
+    let regarding = ig.object_ref(&());
+    let failure_events: Vec<PlanEvent> = failures
+        .iter()
+        .filter_map(|failure| match failure {
+            ApplyError::Create {
+                attempt,
+                sched_rev,
+                source,
+            } => Some(PlanEvent {
+                warning: true,
+                reason: REASON_CREATE_FAILED.to_string(),
+                message: format!(
+                    "SwapAttempt {attempt} (schedRev {sched_rev}) was not created: {source}; \
+                     the revision is burned and the next reconcile issues a higher one"
+                ),
+            }),
+            _ => None,
+        })
+        .collect();
+    for event in plan.events.iter().chain(&failure_events) {
+        if !ctx.leadership.is_leader() {
+            return Ok(stepped_down(Write::Event, done));
+        }
+        match publish(ctx, event, &regarding).await {
+            Ok(()) => done.events += 1,
+            Err(error) => {
+                ctx.metrics.reconcile_failed("event");
+                warn!(ig = %name, reason = %event.reason, %error, "recording an Event failed");
+            }
+        }
+    }
+
+    let mut failures = failures.into_iter();
+    match failures.next() {
+        None => Ok(Applied::Complete(done)),
+        Some(first) => {
+            for other in failures {
+                warn!(ig = %name, error = %other, "write failed");
+            }
+            Err(first)
+        }
+    }
+}
+
+fn stepped_down(next: Write, done: Summary) -> Applied {
+    info!(?next, "not the leader any more; stopped writing");
+    Applied::SteppedDown { next, done }
+}
+
+/// Refuses a plan that would reissue a revision: the adapter is the last
+/// line before the API server, so it checks the scheduler's promise.
+fn check_revisions(name: &str, previous: i64, plan: &Plan) -> Result<(), ApplyError> {
+    let reserved = plan.status.sched_rev;
+    if reserved < previous {
+        return Err(ApplyError::RevisionWentBackwards {
+            name: name.to_string(),
+            previous,
+            planned: reserved,
+        });
+    }
+    let mut seen = HashSet::new();
+    for attempt in &plan.create {
+        let sched_rev = attempt.spec.sched_rev;
+        if sched_rev <= previous || sched_rev > reserved {
+            return Err(ApplyError::RevisionNotReserved {
+                attempt: attempt.name_any(),
+                sched_rev,
+                previous,
+                reserved,
+            });
+        }
+        if !seen.insert(sched_rev) {
+            return Err(ApplyError::DuplicateRevision { sched_rev });
+        }
+    }
+    Ok(())
+}
+
+/// The server-side apply body for `/status`. `resourceVersion` makes the
+/// apply conditional: it fails with 409 unless the object is still the one
+/// the plan was made from.
+pub fn status_apply_patch(
+    name: &str,
+    resource_version: &str,
+    status: &InstanceGenerationStatus,
+) -> Value {
+    let resource = InstanceGeneration::api_version(&());
+    json!({
+        "apiVersion": resource,
+        "kind": InstanceGeneration::kind(&()),
+        "metadata": { "name": name, "resourceVersion": resource_version },
+        "status": status,
+    })
+}
+
+async fn write_status(
+    ctx: &Context,
+    ig: &InstanceGeneration,
+    name: &str,
+    namespace: &str,
+    status: &InstanceGenerationStatus,
+) -> Result<(), ApplyError> {
+    let resource_version =
+        ig.resource_version()
+            .ok_or_else(|| ApplyError::MissingResourceVersion {
+                name: name.to_string(),
+            })?;
+    let body = status_apply_patch(name, &resource_version, status);
+    // Force: status belongs to the controller alone, so a 409 can only mean
+    // the resourceVersion moved, never a field-ownership dispute.
+    let params = PatchParams::apply(&ctx.field_manager).force();
+    let igs: Api<InstanceGeneration> = Api::namespaced(ctx.client.clone(), namespace);
+    match igs.patch_status(name, &params, &Patch::Apply(&body)).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(failure)) if failure.is_conflict() => {
+            Err(ApplyError::ReservationConflict {
+                name: name.to_string(),
+                resource_version,
+                source: kube::Error::Api(failure),
+            })
+        }
+        Err(source) => Err(ApplyError::StatusWrite {
+            name: name.to_string(),
+            source,
+        }),
+    }
+}
+
+async fn create_attempt(api: &Api<SwapAttempt>, attempt: &SwapAttempt) -> Result<(), ApplyError> {
+    match api.create(&PostParams::default(), attempt).await {
+        Ok(_) => Ok(()),
+        // Only a lost response of our own earlier create can leave it there:
+        // the revision in its name was never reserved twice.
+        Err(kube::Error::Api(status)) if status.is_already_exists() => Ok(()),
+        Err(source) => Err(ApplyError::Create {
+            attempt: attempt.name_any(),
+            sched_rev: attempt.spec.sched_rev,
+            source,
+        }),
+    }
+}
+
+async fn publish(
+    ctx: &Context,
+    event: &PlanEvent,
+    regarding: &ObjectReference,
+) -> Result<(), kube::Error> {
+    // A fresh Recorder per Event: the shared one folds Events with the same
+    // reason into a series that keeps only the first note, and each attempt
+    // issued or outcome seen has its own message.
+    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
+    recorder
+        .publish(
+            &Event {
+                type_: if event.warning {
+                    EventType::Warning
+                } else {
+                    EventType::Normal
+                },
+                reason: event.reason.clone(),
+                note: Some(truncate(&event.message, MAX_NOTE_BYTES)),
+                action: EVENT_ACTION.to_string(),
+                secondary: None,
+            },
+            regarding,
+        )
+        .await
+}
+
+fn truncate(text: &str, max_bytes: usize) -> String {
+    if text.len() <= max_bytes {
+        return text.to_string();
+    }
+    let mut end = max_bytes.saturating_sub('…'.len_utf8());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
+
+/// The (outcome, mode) of every node whose last finished attempt in `next`
+/// is not the one `previous` recorded. Counted after the status write
+/// succeeds, so an outcome is counted once, by the replica that recorded it.
+pub fn newly_recorded_outcomes(
+    previous: Option<&InstanceGenerationStatus>,
+    next: &InstanceGenerationStatus,
+) -> Vec<(Outcome, Mode)> {
+    next.nodes
+        .iter()
+        .filter_map(|node| {
+            let last = node.last_attempt.as_ref()?;
+            let before = previous
+                .and_then(|p| p.nodes.iter().find(|n| n.name == node.name))
+                .and_then(|n| n.last_attempt.as_ref());
+            let same =
+                before.is_some_and(|b| b.sched_rev == last.sched_rev && b.outcome == last.outcome);
+            (!same).then_some((last.outcome, last.mode))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use genswap_crds::{Cause, LastAttempt, NodeGeneration};
+
+    fn node(name: &str, last: Option<(i64, Outcome)>) -> NodeGeneration {
+        NodeGeneration {
+            name: name.into(),
+            generation: None,
+            build: None,
+            sha256: None,
+            config_rev: None,
+            restart_id: None,
+            since: None,
+            last_attempt: last.map(|(sched_rev, outcome)| LastAttempt {
+                sched_rev,
+                cause: Cause::Release,
+                mode: Mode::Overlap,
+                outcome,
+                reason: String::new(),
+                executed: true,
+                drain_ms: None,
+            }),
+        }
+    }
+
+    #[test]
+    fn counts_only_outcomes_not_recorded_before() {
+        let previous = InstanceGenerationStatus {
+            nodes: vec![node("a", Some((1, Outcome::Done))), node("b", None)],
+            ..Default::default()
+        };
+        let next = InstanceGenerationStatus {
+            nodes: vec![
+                node("a", Some((1, Outcome::Done))),
+                node("b", Some((2, Outcome::Failed))),
+                node("c", Some((3, Outcome::Done))),
+            ],
+            ..Default::default()
+        };
+        assert_eq!(
+            newly_recorded_outcomes(Some(&previous), &next),
+            vec![
+                (Outcome::Failed, Mode::Overlap),
+                (Outcome::Done, Mode::Overlap)
+            ]
+        );
+        assert!(newly_recorded_outcomes(Some(&next), &next).is_empty());
+    }
+
+    #[test]
+    fn truncates_long_notes_on_a_char_boundary() {
+        let long = "é".repeat(2000);
+        let short = truncate(&long, MAX_NOTE_BYTES);
+        assert!(short.len() <= MAX_NOTE_BYTES);
+        assert!(short.ends_with('…'));
+        assert_eq!(truncate("short", MAX_NOTE_BYTES), "short");
+    }
+
+    #[test]
+    fn the_status_patch_carries_the_resource_version() {
+        let status = InstanceGenerationStatus {
+            sched_rev: 7,
+            ..Default::default()
+        };
+        let body = status_apply_patch("web", "42", &status);
+        assert_eq!(body["apiVersion"], "genswap.dev/v1alpha1");
+        assert_eq!(body["kind"], "InstanceGeneration");
+        assert_eq!(body["metadata"]["resourceVersion"], "42");
+        assert_eq!(body["status"]["schedRev"], 7);
+    }
+}

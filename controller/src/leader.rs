@@ -1,0 +1,223 @@
+//! Leader election on a `coordination.k8s.io` Lease.
+//!
+//! Every replica watches and plans; only the one holding the Lease writes.
+//! [`Leadership`] is the flag the writer checks right before each write, so a
+//! replica that loses the Lease stops writing at the next request it would
+//! have sent, not at the next reconcile.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::Stream;
+use kube::Client;
+use kube_lease_manager::{LeaseCreateMode, LeaseManager, LeaseManagerError, LeaseParams};
+use thiserror::Error;
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use crate::metrics::Metrics;
+
+/// Whether this replica may write, shared by the lease task and the reconciler.
+#[derive(Clone, Debug)]
+pub struct Leadership {
+    state: Arc<watch::Sender<bool>>,
+    metrics: Arc<Metrics>,
+}
+
+impl Leadership {
+    /// A replica that does not hold the Lease (yet).
+    pub fn follower(metrics: Arc<Metrics>) -> Self {
+        metrics.set_leader(false);
+        Self {
+            state: Arc::new(watch::Sender::new(false)),
+            metrics,
+        }
+    }
+
+    /// Whether this replica holds the Lease now.
+    pub fn is_leader(&self) -> bool {
+        *self.state.borrow()
+    }
+
+    /// Records a change of leadership (the lease task calls this).
+    pub fn set(&self, leader: bool) {
+        let was = self.state.send_replace(leader);
+        self.metrics.set_leader(leader);
+        if was != leader {
+            info!(leader, "leadership changed");
+        }
+    }
+
+    /// Yields once each time this replica becomes the leader, so the
+    /// controller can re-plan everything it skipped as a follower.
+    pub fn acquisitions(&self) -> impl Stream<Item = ()> + Send + 'static {
+        let receiver = self.state.subscribe();
+        futures::stream::unfold(receiver, |mut receiver| async move {
+            loop {
+                receiver.changed().await.ok()?;
+                if *receiver.borrow_and_update() {
+                    return Some(((), receiver));
+                }
+            }
+        })
+    }
+}
+
+/// Where and how to hold the Lease.
+#[derive(Clone, Debug)]
+pub struct LeaseSettings {
+    pub name: String,
+    pub namespace: String,
+    /// Unique among the replicas (the pod name in a cluster).
+    pub identity: String,
+    /// How long a holder's claim lasts without renewal.
+    pub duration_seconds: u64,
+    /// The holder renews this long before its claim expires.
+    pub grace_seconds: u64,
+}
+
+/// Why the Lease settings were refused.
+#[derive(Debug, Error)]
+pub enum LeaseError {
+    #[error(
+        "lease grace ({grace}s) must be at least 1s and shorter than the lease duration ({duration}s)"
+    )]
+    BadTiming { duration: u64, grace: u64 },
+}
+
+/// How long to wait before building a new manager after a Lease error.
+const RETRY_AFTER_ERROR: Duration = Duration::from_secs(2);
+
+impl LeaseSettings {
+    /// Refuses timings `LeaseParams` would panic on.
+    pub fn validate(&self) -> Result<(), LeaseError> {
+        if self.grace_seconds == 0 || self.grace_seconds >= self.duration_seconds {
+            return Err(LeaseError::BadTiming {
+                duration: self.duration_seconds,
+                grace: self.grace_seconds,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Holds the Lease until `shutdown` resolves, keeping `leadership` current.
+///
+/// Any Lease error steps down at once: the replica can no longer prove it
+/// holds the Lease, so it must stop writing. A fresh manager re-reads the
+/// Lease and reports leadership again if it is still ours. `client` should
+/// time out requests well inside the grace period, so a renewal that hangs
+/// surfaces as an error before the claim expires.
+///
+/// On shutdown it steps down first and releases the Lease after, so no write
+/// can follow the release.
+pub async fn hold_lease(
+    client: Client,
+    settings: LeaseSettings,
+    leadership: Leadership,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), LeaseError> {
+    settings.validate()?;
+    tokio::pin!(shutdown);
+    loop {
+        let manager = tokio::select! {
+            () = &mut shutdown => return Ok(()),
+            built = build_manager(&client, &settings) => built,
+        };
+        let manager = match manager {
+            Ok(manager) => manager,
+            Err(error) => {
+                warn!(%error, lease = %settings.name, "cannot read the leader Lease; retrying");
+                tokio::select! {
+                    () = &mut shutdown => return Ok(()),
+                    () = tokio::time::sleep(RETRY_AFTER_ERROR) => continue,
+                }
+            }
+        };
+        loop {
+            tokio::select! {
+                () = &mut shutdown => {
+                    leadership.set(false);
+                    if let Err(error) = manager.release().await {
+                        warn!(%error, "releasing the leader Lease failed; it expires on its own");
+                    }
+                    return Ok(());
+                }
+                changed = manager.changed() => match changed {
+                    Ok(leader) => leadership.set(leader),
+                    Err(error) => {
+                        leadership.set(false);
+                        warn!(%error, "leader Lease error; stepped down");
+                        break;
+                    }
+                },
+            }
+        }
+        // Best effort: if the Lease is still ours, free it for the other
+        // replica rather than make it wait for expiry.
+        let _ = manager.release().await;
+        tokio::select! {
+            () = &mut shutdown => return Ok(()),
+            () = tokio::time::sleep(RETRY_AFTER_ERROR) => {}
+        }
+    }
+}
+
+async fn build_manager(
+    client: &Client,
+    settings: &LeaseSettings,
+) -> Result<LeaseManager, LeaseManagerError> {
+    let params = LeaseParams::new(
+        settings.identity.clone(),
+        settings.duration_seconds,
+        settings.grace_seconds,
+    );
+    LeaseManager::new(
+        client.clone(),
+        settings.name.clone(),
+        settings.namespace.clone(),
+        params,
+        LeaseCreateMode::AutoCreate,
+    )
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::StreamExt;
+
+    #[tokio::test]
+    async fn acquisitions_yield_only_on_becoming_leader() {
+        let leadership = Leadership::follower(Arc::new(Metrics::new()));
+        let mut acquisitions = Box::pin(leadership.acquisitions());
+        leadership.set(false);
+        leadership.set(true);
+        tokio::time::timeout(Duration::from_secs(10), acquisitions.next())
+            .await
+            .expect("an acquisition within the deadline")
+            .expect("stream open");
+        assert!(leadership.is_leader());
+        leadership.set(false);
+        leadership.set(true);
+        tokio::time::timeout(Duration::from_secs(10), acquisitions.next())
+            .await
+            .expect("a second acquisition within the deadline")
+            .expect("stream open");
+    }
+
+    #[test]
+    fn refuses_grace_not_shorter_than_duration() {
+        let settings = LeaseSettings {
+            name: "l".into(),
+            namespace: "n".into(),
+            identity: "i".into(),
+            duration_seconds: 5,
+            grace_seconds: 5,
+        };
+        assert!(matches!(
+            settings.validate(),
+            Err(LeaseError::BadTiming { .. })
+        ));
+    }
+}

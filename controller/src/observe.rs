@@ -1,0 +1,104 @@
+//! The read side of a reconcile: what the watch caches hold for one
+//! InstanceGeneration. No requests; the reflectors keep the caches current.
+
+use genswap_crds::{InstanceGeneration, SwapAttempt};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::core::DeserializeGuard;
+use kube::runtime::reflector::Store;
+use kube::{Resource, ResourceExt};
+
+/// The label that names an attempt's InstanceGeneration; the attempt watch
+/// selects on it so unrelated objects never reach the cache.
+pub const INSTANCE_LABEL: &str = "genswap.dev/instance";
+
+/// The SwapAttempts `ig` owns, ordered by node then revision.
+///
+/// Ownership is the ownerReference to this very object (its uid): an IG
+/// deleted and re-created under the same name is a new object, and the old
+/// one's attempts are not its history. The instance label is only the watch
+/// filter; it may be a digest for a long name. Attempts that failed to
+/// deserialize are left out.
+pub fn attempts_of(
+    ig: &InstanceGeneration,
+    store: &Store<DeserializeGuard<SwapAttempt>>,
+) -> Vec<SwapAttempt> {
+    let namespace = ig.namespace();
+    let kind = InstanceGeneration::kind(&());
+    let owner_uid = ig.uid();
+    let name = ig.name_any();
+    let mut owned: Vec<SwapAttempt> = store
+        .state()
+        .iter()
+        .filter_map(|guard| guard.0.as_ref().ok())
+        .filter(|attempt| attempt.namespace() == namespace)
+        .filter(|attempt| match &owner_uid {
+            Some(uid) => attempt
+                .owner_references()
+                .iter()
+                .any(|owner| owner.kind == kind && &owner.uid == uid),
+            // Only an object that never passed through an API server lacks
+            // a uid; its attempts carry no owner either.
+            None => attempt.labels().get(INSTANCE_LABEL) == Some(&name),
+        })
+        .cloned()
+        .collect();
+    owned.sort_by(|a, b| {
+        (&a.spec.node_name, a.spec.sched_rev).cmp(&(&b.spec.node_name, b.spec.sched_rev))
+    });
+    owned
+}
+
+/// Every cached Node, ordered by name.
+pub fn nodes(store: &Store<Node>) -> Vec<Node> {
+    let mut nodes: Vec<Node> = store.state().iter().map(|node| (**node).clone()).collect();
+    nodes.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    nodes
+}
+
+/// Drops what the scheduler never reads before a Node enters the cache: it
+/// reads names and labels only, while status (images, addresses,
+/// conditions), managed fields and annotations are most of a Node's bytes,
+/// and every reconcile copies the cached Nodes.
+pub fn trim_node(node: &mut Node) {
+    let metadata = std::mem::take(&mut node.metadata);
+    node.metadata = ObjectMeta {
+        name: metadata.name,
+        uid: metadata.uid,
+        resource_version: metadata.resource_version,
+        labels: metadata.labels,
+        creation_timestamp: metadata.creation_timestamp,
+        deletion_timestamp: metadata.deletion_timestamp,
+        ..ObjectMeta::default()
+    };
+    node.status = None;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{ContainerImage, NodeStatus};
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn trimming_keeps_name_and_labels_only() {
+        let mut node = Node {
+            metadata: ObjectMeta {
+                name: Some("n1".into()),
+                labels: Some(BTreeMap::from([("zone".into(), "a".into())])),
+                annotations: Some(BTreeMap::from([("big".into(), "x".repeat(4096))])),
+                ..ObjectMeta::default()
+            },
+            status: Some(NodeStatus {
+                images: Some(vec![ContainerImage::default(); 50]),
+                ..NodeStatus::default()
+            }),
+            ..Node::default()
+        };
+        trim_node(&mut node);
+        assert_eq!(node.metadata.name.as_deref(), Some("n1"));
+        assert_eq!(node.labels().get("zone").map(String::as_str), Some("a"));
+        assert!(node.metadata.annotations.is_none());
+        assert!(node.status.is_none());
+    }
+}

@@ -1,0 +1,242 @@
+//! The reconcile of one InstanceGeneration: read the caches, plan (pure),
+//! apply the plan. The planner is a parameter so the adapter can be tested
+//! with a fixed plan; production uses [`crate::scheduler::plan`].
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use genswap_crds::{InstanceGeneration, SwapAttempt};
+use k8s_openapi::api::core::v1::{Node, ObjectReference};
+use k8s_openapi::jiff::Timestamp;
+use kube::core::DeserializeGuard;
+use kube::core::error_boundary::InvalidObject;
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Client, Resource, ResourceExt};
+use thiserror::Error;
+use tracing::{debug, info, warn};
+
+use crate::apply::{self, Applied, ApplyError, EVENT_ACTION, FIELD_MANAGER};
+use crate::leader::Leadership;
+use crate::metrics::Metrics;
+use crate::observe;
+use crate::scheduler::{self, Plan};
+
+/// The InstanceGeneration as the controller watches it: one that fails to
+/// deserialize is still delivered (as an error) instead of breaking the
+/// watch for every other object.
+pub type WatchedIg = DeserializeGuard<InstanceGeneration>;
+
+/// The pure scheduler, or a stand-in for tests.
+pub type Planner =
+    Arc<dyn Fn(&InstanceGeneration, &[SwapAttempt], &[Node], Timestamp) -> Plan + Send + Sync>;
+
+/// The source of `now` handed to the planner.
+pub type Clock = Arc<dyn Fn() -> Timestamp + Send + Sync>;
+
+/// How long a healthy InstanceGeneration waits before it is planned again
+/// with no event at all: a safety net under the watches.
+pub const RESYNC_PERIOD: Duration = Duration::from_secs(10 * 60);
+
+/// Reason of the Warning recorded on an InstanceGeneration the controller
+/// cannot read.
+pub const REASON_INVALID: &str = "InvalidObject";
+
+/// Why a reconcile failed.
+#[derive(Debug, Error)]
+pub enum ReconcileError {
+    #[error(transparent)]
+    Apply(#[from] ApplyError),
+}
+
+impl ReconcileError {
+    /// A short, fixed label for the `error` label of the error metric.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            ReconcileError::Apply(error) => error.metric_label(),
+        }
+    }
+}
+
+/// Everything a reconcile needs, shared by all of them.
+pub struct Context {
+    pub client: Client,
+    /// Names this controller and replica in Events.
+    pub reporter: Reporter,
+    pub metrics: Arc<Metrics>,
+    pub leadership: Leadership,
+    /// Field manager of the status writes.
+    pub field_manager: String,
+    /// Every SwapAttempt carrying [`observe::INSTANCE_LABEL`], in scope.
+    pub attempts: Store<DeserializeGuard<SwapAttempt>>,
+    /// Every Node, trimmed by [`observe::trim_node`].
+    pub nodes: Store<Node>,
+    planner: Planner,
+    clock: Clock,
+    failures: Mutex<HashMap<ObjectRef<WatchedIg>, u32>>,
+}
+
+impl Context {
+    /// A context that plans with [`scheduler::plan`] at the wall clock.
+    pub fn new(
+        client: Client,
+        reporter: Reporter,
+        metrics: Arc<Metrics>,
+        leadership: Leadership,
+        attempts: Store<DeserializeGuard<SwapAttempt>>,
+        nodes: Store<Node>,
+    ) -> Self {
+        Self {
+            client,
+            reporter,
+            metrics,
+            leadership,
+            field_manager: FIELD_MANAGER.to_string(),
+            attempts,
+            nodes,
+            planner: Arc::new(scheduler::plan),
+            clock: Arc::new(Timestamp::now),
+            failures: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Replaces the planner.
+    pub fn with_planner(mut self, planner: Planner) -> Self {
+        self.planner = planner;
+        self
+    }
+
+    /// Replaces the clock.
+    pub fn with_clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Counts a failure of `object` and returns how many in a row it has had.
+    fn record_failure(&self, object: ObjectRef<WatchedIg>) -> u32 {
+        let mut failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
+        let count = failures.entry(object).or_insert(0);
+        *count = count.saturating_add(1);
+        *count
+    }
+
+    fn clear_failures(&self, object: &ObjectRef<WatchedIg>) {
+        self.failures
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(object);
+    }
+}
+
+/// Reconciles one InstanceGeneration.
+///
+/// A follower returns at once without planning: it has nothing to write,
+/// and becoming the leader re-plans every object. An object being deleted
+/// gets no new attempts (its attempts are garbage-collected with it).
+pub async fn reconcile(
+    object: Arc<WatchedIg>,
+    ctx: Arc<Context>,
+) -> Result<Action, ReconcileError> {
+    let _timer = ctx.metrics.reconcile_started();
+    let ig = match &object.0 {
+        Ok(ig) => ig,
+        Err(invalid) => return Ok(report_invalid(&ctx, invalid).await),
+    };
+    if !ctx.leadership.is_leader() {
+        debug!(ig = %ig.name_any(), "follower; not planning");
+        return Ok(Action::await_change());
+    }
+    if ig.meta().deletion_timestamp.is_some() {
+        debug!(ig = %ig.name_any(), "being deleted; not planning");
+        return Ok(Action::await_change());
+    }
+    let attempts = observe::attempts_of(ig, &ctx.attempts);
+    let nodes = observe::nodes(&ctx.nodes);
+    let plan = (ctx.planner)(ig, &attempts, &nodes, (ctx.clock)());
+    let applied = apply::apply_plan(&ctx, ig, &plan).await?;
+    ctx.clear_failures(&ObjectRef::from_obj(&*object));
+    match applied {
+        Applied::Complete(summary) => {
+            debug!(ig = %ig.name_any(), ?summary, "plan applied");
+            Ok(Action::requeue(plan.requeue_after.unwrap_or(RESYNC_PERIOD)))
+        }
+        // The new leader plans from what reached the API server.
+        Applied::SteppedDown { .. } => Ok(Action::await_change()),
+    }
+}
+
+/// Requeues a failed reconcile with a per-object exponential backoff.
+pub fn error_policy(object: Arc<WatchedIg>, error: &ReconcileError, ctx: Arc<Context>) -> Action {
+    ctx.metrics.reconcile_failed(error.metric_label());
+    let failures = ctx.record_failure(ObjectRef::from_obj(&*object));
+    let delay = backoff_delay(failures);
+    warn!(
+        ig = %object.name_any(),
+        namespace = object.namespace().unwrap_or_default(),
+        %error,
+        failures,
+        retry_in = ?delay,
+        "reconcile failed"
+    );
+    Action::requeue(delay)
+}
+
+/// 0.5 s, 1 s, 2 s, ... capped at five minutes. A conflict is retried
+/// quickly; the watch event of the write that won usually comes first anyway.
+pub fn backoff_delay(consecutive_failures: u32) -> Duration {
+    const BASE: Duration = Duration::from_millis(500);
+    const CAP: Duration = Duration::from_secs(300);
+    let exponent = consecutive_failures.saturating_sub(1).min(16);
+    BASE.saturating_mul(1 << exponent).min(CAP)
+}
+
+/// Logs an InstanceGeneration the controller cannot deserialize and, as the
+/// leader, records a Warning on it; then waits for it to change.
+async fn report_invalid(ctx: &Context, invalid: &InvalidObject) -> Action {
+    let name = invalid.metadata.name.clone().unwrap_or_default();
+    ctx.metrics.reconcile_failed("invalid_object");
+    warn!(ig = %name, error = %invalid.error, "cannot read InstanceGeneration; skipping it");
+    if ctx.leadership.is_leader() {
+        let regarding = ObjectReference {
+            api_version: Some(InstanceGeneration::api_version(&()).into_owned()),
+            kind: Some(InstanceGeneration::kind(&()).into_owned()),
+            name: invalid.metadata.name.clone(),
+            namespace: invalid.metadata.namespace.clone(),
+            uid: invalid.metadata.uid.clone(),
+            resource_version: invalid.metadata.resource_version.clone(),
+            ..ObjectReference::default()
+        };
+        let event = Event {
+            type_: EventType::Warning,
+            reason: REASON_INVALID.to_string(),
+            note: Some(format!(
+                "the controller cannot read this object and skips it: {}",
+                invalid.error
+            )),
+            action: EVENT_ACTION.to_string(),
+            secondary: None,
+        };
+        let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
+        if let Err(error) = recorder.publish(&event, &regarding).await {
+            ctx.metrics.reconcile_failed("event");
+            info!(ig = %name, %error, "recording the InvalidObject Event failed");
+        }
+    }
+    Action::await_change()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_from_half_a_second_up_to_five_minutes() {
+        assert_eq!(backoff_delay(1), Duration::from_millis(500));
+        assert_eq!(backoff_delay(2), Duration::from_secs(1));
+        assert_eq!(backoff_delay(4), Duration::from_secs(4));
+        assert_eq!(backoff_delay(30), Duration::from_secs(300));
+        assert_eq!(backoff_delay(u32::MAX), Duration::from_secs(300));
+    }
+}

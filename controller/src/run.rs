@@ -1,0 +1,176 @@
+//! The kube-runtime wiring: one watch per resource, each feeding both a
+//! cache the reconciler reads and the triggers that wake it.
+//!
+//! - InstanceGenerations: the Controller's own watch and store.
+//! - SwapAttempts (label [`INSTANCE_LABEL`]): a reflector whose events map to
+//!   their owner IG (`owns`), so an agent's outcome re-plans its IG.
+//! - Nodes: a reflector of trimmed Nodes; a label change, add or delete
+//!   re-plans the IGs selecting the Node before or after it.
+//! - Becoming the leader re-plans every IG.
+//!
+//! Sharing one watch between cache and trigger means the reconcile an event
+//! wakes already sees that event in the cache.
+
+use std::sync::Arc;
+
+use futures::{Stream, StreamExt};
+use genswap_crds::SwapAttempt;
+use k8s_openapi::api::core::v1::Node;
+use kube::core::DeserializeGuard;
+use kube::runtime::controller::{self, Controller};
+use kube::runtime::events::Reporter;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client};
+use tracing::{debug, info, warn};
+
+use crate::http::Readiness;
+use crate::leader::Leadership;
+use crate::metrics::Metrics;
+use crate::node_index::{NodeLabelIndex, affected};
+use crate::observe::{INSTANCE_LABEL, trim_node};
+use crate::reconciler::{Context, WatchedIg, error_policy, reconcile};
+
+/// The name this controller records Events under.
+pub const CONTROLLER_NAME: &str = "genswap-controller";
+
+/// What [`run_controller`] needs besides the clients.
+pub struct Settings {
+    /// One namespace, or every namespace when `None`.
+    pub namespace: Option<String>,
+    /// This replica's identity (in Events).
+    pub identity: String,
+    /// InstanceGenerations reconciled at once.
+    pub concurrency: u16,
+}
+
+/// Runs the controller until `shutdown` resolves and in-flight reconciles
+/// finish. `watch_client` serves the watches (no request timeout);
+/// `write_client` the reconciler's writes (bounded requests).
+pub async fn run_controller(
+    watch_client: Client,
+    write_client: Client,
+    settings: Settings,
+    metrics: Arc<Metrics>,
+    leadership: Leadership,
+    readiness: Readiness,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let igs: Api<WatchedIg> = scoped(&watch_client, settings.namespace.as_deref());
+    let attempts: Api<DeserializeGuard<SwapAttempt>> =
+        scoped(&watch_client, settings.namespace.as_deref());
+    let nodes: Api<Node> = Api::all(watch_client.clone());
+
+    let (attempt_store, attempt_writer) = reflector::store();
+    let attempt_events = watcher(attempts, watcher::Config::default().labels(INSTANCE_LABEL))
+        .default_backoff()
+        .reflect(attempt_writer)
+        .touched_objects();
+
+    let (node_store, node_writer) = reflector::store();
+    let node_events = watcher(nodes, watcher::Config::default())
+        .default_backoff()
+        .modify(trim_node)
+        .reflect(node_writer);
+
+    let controller = Controller::new(igs, watcher::Config::default())
+        .with_config(controller::Config::default().concurrency(settings.concurrency));
+    let ig_store = controller.store();
+    tokio::spawn(mark_ready_when_synced(
+        readiness,
+        ig_store.clone(),
+        attempt_store.clone(),
+        node_store.clone(),
+    ));
+
+    let reporter = Reporter {
+        controller: CONTROLLER_NAME.to_string(),
+        instance: Some(settings.identity),
+    };
+    let ctx = Arc::new(Context::new(
+        write_client,
+        reporter,
+        metrics,
+        leadership.clone(),
+        attempt_store,
+        node_store,
+    ));
+
+    info!(
+        namespace = settings.namespace.as_deref().unwrap_or("<all>"),
+        "controller starting"
+    );
+    controller
+        .owns_stream(attempt_events)
+        .reconcile_on(node_triggers(node_events, ig_store))
+        .reconcile_all_on(leadership.acquisitions())
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            match result {
+                Ok((object, _)) => debug!(%object, "reconciled"),
+                // Logged and counted by error_policy.
+                Err(controller::Error::ReconcilerFailed(..)) => {}
+                Err(controller::Error::ObjectNotFound(object)) => {
+                    debug!(%object, "gone before its reconcile")
+                }
+                Err(error) => warn!(%error, "controller error"),
+            }
+        })
+        .await;
+    info!("controller stopped");
+}
+
+fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: kube::Resource<Scope = kube::core::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    match namespace {
+        Some(namespace) => Api::namespaced(client.clone(), namespace),
+        None => Api::all(client.clone()),
+    }
+}
+
+/// Maps Node watch events to the IGs they concern (see [`crate::node_index`]).
+fn node_triggers(
+    events: impl Stream<Item = Result<watcher::Event<Node>, watcher::Error>> + Send + 'static,
+    igs: Store<WatchedIg>,
+) -> impl Stream<Item = ObjectRef<WatchedIg>> + Send + 'static {
+    let mut index = NodeLabelIndex::default();
+    events
+        .filter_map(|event| async move {
+            match event {
+                Ok(event) => Some(event),
+                Err(error) => {
+                    warn!(%error, "Node watch error; retrying with backoff");
+                    None
+                }
+            }
+        })
+        .flat_map(move |event| {
+            let changes = index.observe(&event);
+            futures::stream::iter(affected(&changes, &igs))
+        })
+}
+
+async fn mark_ready_when_synced(
+    readiness: Readiness,
+    igs: Store<WatchedIg>,
+    attempts: Store<DeserializeGuard<SwapAttempt>>,
+    nodes: Store<Node>,
+) {
+    let synced = tokio::try_join!(
+        igs.wait_until_ready(),
+        attempts.wait_until_ready(),
+        nodes.wait_until_ready()
+    );
+    match synced {
+        Ok(_) => {
+            info!("watch caches synced");
+            readiness.set_ready();
+        }
+        // The controller stopped before its caches filled.
+        Err(error) => debug!(%error, "caches never synced"),
+    }
+}

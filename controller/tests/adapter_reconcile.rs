@@ -1,0 +1,414 @@
+//! The reconcile against a mocked API server: each test states the exact
+//! requests, in order, and the reconcile's result. The plan is fixed, so these
+//! tests exercise the adapter alone; `adapter_end_to_end.rs` runs the real
+//! scheduler.
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use genswap_controller::metrics::Metrics;
+use genswap_controller::reconciler::{RESYNC_PERIOD, backoff_delay, error_policy, reconcile};
+use genswap_controller::scheduler::Plan;
+use genswap_crds::InstanceGenerationStatus;
+use http::StatusCode;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use kube::core::DeserializeGuard;
+use kube::core::error_boundary::InvalidObject;
+use kube::runtime::controller::Action;
+use support::*;
+
+fn issuing_plan() -> Plan {
+    Plan {
+        create: vec![attempt("n1", 5)],
+        delete: Vec::new(),
+        status: status(5),
+        events: vec![event(
+            false,
+            "AttemptIssued",
+            "schedRev 5 on n1 (install, overlap)",
+        )],
+        requeue_after: None,
+    }
+}
+
+fn metric_line(metrics: &Metrics, line: &str) -> bool {
+    metrics
+        .encode()
+        .expect("metrics encode")
+        .lines()
+        .any(|l| l == line)
+}
+
+#[tokio::test]
+async fn issuing_an_attempt_reserves_the_revision_before_creating_it() {
+    let h = harness(fixed_planner(issuing_plan()), true);
+    let ig = ig("100", Some(status(4)));
+    let scenario = h.verifier.run(Scenario::Apply {
+        ig: ig.clone(),
+        plan: issuing_plan(),
+    });
+    let action = reconcile(watched(ig), h.ctx.clone())
+        .await
+        .expect("reconcile succeeds");
+    assert_eq!(action, Action::requeue(RESYNC_PERIOD));
+    let metrics = h.metrics.clone();
+    drop(h.ctx);
+    finish(scenario).await;
+    assert!(
+        metrics.encode().expect("metrics encode").lines().any(|l| l
+            == "genswap_controller_attempts_issued_total{cause=\"install\",mode=\"overlap\"} 1"),
+        "the issued attempt is counted"
+    );
+}
+
+#[tokio::test]
+async fn a_conflict_on_the_reservation_creates_nothing_and_is_requeued_with_backoff() {
+    let h = harness(fixed_planner(issuing_plan()), true);
+    let ig = ig("100", Some(status(4)));
+    let scenario = h.verifier.run(Scenario::ReservationConflict {
+        ig: ig.clone(),
+        plan: issuing_plan(),
+    });
+    let object = watched(ig);
+    let error = reconcile(object.clone(), h.ctx.clone())
+        .await
+        .expect_err("a lost reservation fails the reconcile");
+    assert_eq!(error.metric_label(), "conflict");
+    assert_eq!(
+        error_policy(object.clone(), &error, h.ctx.clone()),
+        Action::requeue(backoff_delay(1))
+    );
+    assert_eq!(
+        error_policy(object, &error, h.ctx.clone()),
+        Action::requeue(backoff_delay(2)),
+        "consecutive failures back off further"
+    );
+    assert!(metric_line(
+        &h.metrics,
+        "genswap_controller_reconcile_errors_total{error=\"conflict\"} 2"
+    ));
+    assert!(
+        !h.metrics
+            .encode()
+            .expect("metrics encode")
+            .contains("attempts_issued_total{"),
+        "nothing was issued"
+    );
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+#[tokio::test]
+async fn an_unchanged_status_is_not_written() {
+    let current = InstanceGenerationStatus {
+        ready: Some("3/3".into()),
+        ..status(9)
+    };
+    let plan = Plan {
+        status: current.clone(),
+        requeue_after: Some(Duration::from_secs(7)),
+        ..Plan::default()
+    };
+    let h = harness(fixed_planner(plan), true);
+    let scenario = h.verifier.run(Scenario::RadioSilence);
+    let action = reconcile(watched(ig("100", Some(current))), h.ctx.clone())
+        .await
+        .expect("reconcile succeeds");
+    assert_eq!(
+        action,
+        Action::requeue(Duration::from_secs(7)),
+        "the plan's requeue is honoured"
+    );
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+#[tokio::test]
+async fn a_changed_status_is_written_alone_when_nothing_is_issued() {
+    let plan = Plan {
+        status: InstanceGenerationStatus {
+            ready: Some("1/3".into()),
+            ..status(9)
+        },
+        ..Plan::default()
+    };
+    let h = harness(fixed_planner(plan.clone()), true);
+    let ig = ig("100", Some(status(9)));
+    let scenario = h.verifier.run(Scenario::Apply {
+        ig: ig.clone(),
+        plan,
+    });
+    reconcile(watched(ig), h.ctx.clone())
+        .await
+        .expect("reconcile succeeds");
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+#[tokio::test]
+async fn events_are_recorded_with_their_reasons_and_types_after_the_deletes() {
+    let plan = Plan {
+        create: vec![attempt("n1", 8), attempt("n2", 9)],
+        delete: vec!["web-n1-2".into(), "web-n2-3".into()],
+        status: status(9),
+        events: vec![
+            event(false, "SwapDone", "n3 serves b1 as generation 4"),
+            event(true, "BuildFailed", "b1 failed health on n4: 500"),
+            event(false, "AttemptIssued", "schedRev 8 on n1"),
+            event(false, "AttemptIssued", "schedRev 9 on n2"),
+        ],
+        requeue_after: None,
+    };
+    let h = harness(fixed_planner(plan.clone()), true);
+    let ig = ig("100", Some(status(7)));
+    let scenario = h.verifier.run(Scenario::Apply {
+        ig: ig.clone(),
+        plan,
+    });
+    reconcile(watched(ig), h.ctx.clone())
+        .await
+        .expect("reconcile succeeds");
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+#[tokio::test]
+async fn events_alone_are_recorded_without_any_other_write() {
+    let current = status(3);
+    let events = vec![event(true, "NodeDown", "n2: nothing serves")];
+    let plan = Plan {
+        status: current.clone(),
+        events: events.clone(),
+        ..Plan::default()
+    };
+    let h = harness(fixed_planner(plan), true);
+    let scenario = h.verifier.run(Scenario::EventsOnly { events });
+    reconcile(watched(ig("100", Some(current))), h.ctx.clone())
+        .await
+        .expect("reconcile succeeds");
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+#[tokio::test]
+async fn a_follower_sends_nothing_and_does_not_plan() {
+    let planned = Arc::new(Mutex::new(0));
+    let counter = planned.clone();
+    let planner = Arc::new(move |_: &_, _: &[_], _: &[_], _| {
+        *counter.lock().expect("counter lock") += 1;
+        issuing_plan()
+    });
+    let h = harness(planner, false);
+    let scenario = h.verifier.run(Scenario::RadioSilence);
+    let action = reconcile(watched(ig("100", Some(status(4)))), h.ctx.clone())
+        .await
+        .expect("a follower's reconcile succeeds");
+    assert_eq!(action, Action::await_change());
+    assert_eq!(*planned.lock().expect("counter lock"), 0);
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+#[tokio::test]
+async fn losing_the_lease_after_the_reservation_stops_before_the_create() {
+    let h = harness(fixed_planner(issuing_plan()), true);
+    let ig = ig("100", Some(status(4)));
+    let scenario = h.verifier.run(Scenario::LoseLeadershipDuringReservation {
+        ig: ig.clone(),
+        plan: issuing_plan(),
+        leadership: h.leadership.clone(),
+    });
+    let action = reconcile(watched(ig), h.ctx.clone())
+        .await
+        .expect("stepping down is not an error");
+    assert_eq!(action, Action::await_change());
+    assert!(!h.leadership.is_leader());
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+#[tokio::test]
+async fn a_failed_create_after_the_reservation_is_reported_and_retried() {
+    let plan = Plan {
+        create: vec![attempt("n1", 5), attempt("n2", 6)],
+        status: status(6),
+        events: vec![event(false, "AttemptIssued", "schedRev 5 on n1")],
+        ..Plan::default()
+    };
+    let h = harness(fixed_planner(plan.clone()), true);
+    let ig = ig("100", Some(status(4)));
+    let scenario = h.verifier.run(Scenario::CreateFails {
+        ig: ig.clone(),
+        plan,
+        code: StatusCode::INTERNAL_SERVER_ERROR,
+    });
+    let error = reconcile(watched(ig), h.ctx.clone())
+        .await
+        .expect_err("a failed create fails the reconcile");
+    assert_eq!(error.metric_label(), "create");
+    assert!(
+        error.to_string().contains("web-n1-5") && error.to_string().contains("burned"),
+        "the error names the attempt and the burned revision: {error}"
+    );
+    assert!(metric_line(
+        &h.metrics,
+        "genswap_controller_attempts_issued_total{cause=\"install\",mode=\"overlap\"} 1"
+    ));
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+#[tokio::test]
+async fn a_plan_that_would_reissue_a_revision_is_refused_before_any_write() {
+    for plan in [
+        // A create at or below the stored schedRev.
+        Plan {
+            create: vec![attempt("n1", 4)],
+            status: status(5),
+            ..Plan::default()
+        },
+        // A create above the reserved schedRev.
+        Plan {
+            create: vec![attempt("n1", 6)],
+            status: status(5),
+            ..Plan::default()
+        },
+        // Two creates with one revision.
+        Plan {
+            create: vec![attempt("n1", 5), attempt("n2", 5)],
+            status: status(5),
+            ..Plan::default()
+        },
+        // A status that lowers schedRev.
+        Plan {
+            status: status(3),
+            ..Plan::default()
+        },
+    ] {
+        let h = harness(fixed_planner(plan), true);
+        let scenario = h.verifier.run(Scenario::RadioSilence);
+        let error = reconcile(watched(ig("100", Some(status(4)))), h.ctx.clone())
+            .await
+            .expect_err("the plan is refused");
+        assert_eq!(error.metric_label(), "plan_invariant", "{error}");
+        drop(h.ctx);
+        finish(scenario).await;
+    }
+}
+
+#[tokio::test]
+async fn an_object_without_a_resource_version_is_never_written_unconditionally() {
+    let h = harness(fixed_planner(issuing_plan()), true);
+    let mut object = ig("100", Some(status(4)));
+    object.metadata.resource_version = None;
+    let scenario = h.verifier.run(Scenario::RadioSilence);
+    let error = reconcile(watched(object), h.ctx.clone())
+        .await
+        .expect_err("refused");
+    assert_eq!(error.metric_label(), "incomplete_object");
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+#[tokio::test]
+async fn an_object_being_deleted_gets_no_new_attempts() {
+    let h = harness(fixed_planner(issuing_plan()), true);
+    let mut object = ig("100", Some(status(4)));
+    object.metadata.deletion_timestamp = Some(Time(fixed_now()));
+    let scenario = h.verifier.run(Scenario::RadioSilence);
+    let action = reconcile(watched(object), h.ctx.clone())
+        .await
+        .expect("reconcile succeeds");
+    assert_eq!(action, Action::await_change());
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+#[tokio::test]
+async fn an_unreadable_object_gets_a_warning_and_no_plan() {
+    let h = harness(fixed_planner(issuing_plan()), true);
+    let invalid = DeserializeGuard(Err(InvalidObject {
+        error: "spec.build: missing field `sha256`".into(),
+        metadata: ObjectMeta {
+            name: Some(IG_NAME.into()),
+            namespace: Some(NAMESPACE.into()),
+            uid: Some(IG_UID.into()),
+            resource_version: Some("100".into()),
+            ..ObjectMeta::default()
+        },
+    }));
+    let scenario = h.verifier.run(Scenario::EventsOnly {
+        events: vec![event(true, "InvalidObject", "missing field `sha256`")],
+    });
+    let action = reconcile(Arc::new(invalid), h.ctx.clone())
+        .await
+        .expect("an unreadable object is not a reconcile error");
+    assert_eq!(action, Action::await_change());
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+#[tokio::test]
+async fn the_planner_sees_the_objects_own_attempts_and_every_node() {
+    let seen = Arc::new(Mutex::new((Vec::new(), Vec::new())));
+    let record = seen.clone();
+    let current = status(4);
+    let unchanged = Plan {
+        status: current.clone(),
+        ..Plan::default()
+    };
+    let planner = Arc::new(
+        move |_: &_,
+              attempts: &[genswap_crds::SwapAttempt],
+              nodes: &[k8s_openapi::api::core::v1::Node],
+              now| {
+            assert_eq!(now, fixed_now(), "the injected clock is used");
+            let mut seen = record.lock().expect("record lock");
+            seen.0 = attempts
+                .iter()
+                .map(|a| a.metadata.name.clone().unwrap_or_default())
+                .collect();
+            seen.1 = nodes
+                .iter()
+                .map(|n| n.metadata.name.clone().unwrap_or_default())
+                .collect();
+            unchanged.clone()
+        },
+    );
+    let mut h = harness(planner, true);
+    h.add_attempt(attempt("n2", 3));
+    h.add_attempt(attempt("n1", 4));
+    // The same name, owned by an earlier object of that name.
+    let mut orphan = attempt("n1", 2);
+    orphan.metadata.name = Some("web-n1-2-old".into());
+    orphan
+        .metadata
+        .owner_references
+        .as_mut()
+        .expect("fixture has owners")[0]
+        .uid = "an-older-uid".into();
+    h.add_attempt(orphan);
+    // Another namespace.
+    let mut elsewhere = attempt("n1", 1);
+    elsewhere.metadata.namespace = Some("other".into());
+    elsewhere.metadata.name = Some("web-n1-1-elsewhere".into());
+    h.add_attempt(elsewhere);
+    h.add_node(node("n2", &[("pool", "b")]));
+    h.add_node(node("n1", &[("pool", "a")]));
+
+    let scenario = h.verifier.run(Scenario::RadioSilence);
+    reconcile(watched(ig("100", Some(current))), h.ctx.clone())
+        .await
+        .expect("reconcile succeeds");
+    let seen = seen.lock().expect("record lock").clone();
+    assert_eq!(
+        seen.0,
+        vec!["web-n1-4", "web-n2-3"],
+        "own attempts, by node"
+    );
+    assert_eq!(seen.1, vec!["n1", "n2"], "every node, by name");
+    drop(h.ctx);
+    finish(scenario).await;
+}

@@ -1,0 +1,509 @@
+//! Shared fixtures of the adapter tests: objects, a context over a mocked
+//! API server, and an `ApiServerVerifier` that states the exact requests a
+//! reconcile must send, in order, asserts them and answers them.
+#![allow(dead_code)] // each test binary uses its own subset
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use genswap_controller::apply::FIELD_MANAGER;
+use genswap_controller::leader::Leadership;
+use genswap_controller::metrics::Metrics;
+use genswap_controller::reconciler::{Context, Planner, WatchedIg};
+use genswap_controller::scheduler::{Plan, PlanEvent};
+use genswap_crds::{InstanceGeneration, InstanceGenerationStatus, SwapAttempt};
+use http::{Method, Request, Response, StatusCode};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::jiff::Timestamp;
+use kube::Client;
+use kube::client::Body;
+use kube::core::DeserializeGuard;
+use kube::runtime::events::Reporter;
+use kube::runtime::reflector::{self, store::Writer};
+use kube::runtime::watcher;
+use serde_json::{Value, json};
+
+pub const NAMESPACE: &str = "apps";
+pub const IG_NAME: &str = "web";
+pub const IG_UID: &str = "0f6c5a4e-0000-4000-8000-000000000001";
+pub const SHA: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+/// Every request of a test must arrive within this; generous on purpose.
+pub const DEADLINE: Duration = Duration::from_secs(20);
+
+/// An InstanceGeneration as the cache holds it.
+pub fn ig(resource_version: &str, status: Option<InstanceGenerationStatus>) -> InstanceGeneration {
+    let mut ig: InstanceGeneration = serde_json::from_value(json!({
+        "apiVersion": "genswap.dev/v1alpha1",
+        "kind": "InstanceGeneration",
+        "metadata": {
+            "name": IG_NAME,
+            "namespace": NAMESPACE,
+            "uid": IG_UID,
+            "resourceVersion": resource_version,
+            "generation": 1,
+        },
+        "spec": {
+            "build": { "id": "b1", "artifact": { "path": "/opt/web/b1" }, "sha256": SHA },
+        },
+    }))
+    .expect("fixture IG deserializes");
+    ig.status = status;
+    ig
+}
+
+/// A status with `sched_rev` and nothing else.
+pub fn status(sched_rev: i64) -> InstanceGenerationStatus {
+    InstanceGenerationStatus {
+        sched_rev,
+        ready: Some(format!("0/{sched_rev}")),
+        ..InstanceGenerationStatus::default()
+    }
+}
+
+/// A SwapAttempt owned by the fixture IG.
+pub fn attempt(node: &str, sched_rev: i64) -> SwapAttempt {
+    serde_json::from_value(json!({
+        "apiVersion": "genswap.dev/v1alpha1",
+        "kind": "SwapAttempt",
+        "metadata": {
+            "name": format!("{IG_NAME}-{node}-{sched_rev}"),
+            "namespace": NAMESPACE,
+            "labels": { "genswap.dev/instance": IG_NAME },
+            "ownerReferences": [{
+                "apiVersion": "genswap.dev/v1alpha1",
+                "kind": "InstanceGeneration",
+                "name": IG_NAME,
+                "uid": IG_UID,
+                "controller": true,
+                "blockOwnerDeletion": true,
+            }],
+        },
+        "spec": {
+            "instance": IG_NAME,
+            "nodeName": node,
+            "schedRev": sched_rev,
+            "cause": "install",
+            "build": { "id": "b1", "artifact": { "path": "/opt/web/b1" }, "sha256": SHA },
+            "mode": "overlap",
+        },
+    }))
+    .expect("fixture attempt deserializes")
+}
+
+/// A Node with labels.
+pub fn node(name: &str, labels: &[(&str, &str)]) -> Node {
+    let labels: serde_json::Map<String, Value> = labels
+        .iter()
+        .map(|(k, v)| (k.to_string(), Value::String(v.to_string())))
+        .collect();
+    serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": { "name": name, "labels": labels },
+    }))
+    .expect("fixture node deserializes")
+}
+
+pub fn event(warning: bool, reason: &str, message: &str) -> PlanEvent {
+    PlanEvent {
+        warning,
+        reason: reason.into(),
+        message: message.into(),
+    }
+}
+
+/// The one instant every test plans at.
+pub fn fixed_now() -> Timestamp {
+    Timestamp::from_second(1_750_000_000).expect("valid timestamp")
+}
+
+/// A planner that always returns `plan`, whatever it is given.
+pub fn fixed_planner(plan: Plan) -> Planner {
+    Arc::new(move |_, _, _, _| plan.clone())
+}
+
+/// A context over a mocked API server, with caches the test fills.
+pub struct Harness {
+    pub ctx: Arc<Context>,
+    pub verifier: ApiServerVerifier,
+    pub metrics: Arc<Metrics>,
+    pub leadership: Leadership,
+    pub attempts: Writer<DeserializeGuard<SwapAttempt>>,
+    pub nodes: Writer<Node>,
+}
+
+pub fn harness(planner: Planner, leader: bool) -> Harness {
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let client = Client::new(service, NAMESPACE);
+    let metrics = Arc::new(Metrics::new());
+    let leadership = Leadership::follower(metrics.clone());
+    leadership.set(leader);
+    let (attempt_store, attempts) = reflector::store();
+    let (node_store, nodes) = reflector::store();
+    let ctx = Context::new(
+        client,
+        Reporter {
+            controller: "genswap-controller".into(),
+            instance: Some("test-replica".into()),
+        },
+        metrics.clone(),
+        leadership.clone(),
+        attempt_store,
+        node_store,
+    )
+    .with_planner(planner)
+    .with_clock(Arc::new(fixed_now));
+    Harness {
+        ctx: Arc::new(ctx),
+        verifier: ApiServerVerifier(handle),
+        metrics,
+        leadership,
+        attempts,
+        nodes,
+    }
+}
+
+impl Harness {
+    pub fn add_attempt(&mut self, attempt: SwapAttempt) {
+        self.attempts
+            .apply_watcher_event(&watcher::Event::Apply(DeserializeGuard(Ok(attempt))));
+    }
+
+    pub fn add_node(&mut self, node: Node) {
+        self.nodes.apply_watcher_event(&watcher::Event::Apply(node));
+    }
+}
+
+/// Wraps an IG the way the controller's watch delivers it.
+pub fn watched(ig: InstanceGeneration) -> Arc<WatchedIg> {
+    Arc::new(DeserializeGuard(Ok(ig)))
+}
+
+type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+/// The mocked API server's side of the client.
+pub struct ApiServerVerifier(Handle);
+
+/// What the reconcile must send, request by request.
+pub enum Scenario {
+    /// The status reservation, every create, every delete, every Event, in
+    /// that order, all accepted.
+    Apply { ig: InstanceGeneration, plan: Plan },
+    /// The status reservation, answered 409 Conflict; nothing after it.
+    ReservationConflict { ig: InstanceGeneration, plan: Plan },
+    /// The reservation, then the first create answered `code`, then the
+    /// remaining creates, deletes and Events, then a Warning about the failed
+    /// create.
+    CreateFails {
+        ig: InstanceGeneration,
+        plan: Plan,
+        code: StatusCode,
+    },
+    /// The reservation; while answering it, leadership is lost. Nothing else.
+    LoseLeadershipDuringReservation {
+        ig: InstanceGeneration,
+        plan: Plan,
+        leadership: Leadership,
+    },
+    /// Only the listed Events (no status write, no create, no delete).
+    EventsOnly { events: Vec<PlanEvent> },
+    /// Not a single request.
+    RadioSilence,
+}
+
+impl ApiServerVerifier {
+    /// Runs `scenario`, then requires that no further request arrives before
+    /// every client is dropped. Await the handle (see [`finish`]) after
+    /// dropping the context.
+    pub fn run(self, scenario: Scenario) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            let verifier = match scenario {
+                Scenario::Apply { ig, plan } => {
+                    let mut v = self.status_apply(&ig, &plan.status, Answer::Accept).await;
+                    for attempt in &plan.create {
+                        v = v.attempt_create(attempt, StatusCode::CREATED).await;
+                    }
+                    for name in &plan.delete {
+                        v = v.attempt_delete(name).await;
+                    }
+                    for event in &plan.events {
+                        v = v.event(event).await;
+                    }
+                    v
+                }
+                Scenario::ReservationConflict { ig, plan } => {
+                    self.status_apply(&ig, &plan.status, Answer::Conflict).await
+                }
+                Scenario::CreateFails { ig, plan, code } => {
+                    let mut v = self.status_apply(&ig, &plan.status, Answer::Accept).await;
+                    let (first, rest) = plan.create.split_first().expect("a create to fail");
+                    v = v.attempt_create(first, code).await;
+                    for attempt in rest {
+                        v = v.attempt_create(attempt, StatusCode::CREATED).await;
+                    }
+                    for name in &plan.delete {
+                        v = v.attempt_delete(name).await;
+                    }
+                    for event in &plan.events {
+                        v = v.event(event).await;
+                    }
+                    v.event_with_reason(
+                        true,
+                        "AttemptCreateFailed",
+                        &first.metadata.name.clone().unwrap_or_default(),
+                    )
+                    .await
+                }
+                Scenario::LoseLeadershipDuringReservation {
+                    ig,
+                    plan,
+                    leadership,
+                } => {
+                    self.status_apply(&ig, &plan.status, Answer::AcceptAndStepDown(leadership))
+                        .await
+                }
+                Scenario::EventsOnly { events } => {
+                    let mut v = self;
+                    for event in &events {
+                        v = v.event(event).await;
+                    }
+                    v
+                }
+                Scenario::RadioSilence => self,
+            };
+            verifier.no_more_requests().await;
+        })
+    }
+
+    async fn next(
+        &mut self,
+    ) -> (
+        Request<Body>,
+        tower_test::mock::SendResponse<Response<Body>>,
+    ) {
+        tokio::time::timeout(DEADLINE, self.0.next_request())
+            .await
+            .expect("the reconcile sent the next request in time")
+            .expect("the reconcile sent another request")
+    }
+
+    async fn no_more_requests(mut self) {
+        let next = tokio::time::timeout(DEADLINE, self.0.next_request())
+            .await
+            .expect("the client was dropped in time (drop the context before finish)");
+        if let Some((request, _)) = next {
+            panic!(
+                "unexpected request after the scenario: {} {}",
+                request.method(),
+                request.uri()
+            );
+        }
+    }
+
+    async fn status_apply(
+        mut self,
+        ig: &InstanceGeneration,
+        expected: &InstanceGenerationStatus,
+        answer: Answer,
+    ) -> Self {
+        let (request, send) = self.next().await;
+        assert_eq!(
+            request.method(),
+            Method::PATCH,
+            "status is written by a PATCH"
+        );
+        assert_eq!(
+            request.uri().path(),
+            format!(
+                "/apis/genswap.dev/v1alpha1/namespaces/{NAMESPACE}/instancegenerations/{IG_NAME}/status"
+            ),
+            "status goes to the /status subresource"
+        );
+        let query = query_pairs(&request);
+        assert!(
+            query.contains(&("fieldManager".into(), FIELD_MANAGER.into())),
+            "field manager in the query: {query:?}"
+        );
+        assert!(
+            query.contains(&("force".into(), "true".into())),
+            "forced apply: {query:?}"
+        );
+        assert_eq!(
+            request
+                .headers()
+                .get(http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok()),
+            Some("application/apply-patch+yaml"),
+            "server-side apply"
+        );
+        let body = body_json(request).await;
+        assert_eq!(body["apiVersion"], "genswap.dev/v1alpha1");
+        assert_eq!(body["kind"], "InstanceGeneration");
+        assert_eq!(body["metadata"]["name"], IG_NAME);
+        assert_eq!(
+            body["metadata"]["resourceVersion"],
+            ig.metadata
+                .resource_version
+                .clone()
+                .expect("fixture has a resourceVersion"),
+            "the reservation is conditional on the resourceVersion the plan was made from"
+        );
+        assert_eq!(
+            body["status"]["schedRev"], expected.sched_rev,
+            "the reserved schedRev is in the body"
+        );
+        let sent: InstanceGenerationStatus =
+            serde_json::from_value(body["status"].clone()).expect("status deserializes");
+        assert_eq!(&sent, expected, "the whole planned status is applied");
+        match answer {
+            Answer::Accept | Answer::AcceptAndStepDown(_) => {
+                if let Answer::AcceptAndStepDown(leadership) = &answer {
+                    leadership.set(false);
+                }
+                let mut written = ig.clone();
+                written.status = Some(expected.clone());
+                send.send_response(json_response(StatusCode::OK, &written));
+            }
+            Answer::Conflict => send.send_response(json_response(
+                StatusCode::CONFLICT,
+                &status_failure(
+                    409,
+                    "Conflict",
+                    "Operation cannot be fulfilled on instancegenerations.genswap.dev \"web\": the object has been modified; please apply your changes to the latest version and try again",
+                ),
+            )),
+        }
+        self
+    }
+
+    async fn attempt_create(mut self, attempt: &SwapAttempt, code: StatusCode) -> Self {
+        let (request, send) = self.next().await;
+        assert_eq!(
+            request.method(),
+            Method::POST,
+            "attempts are created by a POST"
+        );
+        assert_eq!(
+            request.uri().path(),
+            format!("/apis/genswap.dev/v1alpha1/namespaces/{NAMESPACE}/swapattempts")
+        );
+        let body = body_json(request).await;
+        assert_eq!(
+            body["metadata"]["name"],
+            attempt.metadata.name.clone().unwrap_or_default()
+        );
+        assert_eq!(body["spec"]["schedRev"], attempt.spec.sched_rev);
+        assert_eq!(body["spec"]["nodeName"], attempt.spec.node_name);
+        if code.is_success() {
+            send.send_response(json_response(code, &body));
+        } else {
+            send.send_response(json_response(
+                code,
+                &status_failure(code.as_u16(), "InternalError", "etcd is having a bad day"),
+            ));
+        }
+        self
+    }
+
+    async fn attempt_delete(mut self, name: &str) -> Self {
+        let (request, send) = self.next().await;
+        assert_eq!(request.method(), Method::DELETE, "old attempts are deleted");
+        assert_eq!(
+            request.uri().path(),
+            format!("/apis/genswap.dev/v1alpha1/namespaces/{NAMESPACE}/swapattempts/{name}")
+        );
+        send.send_response(json_response(
+            StatusCode::OK,
+            &json!({"apiVersion": "v1", "kind": "Status", "status": "Success"}),
+        ));
+        self
+    }
+
+    async fn event(self, event: &PlanEvent) -> Self {
+        self.event_with_reason(event.warning, &event.reason, &event.message)
+            .await
+    }
+
+    /// An Event on the IG with `reason`, whose note contains `note_part`.
+    async fn event_with_reason(mut self, warning: bool, reason: &str, note_part: &str) -> Self {
+        let (request, send) = self.next().await;
+        assert_eq!(request.method(), Method::POST, "an Event is created");
+        assert_eq!(
+            request.uri().path(),
+            format!("/apis/events.k8s.io/v1/namespaces/{NAMESPACE}/events")
+        );
+        let body = body_json(request).await;
+        assert_eq!(body["reason"], reason);
+        assert_eq!(body["type"], if warning { "Warning" } else { "Normal" });
+        assert_eq!(body["regarding"]["kind"], "InstanceGeneration");
+        assert_eq!(body["regarding"]["name"], IG_NAME);
+        assert_eq!(body["regarding"]["uid"], IG_UID);
+        assert_eq!(body["reportingController"], "genswap-controller");
+        assert_eq!(body["reportingInstance"], "test-replica");
+        let note = body["note"].as_str().unwrap_or_default();
+        assert!(
+            note.contains(note_part),
+            "note {note:?} mentions {note_part:?}"
+        );
+        send.send_response(json_response(StatusCode::CREATED, &body));
+        self
+    }
+}
+
+enum Answer {
+    Accept,
+    AcceptAndStepDown(Leadership),
+    Conflict,
+}
+
+/// Awaits a scenario; fails on a missing request, a wrong one or an extra one.
+pub async fn finish(scenario: tokio::task::JoinHandle<()>) {
+    tokio::time::timeout(DEADLINE * 3, scenario)
+        .await
+        .expect("the scenario finished in time")
+        .expect("the scenario's assertions held");
+}
+
+fn query_pairs(request: &Request<Body>) -> Vec<(String, String)> {
+    request
+        .uri()
+        .query()
+        .unwrap_or_default()
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+        .filter_map(|pair| {
+            let (key, value) = pair.split_once('=')?;
+            Some((key.to_string(), value.to_string()))
+        })
+        .collect()
+}
+
+async fn body_json(request: Request<Body>) -> Value {
+    let bytes = request
+        .into_body()
+        .collect_bytes()
+        .await
+        .expect("request body readable");
+    serde_json::from_slice(&bytes).expect("request body is JSON")
+}
+
+fn json_response(code: StatusCode, body: &impl serde::Serialize) -> Response<Body> {
+    Response::builder()
+        .status(code)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Body::from(
+            serde_json::to_vec(body).expect("response serializes"),
+        ))
+        .expect("response builds")
+}
+
+pub fn status_failure(code: u16, reason: &str, message: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Status",
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    })
+}
