@@ -1,0 +1,131 @@
+//! A unique cgroup v2 subtree per test, torn down on drop even after a
+//! panic: `cgroup.kill` on the whole subtree, wait for `populated 0`, then
+//! rmdir bottom-up.
+//!
+//! Include it with `#[path = "support/cgroup_guard.rs"] mod cgroup_guard;`.
+#![allow(dead_code)]
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use node_agent::cgroup::{CgroupManager, discover_mount};
+
+/// How long teardown waits for a killed subtree to empty.
+const TEARDOWN_WAIT: Duration = Duration::from_secs(20);
+
+/// `<mount>/genswap-test-<pid>-<tag>-<nonce>`, removed on drop.
+pub struct TestCgroupTree {
+    path: PathBuf,
+    mount: PathBuf,
+}
+
+impl TestCgroupTree {
+    /// Creates a fresh subtree directly under the cgroup v2 mount.
+    pub fn new(tag: &str) -> TestCgroupTree {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let mount = discover_mount().expect("this host has a writable cgroup v2 mount");
+        let nonce = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .expect("clock after 1970")
+            .subsec_nanos();
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let path = mount.join(format!(
+            "genswap-test-{}-{tag}-{nonce:x}-{n}",
+            std::process::id()
+        ));
+        fs::create_dir(&path).expect("create the test cgroup subtree");
+        TestCgroupTree { path, mount }
+    }
+
+    /// The subtree's directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The cgroup v2 mount it lies in.
+    pub fn mount(&self) -> &Path {
+        &self.mount
+    }
+
+    /// A manager rooted at `<subtree>/genswap`.
+    pub fn manager(&self) -> CgroupManager {
+        CgroupManager::open(self.path.join("genswap")).expect("a manager over the test subtree")
+    }
+}
+
+impl Drop for TestCgroupTree {
+    fn drop(&mut self) {
+        if let Err(error) = teardown(&self.path) {
+            eprintln!(
+                "test cgroup {} not cleaned up: {error}",
+                self.path.display()
+            );
+        }
+    }
+}
+
+/// Kills everything under `path`, waits until it is empty, removes it.
+pub fn teardown(path: &Path) -> Result<(), String> {
+    if !path.exists() {
+        return Ok(());
+    }
+    if let Ok(mut kill) = fs::OpenOptions::new()
+        .write(true)
+        .open(path.join("cgroup.kill"))
+    {
+        let _ = kill.write_all(b"1");
+    }
+    let deadline = Instant::now() + TEARDOWN_WAIT;
+    while populated(path) {
+        if Instant::now() > deadline {
+            return Err(format!("still populated after {TEARDOWN_WAIT:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    remove_bottom_up(path).map_err(|e| e.to_string())
+}
+
+fn populated(path: &Path) -> bool {
+    fs::read_to_string(path.join("cgroup.events"))
+        .map(|events| events.lines().any(|l| l == "populated 1"))
+        .unwrap_or(false)
+}
+
+fn remove_bottom_up(path: &Path) -> std::io::Result<()> {
+    for entry in fs::read_dir(path)? {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            remove_bottom_up(&entry.path())?;
+        }
+    }
+    fs::remove_dir(path)
+}
+
+/// Starts `/bin/sh -c script` already inside the cgroup at `dir` (the shell
+/// joins it, then execs the script). Independent of the crate's spawn so
+/// cgroup tests need nothing else. Killed by pid if dropped alive.
+pub fn start_in(dir: &Path, script: &str) -> tokio::process::Child {
+    tokio::process::Command::new("/bin/sh")
+        .arg("-c")
+        .arg(r#"echo $$ > "$1/cgroup.procs" && exec /bin/sh -c "$2""#)
+        .arg("sh")
+        .arg(dir)
+        .arg(script)
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start a shell")
+}
+
+/// Polls `condition` until it holds, failing the test after `timeout`.
+pub async fn eventually(timeout: Duration, what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
