@@ -1,1 +1,817 @@
-//! Filled by the staging/health/journal work.
+//! Staging: resolve an artifact, copy it into the agent's content-addressed
+//! store while hashing it, and refuse anything that is not exactly the build
+//! the attempt pinned (SPEC §5.5 step 1, §7).
+//!
+//! The bytes hashed are the bytes executed. A path artifact is opened once
+//! and read from that one descriptor into a temp file in the store; a URL
+//! artifact is streamed into one. The temp file is fsynced, its digest
+//! compared with the pinned one, made mode 0555 and only then given its
+//! name, `<store>/sha256-<hex>`, in a directory only the agent's user can
+//! write (0711). The engine executes that store path, never the source, so
+//! replacing or rewriting the source after staging changes nothing.
+//!
+//! Every [`StageError`] is a refusal before anything of the build ran: for
+//! the one classifier (SPEC §5.4) it is `stale`, the attempt ends
+//! `abandoned` with `executed: false`, and the message names the file or
+//! URL and the rule it broke.
+
+use std::fs::{self, File};
+use std::io::{self, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use genswap_crds::Artifact;
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+use tokio::sync::mpsc;
+
+use crate::switch::{fsync_dir, temp_name};
+
+/// The prefix of every store entry's file name.
+pub const ENTRY_PREFIX: &str = "sha256-";
+/// The store directory's mode: only its owner lists or writes it.
+pub const STORE_DIR_MODE: u32 = 0o711;
+/// A store entry's mode: readable and executable by all, writable by none.
+pub const ENTRY_MODE: u32 = 0o555;
+/// The default cap on an artifact's size.
+pub const DEFAULT_MAX_ARTIFACT_BYTES: u64 = 1 << 30;
+
+const COPY_BUFFER: usize = 64 * 1024;
+
+/// What staging produced: the store file the engine executes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Staged {
+    /// `<store>/sha256-<hex>`: the only path the engine may execute.
+    pub path: PathBuf,
+    /// Lowercase hex sha256 of the file, equal to the pinned digest.
+    pub sha256: String,
+    /// Its size.
+    pub bytes: u64,
+}
+
+/// Why the store could not be opened or written.
+#[derive(Debug, Error)]
+pub enum StoreError {
+    #[error("cannot create the artifact store {dir}: {source}")]
+    Create {
+        dir: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the artifact store {dir} is not a directory (a symlink or a file is there)")]
+    NotADirectory { dir: PathBuf },
+    #[error(
+        "the artifact store {dir} is owned by uid {owner}, not by the agent (uid {agent}); someone else could change what runs"
+    )]
+    WrongOwner {
+        dir: PathBuf,
+        owner: u32,
+        agent: u32,
+    },
+    #[error("cannot write the store entry {path}: {source}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Why an artifact was refused. Every variant is `stale` for the one
+/// classifier: nothing of the build ran (see the module docs).
+#[derive(Debug, Error)]
+pub enum StageError {
+    #[error(
+        "the pinned digest {expected:?} is not 64 lowercase hex characters (build.sha256 must be a sha256)"
+    )]
+    InvalidDigest { expected: String },
+    #[error("the artifact names neither a path nor a url (build.artifact needs exactly one)")]
+    NoSource,
+    #[error("the artifact names both a path and a url (build.artifact needs exactly one)")]
+    BothSources,
+    #[error("artifact {path} is not an absolute path")]
+    NotAbsolute { path: String },
+    #[error(
+        "artifact {path} contains a '..' component; name it by its path under the staging root"
+    )]
+    ParentComponent { path: String },
+    #[error("artifact {path} does not exist (or is a symlink to nothing)")]
+    Missing { path: String },
+    #[error("artifact {path} is outside the staging root {root}")]
+    OutsideRoot { path: String, root: PathBuf },
+    #[error(
+        "artifact {path} is reached through a symlink that leaves the staging root {root} (it resolves to {resolved})"
+    )]
+    EscapingSymlink {
+        path: String,
+        resolved: PathBuf,
+        root: PathBuf,
+    },
+    #[error("artifact {path} cannot be resolved: {source}")]
+    Inaccessible {
+        path: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("artifact {path} is not readable: {source}")]
+    Unreadable {
+        path: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("artifact {path} is a directory, not an executable file")]
+    IsDirectory { path: String },
+    #[error("artifact {path} is a {kind}, not a regular file")]
+    NotRegularFile { path: String, kind: &'static str },
+    #[error("artifact {path} is empty")]
+    Empty { path: String },
+    #[error("artifact {path} is not executable (mode {mode:04o} has no exec bit)")]
+    NotExecutable { path: String, mode: u32 },
+    #[error("artifact {source_name} is larger than the limit of {limit} bytes{}", declared_size(*.size))]
+    TooLarge {
+        source_name: String,
+        limit: u64,
+        size: Option<u64>,
+    },
+    #[error(
+        "artifact {source_name} does not match the pinned digest: expected sha256 {expected}, got {actual}"
+    )]
+    DigestMismatch {
+        source_name: String,
+        expected: String,
+        actual: String,
+    },
+    #[error("artifact URL {url} is not usable: {reason}")]
+    UnsupportedUrl { url: String, reason: String },
+    #[error("artifact URL {url} answered {status}")]
+    HttpStatus { url: String, status: u16 },
+    #[error("artifact URL {url} did not deliver within {after:?}")]
+    Timeout { url: String, after: Duration },
+    #[error("artifact URL {url} could not be downloaded: {source}")]
+    Download {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("the staging root {root} is unusable: {source}")]
+    StagingRoot {
+        root: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the HTTP client for artifact URLs could not be built: {0}")]
+    Client(#[source] reqwest::Error),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("the staging task ended abnormally: {0}")]
+    Task(String),
+}
+
+fn declared_size(size: Option<u64>) -> String {
+    size.map(|n| format!(" (it is {n} bytes)"))
+        .unwrap_or_default()
+}
+
+/// The agent's content-addressed artifact store.
+#[derive(Debug)]
+pub struct Store {
+    dir: PathBuf,
+}
+
+impl Store {
+    /// Opens the store at `dir`, creating it mode 0711 if missing. It must be
+    /// a real directory owned by the agent's user; its mode is set to 0711.
+    pub fn open(dir: impl Into<PathBuf>) -> Result<Self, StoreError> {
+        let dir = dir.into();
+        let create = |source| StoreError::Create {
+            dir: dir.clone(),
+            source,
+        };
+        if let Some(parent) = dir.parent() {
+            fs::create_dir_all(parent).map_err(create)?;
+        }
+        match fs::DirBuilder::new().mode(STORE_DIR_MODE).create(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(create(e)),
+        }
+        let meta = fs::symlink_metadata(&dir).map_err(create)?;
+        if !meta.file_type().is_dir() {
+            return Err(StoreError::NotADirectory { dir });
+        }
+        let agent = nix::unistd::geteuid().as_raw();
+        if meta.uid() != agent {
+            return Err(StoreError::WrongOwner {
+                owner: meta.uid(),
+                agent,
+                dir,
+            });
+        }
+        fs::set_permissions(&dir, fs::Permissions::from_mode(STORE_DIR_MODE)).map_err(create)?;
+        Ok(Self { dir })
+    }
+
+    /// The store directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// `<store>/sha256-<hex>`, whether or not it exists.
+    pub fn entry_path(&self, sha256: &str) -> PathBuf {
+        self.dir.join(format!("{ENTRY_PREFIX}{sha256}"))
+    }
+
+    /// Deletes temp files of copies a crash interrupted; returns how many.
+    /// Call only while holding the node lock (another agent's copy in flight
+    /// would lose its temp file).
+    pub fn remove_temp_files(&self) -> io::Result<usize> {
+        let mut removed = 0;
+        for entry in fs::read_dir(&self.dir)? {
+            let entry = entry?;
+            if entry
+                .file_name()
+                .to_str()
+                .is_some_and(|name| name.starts_with(".incoming.tmp-"))
+            {
+                fs::remove_file(entry.path())?;
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Deletes an entry no generation runs any more (garbage collection).
+    pub fn remove(&self, sha256: &str) -> io::Result<()> {
+        match fs::remove_file(self.entry_path(sha256)) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            other => other,
+        }
+    }
+
+    /// A new temp file in the store that hashes what is written to it.
+    fn begin(&self, limit: u64, source_name: String) -> Result<EntryWriter, StoreError> {
+        let temp = self.dir.join(temp_name(".incoming"));
+        let file = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&temp)
+            .map_err(|source| StoreError::Write {
+                path: temp.clone(),
+                source,
+            })?;
+        Ok(EntryWriter {
+            dir: self.dir.clone(),
+            temp: Some(temp),
+            file,
+            hasher: Sha256::new(),
+            bytes: 0,
+            limit,
+            source_name,
+        })
+    }
+}
+
+/// A copy in progress. Dropped unfinished, it deletes its temp file.
+struct EntryWriter {
+    dir: PathBuf,
+    temp: Option<PathBuf>,
+    file: File,
+    hasher: Sha256,
+    bytes: u64,
+    limit: u64,
+    source_name: String,
+}
+
+impl EntryWriter {
+    fn temp_path(&self) -> PathBuf {
+        self.temp.clone().unwrap_or_default()
+    }
+
+    fn write(&mut self, chunk: &[u8]) -> Result<(), StageError> {
+        let len = u64::try_from(chunk.len()).unwrap_or(u64::MAX);
+        self.bytes = self.bytes.saturating_add(len);
+        if self.bytes > self.limit {
+            return Err(StageError::TooLarge {
+                source_name: self.source_name.clone(),
+                limit: self.limit,
+                size: None,
+            });
+        }
+        self.hasher.update(chunk);
+        self.file
+            .write_all(chunk)
+            .map_err(|source| StoreError::Write {
+                path: self.temp_path(),
+                source,
+            })?;
+        Ok(())
+    }
+
+    /// fsync, compare with `expected`, chmod 0555, and name it. An existing
+    /// entry of the same digest is re-hashed: kept when intact (so the inode
+    /// of a running generation's executable stays the same), replaced by this
+    /// verified copy when not.
+    fn finish(mut self, expected: &str) -> Result<Staged, StageError> {
+        let actual = hex::encode(std::mem::take(&mut self.hasher).finalize());
+        if actual != expected {
+            return Err(StageError::DigestMismatch {
+                source_name: self.source_name.clone(),
+                expected: expected.to_string(),
+                actual,
+            });
+        }
+        let temp = self.temp_path();
+        let write_err = |path: &Path, source| StoreError::Write {
+            path: path.to_path_buf(),
+            source,
+        };
+        self.file.sync_all().map_err(|e| write_err(&temp, e))?;
+        self.file
+            .set_permissions(fs::Permissions::from_mode(ENTRY_MODE))
+            .map_err(|e| write_err(&temp, e))?;
+        let entry = self.dir.join(format!("{ENTRY_PREFIX}{actual}"));
+        // link(2) names the entry only if the name is free: a concurrent
+        // stage of the same build cannot swap an inode under a running one.
+        match fs::hard_link(&temp, &entry) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                if !entry_intact(&entry, &actual) {
+                    tracing::warn!(
+                        entry = %entry.display(),
+                        "store entry does not match its name; replacing it with the verified copy"
+                    );
+                    fs::rename(&temp, &entry).map_err(|e| write_err(&entry, e))?;
+                    self.temp = None;
+                }
+            }
+            Err(e) => return Err(write_err(&entry, e).into()),
+        }
+        if let Some(temp) = self.temp.take() {
+            fs::remove_file(&temp).map_err(|e| write_err(&temp, e))?;
+        }
+        fsync_dir(&self.dir).map_err(|e| write_err(&self.dir, e))?;
+        Ok(Staged {
+            path: entry,
+            sha256: actual,
+            bytes: self.bytes,
+        })
+    }
+}
+
+impl Drop for EntryWriter {
+    fn drop(&mut self) {
+        if let Some(temp) = self.temp.take() {
+            let _ = fs::remove_file(temp);
+        }
+    }
+}
+
+/// An existing entry is intact when it is a regular file of mode 0555 whose
+/// bytes hash to its name.
+fn entry_intact(entry: &Path, sha256: &str) -> bool {
+    let Ok(meta) = fs::symlink_metadata(entry) else {
+        return false;
+    };
+    if !meta.file_type().is_file() || meta.mode() & 0o7777 != ENTRY_MODE {
+        return false;
+    }
+    let Ok(mut file) = File::open(entry) else {
+        return false;
+    };
+    let mut hasher = Sha256::new();
+    let mut buffer = vec![0u8; COPY_BUFFER];
+    loop {
+        match file.read(&mut buffer) {
+            Ok(0) => break,
+            Ok(n) => hasher.update(&buffer[..n]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return false,
+        }
+    }
+    hex::encode(hasher.finalize()) == sha256
+}
+
+/// How the [`Stager`] resolves and fetches artifacts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StagerConfig {
+    /// Path artifacts must resolve inside this directory.
+    pub staging_root: PathBuf,
+    /// The largest artifact accepted, path or URL.
+    pub max_bytes: u64,
+    /// TCP (and TLS) connect timeout for URL artifacts.
+    pub connect_timeout: Duration,
+    /// The whole download of a URL artifact, headers and body.
+    pub download_timeout: Duration,
+}
+
+impl StagerConfig {
+    /// Defaults: a 1 GiB cap, 10 s to connect, 5 min to download.
+    pub fn new(staging_root: impl Into<PathBuf>) -> Self {
+        Self {
+            staging_root: staging_root.into(),
+            max_bytes: DEFAULT_MAX_ARTIFACT_BYTES,
+            connect_timeout: Duration::from_secs(10),
+            download_timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+/// Resolves, verifies and stores artifacts. Cheap to clone (shared inside).
+#[derive(Clone, Debug)]
+pub struct Stager {
+    inner: Arc<StagerInner>,
+}
+
+#[derive(Debug)]
+struct StagerInner {
+    store: Store,
+    config: StagerConfig,
+    /// The staging root with every symlink resolved.
+    root: PathBuf,
+    http: reqwest::Client,
+}
+
+impl Stager {
+    /// A stager over `store`. The staging root must exist.
+    pub fn new(store: Store, config: StagerConfig) -> Result<Self, StageError> {
+        let root =
+            fs::canonicalize(&config.staging_root).map_err(|source| StageError::StagingRoot {
+                root: config.staging_root.clone(),
+                source,
+            })?;
+        let http = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .timeout(config.download_timeout)
+            .build()
+            .map_err(StageError::Client)?;
+        Ok(Self {
+            inner: Arc::new(StagerInner {
+                store,
+                config,
+                root,
+                http,
+            }),
+        })
+    }
+
+    /// The store entries are written to.
+    pub fn store(&self) -> &Store {
+        &self.inner.store
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &StagerConfig {
+        &self.inner.config
+    }
+
+    /// Stages `artifact` (its path or its URL) and verifies it against
+    /// `expected_sha256`. The file I/O runs on tokio's blocking pool.
+    pub async fn stage(
+        &self,
+        artifact: &Artifact,
+        expected_sha256: &str,
+    ) -> Result<Staged, StageError> {
+        match (&artifact.path, &artifact.url) {
+            (Some(path), None) => {
+                let this = self.clone();
+                let path = path.clone();
+                let expected = expected_sha256.to_string();
+                tokio::task::spawn_blocking(move || this.stage_path_blocking(&path, &expected))
+                    .await
+                    .map_err(|e| StageError::Task(e.to_string()))?
+            }
+            (None, Some(url)) => self.stage_url(url, expected_sha256).await,
+            (Some(_), Some(_)) => Err(StageError::BothSources),
+            (None, None) => Err(StageError::NoSource),
+        }
+    }
+
+    /// Stages a path artifact on the calling thread (blocking file I/O).
+    ///
+    /// The rules, each its own refusal: absolute; no `..` component;
+    /// resolving every symlink, inside the staging root (a symlink that
+    /// stays inside is fine); exists; a regular file; readable; an exec bit;
+    /// not empty; not above the size cap; the pinned digest. The file is
+    /// opened once, and the checks after the open and the copy read that one
+    /// descriptor, so a file swapped after the checks is not what is copied.
+    pub fn stage_path_blocking(
+        &self,
+        path: &str,
+        expected_sha256: &str,
+    ) -> Result<Staged, StageError> {
+        check_digest(expected_sha256)?;
+        let (file, size) = self.open_checked(path)?;
+        let mut entry = self
+            .inner
+            .store
+            .begin(self.inner.config.max_bytes, path.to_string())?;
+        copy_into(file, size, path, &mut entry)?;
+        entry.finish(expected_sha256)
+    }
+
+    /// Resolves `path` under the staging root and opens it for the copy.
+    fn open_checked(&self, path: &str) -> Result<(File, u64), StageError> {
+        let owned = || path.to_string();
+        let lexical = Path::new(path);
+        if !lexical.is_absolute() {
+            return Err(StageError::NotAbsolute { path: owned() });
+        }
+        if lexical.components().any(|c| c == Component::ParentDir) {
+            return Err(StageError::ParentComponent { path: owned() });
+        }
+        let resolved = fs::canonicalize(lexical).map_err(|source| match source.kind() {
+            io::ErrorKind::NotFound => StageError::Missing { path: owned() },
+            _ => StageError::Inaccessible {
+                path: owned(),
+                source,
+            },
+        })?;
+        self.check_inside_root(path, &resolved)?;
+
+        // O_NOFOLLOW: the last component cannot have become a symlink since
+        // it was resolved. O_NONBLOCK: opening a FIFO does not wait for a
+        // writer (it is then refused as not a regular file).
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+            .open(&resolved)
+            .map_err(|source| match source.kind() {
+                io::ErrorKind::NotFound => StageError::Missing { path: owned() },
+                _ => StageError::Unreadable {
+                    path: owned(),
+                    source,
+                },
+            })?;
+        // Where the descriptor really points, in case a directory on the
+        // way was swapped for a symlink after the resolve.
+        if let Ok(opened) = fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())) {
+            self.check_inside_root(path, &opened)?;
+        }
+        let meta = file.metadata().map_err(|source| StageError::Unreadable {
+            path: owned(),
+            source,
+        })?;
+        let kind = meta.file_type();
+        if kind.is_dir() {
+            return Err(StageError::IsDirectory { path: owned() });
+        }
+        if !kind.is_file() {
+            return Err(StageError::NotRegularFile {
+                path: owned(),
+                kind: file_kind(&kind),
+            });
+        }
+        if meta.len() == 0 {
+            return Err(StageError::Empty { path: owned() });
+        }
+        if meta.mode() & 0o111 == 0 {
+            return Err(StageError::NotExecutable {
+                path: owned(),
+                mode: meta.mode() & 0o7777,
+            });
+        }
+        if meta.len() > self.inner.config.max_bytes {
+            return Err(StageError::TooLarge {
+                source_name: owned(),
+                limit: self.inner.config.max_bytes,
+                size: Some(meta.len()),
+            });
+        }
+        Ok((file, meta.len()))
+    }
+
+    fn check_inside_root(&self, path: &str, resolved: &Path) -> Result<(), StageError> {
+        let root = &self.inner.root;
+        if resolved.starts_with(root) {
+            return Ok(());
+        }
+        let lexical = Path::new(path);
+        if lexical.starts_with(&self.inner.config.staging_root) || lexical.starts_with(root) {
+            Err(StageError::EscapingSymlink {
+                path: path.to_string(),
+                resolved: resolved.to_path_buf(),
+                root: self.inner.config.staging_root.clone(),
+            })
+        } else {
+            Err(StageError::OutsideRoot {
+                path: path.to_string(),
+                root: self.inner.config.staging_root.clone(),
+            })
+        }
+    }
+
+    /// Downloads an http or https artifact into the store, refusing a
+    /// non-2xx answer, a declared or streamed size above the cap, and a
+    /// download that exceeds its timeouts.
+    pub async fn stage_url(&self, url: &str, expected_sha256: &str) -> Result<Staged, StageError> {
+        check_digest(expected_sha256)?;
+        let parsed = reqwest::Url::parse(url).map_err(|e| StageError::UnsupportedUrl {
+            url: url.to_string(),
+            reason: e.to_string(),
+        })?;
+        let shown = redacted(&parsed);
+        if !matches!(parsed.scheme(), "http" | "https") {
+            return Err(StageError::UnsupportedUrl {
+                url: shown,
+                reason: format!("scheme {:?} is not http or https", parsed.scheme()),
+            });
+        }
+        let limit = self.inner.config.max_bytes;
+
+        // The writer runs on the blocking pool and finishes only on `Done`:
+        // a download that fails leaves it to delete its temp file.
+        let (chunks, mut received) = mpsc::channel::<Chunk>(16);
+        let inner = self.inner.clone();
+        let expected = expected_sha256.to_string();
+        let source_name = shown.clone();
+        let writer = tokio::task::spawn_blocking(move || {
+            let mut entry = inner.store.begin(limit, source_name)?;
+            while let Some(chunk) = received.blocking_recv() {
+                match chunk {
+                    Chunk::Data(bytes) => entry.write(&bytes)?,
+                    Chunk::Done => return entry.finish(&expected).map(Some),
+                }
+            }
+            Ok(None)
+        });
+
+        let after = self.inner.config.download_timeout;
+        let download = tokio::time::timeout(after, self.download(parsed, &shown, &chunks)).await;
+        drop(chunks);
+        let written = writer.await.map_err(|e| StageError::Task(e.to_string()))?;
+        match download {
+            Err(_) => Err(StageError::Timeout { url: shown, after }),
+            Ok(Err(download_error)) => Err(written.err().unwrap_or(download_error)),
+            Ok(Ok(())) => written?.ok_or_else(|| {
+                StageError::Task("the store writer stopped before the download ended".into())
+            }),
+        }
+    }
+
+    /// Streams the body into `chunks`, then sends `Done`.
+    async fn download(
+        &self,
+        url: reqwest::Url,
+        shown: &str,
+        chunks: &mpsc::Sender<Chunk>,
+    ) -> Result<(), StageError> {
+        let limit = self.inner.config.max_bytes;
+        let after = self.inner.config.download_timeout;
+        let fail = |source: reqwest::Error| {
+            if source.is_timeout() {
+                StageError::Timeout {
+                    url: shown.to_string(),
+                    after,
+                }
+            } else {
+                StageError::Download {
+                    url: shown.to_string(),
+                    source: source.without_url(),
+                }
+            }
+        };
+        let mut response = self.inner.http.get(url).send().await.map_err(fail)?;
+        let status = response.status();
+        if !status.is_success() {
+            return Err(StageError::HttpStatus {
+                url: shown.to_string(),
+                status: status.as_u16(),
+            });
+        }
+        if let Some(declared) = response.content_length()
+            && declared > limit
+        {
+            return Err(StageError::TooLarge {
+                source_name: shown.to_string(),
+                limit,
+                size: Some(declared),
+            });
+        }
+        let mut total = 0u64;
+        while let Some(bytes) = response.chunk().await.map_err(fail)? {
+            total = total.saturating_add(u64::try_from(bytes.len()).unwrap_or(u64::MAX));
+            if total > limit {
+                return Err(StageError::TooLarge {
+                    source_name: shown.to_string(),
+                    limit,
+                    size: None,
+                });
+            }
+            if chunks.send(Chunk::Data(bytes)).await.is_err() {
+                // The writer stopped; its error is the one reported.
+                return Err(StageError::Task("the store writer stopped".into()));
+            }
+        }
+        if total == 0 {
+            return Err(StageError::Empty {
+                path: shown.to_string(),
+            });
+        }
+        let _ = chunks.send(Chunk::Done).await;
+        Ok(())
+    }
+}
+
+/// What the downloader hands the store writer.
+enum Chunk {
+    Data(Bytes),
+    Done,
+}
+
+/// Reads `file` to its end into `entry`. `size` is only the expected length:
+/// the cap is enforced on what is actually read.
+fn copy_into(
+    mut file: File,
+    size: u64,
+    path: &str,
+    entry: &mut EntryWriter,
+) -> Result<(), StageError> {
+    let mut buffer =
+        vec![0u8; COPY_BUFFER.min(usize::try_from(size).unwrap_or(COPY_BUFFER).max(1))];
+    loop {
+        match file.read(&mut buffer) {
+            Ok(0) => return Ok(()),
+            Ok(n) => entry.write(&buffer[..n])?,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(source) => {
+                return Err(StageError::Unreadable {
+                    path: path.to_string(),
+                    source,
+                });
+            }
+        }
+    }
+}
+
+fn check_digest(expected: &str) -> Result<(), StageError> {
+    let valid = expected.len() == 64
+        && expected
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    if valid {
+        Ok(())
+    } else {
+        Err(StageError::InvalidDigest {
+            expected: expected.to_string(),
+        })
+    }
+}
+
+fn file_kind(kind: &fs::FileType) -> &'static str {
+    if kind.is_fifo() {
+        "FIFO"
+    } else if kind.is_socket() {
+        "socket"
+    } else if kind.is_block_device() {
+        "block device"
+    } else if kind.is_char_device() {
+        "character device"
+    } else if kind.is_symlink() {
+        "symlink"
+    } else {
+        "special file"
+    }
+}
+
+/// The URL as messages show it: no credentials, no query (a signed URL's
+/// query is a secret), no fragment.
+fn redacted(url: &reqwest::Url) -> String {
+    let mut shown = url.clone();
+    let _ = shown.set_username("");
+    let _ = shown.set_password(None);
+    shown.set_query(None);
+    shown.set_fragment(None);
+    shown.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digests_must_be_64_lowercase_hex() {
+        assert!(check_digest(&"a".repeat(64)).is_ok());
+        for bad in [
+            "",
+            "A".repeat(64).as_str(),
+            "g".repeat(64).as_str(),
+            "a".repeat(63).as_str(),
+        ] {
+            assert!(
+                matches!(check_digest(bad), Err(StageError::InvalidDigest { .. })),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn urls_in_messages_carry_no_secrets() {
+        let url = reqwest::Url::parse("https://user:pw@example.invalid/a/b?sig=secret#frag")
+            .expect("url");
+        assert_eq!(redacted(&url), "https://example.invalid/a/b");
+    }
+}
