@@ -152,12 +152,9 @@ fn corrupt_files_are_reported_and_never_hide_other_instances() {
     fs::write(&truncated_path, &full[..full.len() / 2]).expect("truncate");
     fs::write(journal.path_of(&garbage), b"\x00\xffnot json at all").expect("garbage");
     fs::write(journal.dir().join("not-a-key.json"), b"{}").expect("bad name");
-    let other_instance_inside = format!(
-        "{}",
-        fs::read_to_string(journal.path_of(&good))
-            .expect("read")
-            .replace("default.good", "default.other")
-    );
+    let other_instance_inside = fs::read_to_string(journal.path_of(&good))
+        .expect("read")
+        .replace("default.good", "default.other");
     fs::write(
         journal.dir().join("default.liar.json"),
         other_instance_inside,

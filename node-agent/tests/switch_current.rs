@@ -136,8 +136,12 @@ fn clients_connecting_during_200_switches_never_miss() {
         }
     });
 
-    for flip in 0..200 {
-        let target = if flip % 2 == 0 { &second } else { &first };
+    for flip in 0..200u32 {
+        let target = if flip.is_multiple_of(2) {
+            &second
+        } else {
+            &first
+        };
         point_current(&dir, target).expect("switch");
         std::thread::yield_now();
     }
