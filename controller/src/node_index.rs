@@ -8,13 +8,13 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use genswap_crds::NodeSelector;
 use k8s_openapi::api::core::v1::Node;
 use kube::ResourceExt;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 
 use crate::reconciler::WatchedIg;
+use crate::scheduler::selects;
 
 /// A Node's labels.
 pub type Labels = BTreeMap<String, String>;
@@ -100,14 +100,6 @@ impl NodeLabelIndex {
     }
 }
 
-/// Whether `selector` picks a Node with `labels` (an empty selector picks
-/// every Node).
-pub fn selects(selector: &NodeSelector, labels: &Labels) -> bool {
-    selector
-        .iter()
-        .all(|(key, value)| labels.get(key) == Some(value))
-}
-
 /// The cached IGs whose selector matched a changed Node before or after.
 pub fn affected(changes: &[LabelChange], igs: &Store<WatchedIg>) -> Vec<ObjectRef<WatchedIg>> {
     if changes.is_empty() {
@@ -121,7 +113,7 @@ pub fn affected(changes: &[LabelChange], igs: &Store<WatchedIg>) -> Vec<ObjectRe
             [&change.before, &change.after]
                 .into_iter()
                 .flatten()
-                .any(|labels| selects(selector, labels))
+                .any(|labels| selects(selector, Some(labels)))
         });
         if concerned {
             hit.push(ObjectRef::from_obj(&*guard));
@@ -219,11 +211,43 @@ mod tests {
     }
 
     #[test]
-    fn an_empty_selector_selects_every_node() {
-        assert!(selects(&NodeSelector::new(), &labels(&[])));
-        let selector: NodeSelector = labels(&[("zone", "a")]);
-        assert!(selects(&selector, &labels(&[("zone", "a"), ("x", "y")])));
-        assert!(!selects(&selector, &labels(&[("zone", "b")])));
-        assert!(!selects(&selector, &labels(&[])));
+    fn only_igs_selecting_the_node_before_or_after_are_concerned() {
+        use genswap_crds::InstanceGeneration;
+        use kube::core::DeserializeGuard;
+        use kube::runtime::reflector;
+
+        let ig = |name: &str, selector: serde_json::Value| -> WatchedIg {
+            DeserializeGuard(Ok(serde_json::from_value::<InstanceGeneration>(serde_json::json!({
+                "apiVersion": "genswap.dev/v1alpha1",
+                "kind": "InstanceGeneration",
+                "metadata": { "name": name, "namespace": "apps" },
+                "spec": {
+                    "nodeSelector": selector,
+                    "build": { "id": "b", "artifact": { "path": "/b" }, "sha256": "a".repeat(64) },
+                },
+            }))
+            .expect("fixture IG deserializes")))
+        };
+        let (store, mut writer) = reflector::store();
+        for object in [
+            ig("zone-a", serde_json::json!({ "zone": "a" })),
+            ig("zone-b", serde_json::json!({ "zone": "b" })),
+            ig("zone-c", serde_json::json!({ "zone": "c" })),
+            ig("everywhere", serde_json::json!({})),
+        ] {
+            writer.apply_watcher_event(&watcher::Event::Apply(object));
+        }
+        let relabel = [LabelChange {
+            node: "n1".into(),
+            before: Some(labels(&[("zone", "a")])),
+            after: Some(labels(&[("zone", "b")])),
+        }];
+        let mut names: Vec<String> = affected(&relabel, &store)
+            .into_iter()
+            .map(|object| object.name)
+            .collect();
+        names.sort();
+        assert_eq!(names, vec!["everywhere", "zone-a", "zone-b"]);
+        assert!(affected(&[], &store).is_empty());
     }
 }

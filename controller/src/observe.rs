@@ -6,11 +6,9 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::core::DeserializeGuard;
 use kube::runtime::reflector::Store;
-use kube::{Resource, ResourceExt};
 
-/// The label that names an attempt's InstanceGeneration; the attempt watch
-/// selects on it so unrelated objects never reach the cache.
-pub const INSTANCE_LABEL: &str = "genswap.dev/instance";
+use crate::scheduler::{LABEL_INSTANCE, label_value};
+use kube::{Resource, ResourceExt};
 
 /// The SwapAttempts `ig` owns, ordered by node then revision.
 ///
@@ -39,7 +37,7 @@ pub fn attempts_of(
                 .any(|owner| owner.kind == kind && &owner.uid == uid),
             // Only an object that never passed through an API server lacks
             // a uid; its attempts carry no owner either.
-            None => attempt.labels().get(INSTANCE_LABEL) == Some(&name),
+            None => attempt.labels().get(LABEL_INSTANCE) == Some(&label_value(&name)),
         })
         .cloned()
         .collect();

@@ -69,7 +69,7 @@ pub struct Context {
     pub leadership: Leadership,
     /// Field manager of the status writes.
     pub field_manager: String,
-    /// Every SwapAttempt carrying [`observe::INSTANCE_LABEL`], in scope.
+    /// Every SwapAttempt carrying [`scheduler::LABEL_INSTANCE`], in scope.
     pub attempts: Store<DeserializeGuard<SwapAttempt>>,
     /// Every Node, trimmed by [`observe::trim_node`].
     pub nodes: Store<Node>,

@@ -2,7 +2,7 @@
 //! cache the reconciler reads and the triggers that wake it.
 //!
 //! - InstanceGenerations: the Controller's own watch and store.
-//! - SwapAttempts (label [`INSTANCE_LABEL`]): a reflector whose events map to
+//! - SwapAttempts (label [`LABEL_INSTANCE`]): a reflector whose events map to
 //!   their owner IG (`owns`), so an agent's outcome re-plans its IG.
 //! - Nodes: a reflector of trimmed Nodes; a label change, add or delete
 //!   re-plans the IGs selecting the Node before or after it.
@@ -28,8 +28,9 @@ use crate::http::Readiness;
 use crate::leader::Leadership;
 use crate::metrics::Metrics;
 use crate::node_index::{NodeLabelIndex, affected};
-use crate::observe::{INSTANCE_LABEL, trim_node};
+use crate::observe::trim_node;
 use crate::reconciler::{Context, WatchedIg, error_policy, reconcile};
+use crate::scheduler::LABEL_INSTANCE;
 
 /// The name this controller records Events under.
 pub const CONTROLLER_NAME: &str = "genswap-controller";
@@ -62,7 +63,7 @@ pub async fn run_controller(
     let nodes: Api<Node> = Api::all(watch_client.clone());
 
     let (attempt_store, attempt_writer) = reflector::store();
-    let attempt_events = watcher(attempts, watcher::Config::default().labels(INSTANCE_LABEL))
+    let attempt_events = watcher(attempts, watcher::Config::default().labels(LABEL_INSTANCE))
         .default_backoff()
         .reflect(attempt_writer)
         .touched_objects();

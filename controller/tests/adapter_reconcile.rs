@@ -43,9 +43,9 @@ fn metric_line(metrics: &Metrics, line: &str) -> bool {
 
 #[tokio::test]
 async fn issuing_an_attempt_reserves_the_revision_before_creating_it() {
-    let h = harness(fixed_planner(issuing_plan()), true);
+    let (h, verifier) = harness(fixed_planner(issuing_plan()), true);
     let ig = ig("100", Some(status(4)));
-    let scenario = h.verifier.run(Scenario::Apply {
+    let scenario = verifier.run(Scenario::Apply {
         ig: ig.clone(),
         plan: issuing_plan(),
     });
@@ -65,9 +65,9 @@ async fn issuing_an_attempt_reserves_the_revision_before_creating_it() {
 
 #[tokio::test]
 async fn a_conflict_on_the_reservation_creates_nothing_and_is_requeued_with_backoff() {
-    let h = harness(fixed_planner(issuing_plan()), true);
+    let (h, verifier) = harness(fixed_planner(issuing_plan()), true);
     let ig = ig("100", Some(status(4)));
-    let scenario = h.verifier.run(Scenario::ReservationConflict {
+    let scenario = verifier.run(Scenario::ReservationConflict {
         ig: ig.clone(),
         plan: issuing_plan(),
     });
@@ -111,8 +111,8 @@ async fn an_unchanged_status_is_not_written() {
         requeue_after: Some(Duration::from_secs(7)),
         ..Plan::default()
     };
-    let h = harness(fixed_planner(plan), true);
-    let scenario = h.verifier.run(Scenario::RadioSilence);
+    let (h, verifier) = harness(fixed_planner(plan), true);
+    let scenario = verifier.run(Scenario::RadioSilence);
     let action = reconcile(watched(ig("100", Some(current))), h.ctx.clone())
         .await
         .expect("reconcile succeeds");
@@ -134,9 +134,9 @@ async fn a_changed_status_is_written_alone_when_nothing_is_issued() {
         },
         ..Plan::default()
     };
-    let h = harness(fixed_planner(plan.clone()), true);
+    let (h, verifier) = harness(fixed_planner(plan.clone()), true);
     let ig = ig("100", Some(status(9)));
-    let scenario = h.verifier.run(Scenario::Apply {
+    let scenario = verifier.run(Scenario::Apply {
         ig: ig.clone(),
         plan,
     });
@@ -161,9 +161,9 @@ async fn events_are_recorded_with_their_reasons_and_types_after_the_deletes() {
         ],
         requeue_after: None,
     };
-    let h = harness(fixed_planner(plan.clone()), true);
+    let (h, verifier) = harness(fixed_planner(plan.clone()), true);
     let ig = ig("100", Some(status(7)));
-    let scenario = h.verifier.run(Scenario::Apply {
+    let scenario = verifier.run(Scenario::Apply {
         ig: ig.clone(),
         plan,
     });
@@ -183,8 +183,8 @@ async fn events_alone_are_recorded_without_any_other_write() {
         events: events.clone(),
         ..Plan::default()
     };
-    let h = harness(fixed_planner(plan), true);
-    let scenario = h.verifier.run(Scenario::EventsOnly { events });
+    let (h, verifier) = harness(fixed_planner(plan), true);
+    let scenario = verifier.run(Scenario::EventsOnly { events });
     reconcile(watched(ig("100", Some(current))), h.ctx.clone())
         .await
         .expect("reconcile succeeds");
@@ -200,8 +200,8 @@ async fn a_follower_sends_nothing_and_does_not_plan() {
         *counter.lock().expect("counter lock") += 1;
         issuing_plan()
     });
-    let h = harness(planner, false);
-    let scenario = h.verifier.run(Scenario::RadioSilence);
+    let (h, verifier) = harness(planner, false);
+    let scenario = verifier.run(Scenario::RadioSilence);
     let action = reconcile(watched(ig("100", Some(status(4)))), h.ctx.clone())
         .await
         .expect("a follower's reconcile succeeds");
@@ -213,9 +213,9 @@ async fn a_follower_sends_nothing_and_does_not_plan() {
 
 #[tokio::test]
 async fn losing_the_lease_after_the_reservation_stops_before_the_create() {
-    let h = harness(fixed_planner(issuing_plan()), true);
+    let (h, verifier) = harness(fixed_planner(issuing_plan()), true);
     let ig = ig("100", Some(status(4)));
-    let scenario = h.verifier.run(Scenario::LoseLeadershipDuringReservation {
+    let scenario = verifier.run(Scenario::LoseLeadershipDuringReservation {
         ig: ig.clone(),
         plan: issuing_plan(),
         leadership: h.leadership.clone(),
@@ -237,9 +237,9 @@ async fn a_failed_create_after_the_reservation_is_reported_and_retried() {
         events: vec![event(false, "AttemptIssued", "schedRev 5 on n1")],
         ..Plan::default()
     };
-    let h = harness(fixed_planner(plan.clone()), true);
+    let (h, verifier) = harness(fixed_planner(plan.clone()), true);
     let ig = ig("100", Some(status(4)));
-    let scenario = h.verifier.run(Scenario::CreateFails {
+    let scenario = verifier.run(Scenario::CreateFails {
         ig: ig.clone(),
         plan,
         code: StatusCode::INTERNAL_SERVER_ERROR,
@@ -287,8 +287,8 @@ async fn a_plan_that_would_reissue_a_revision_is_refused_before_any_write() {
             ..Plan::default()
         },
     ] {
-        let h = harness(fixed_planner(plan), true);
-        let scenario = h.verifier.run(Scenario::RadioSilence);
+        let (h, verifier) = harness(fixed_planner(plan), true);
+        let scenario = verifier.run(Scenario::RadioSilence);
         let error = reconcile(watched(ig("100", Some(status(4)))), h.ctx.clone())
             .await
             .expect_err("the plan is refused");
@@ -300,10 +300,10 @@ async fn a_plan_that_would_reissue_a_revision_is_refused_before_any_write() {
 
 #[tokio::test]
 async fn an_object_without_a_resource_version_is_never_written_unconditionally() {
-    let h = harness(fixed_planner(issuing_plan()), true);
+    let (h, verifier) = harness(fixed_planner(issuing_plan()), true);
     let mut object = ig("100", Some(status(4)));
     object.metadata.resource_version = None;
-    let scenario = h.verifier.run(Scenario::RadioSilence);
+    let scenario = verifier.run(Scenario::RadioSilence);
     let error = reconcile(watched(object), h.ctx.clone())
         .await
         .expect_err("refused");
@@ -314,10 +314,10 @@ async fn an_object_without_a_resource_version_is_never_written_unconditionally()
 
 #[tokio::test]
 async fn an_object_being_deleted_gets_no_new_attempts() {
-    let h = harness(fixed_planner(issuing_plan()), true);
+    let (h, verifier) = harness(fixed_planner(issuing_plan()), true);
     let mut object = ig("100", Some(status(4)));
     object.metadata.deletion_timestamp = Some(Time(fixed_now()));
-    let scenario = h.verifier.run(Scenario::RadioSilence);
+    let scenario = verifier.run(Scenario::RadioSilence);
     let action = reconcile(watched(object), h.ctx.clone())
         .await
         .expect("reconcile succeeds");
@@ -328,7 +328,7 @@ async fn an_object_being_deleted_gets_no_new_attempts() {
 
 #[tokio::test]
 async fn an_unreadable_object_gets_a_warning_and_no_plan() {
-    let h = harness(fixed_planner(issuing_plan()), true);
+    let (h, verifier) = harness(fixed_planner(issuing_plan()), true);
     let invalid = DeserializeGuard(Err(InvalidObject {
         error: "spec.build: missing field `sha256`".into(),
         metadata: ObjectMeta {
@@ -339,7 +339,7 @@ async fn an_unreadable_object_gets_a_warning_and_no_plan() {
             ..ObjectMeta::default()
         },
     }));
-    let scenario = h.verifier.run(Scenario::EventsOnly {
+    let scenario = verifier.run(Scenario::EventsOnly {
         events: vec![event(true, "InvalidObject", "missing field `sha256`")],
     });
     let action = reconcile(Arc::new(invalid), h.ctx.clone())
@@ -377,7 +377,7 @@ async fn the_planner_sees_the_objects_own_attempts_and_every_node() {
             unchanged.clone()
         },
     );
-    let mut h = harness(planner, true);
+    let (mut h, verifier) = harness(planner, true);
     h.add_attempt(attempt("n2", 3));
     h.add_attempt(attempt("n1", 4));
     // The same name, owned by an earlier object of that name.
@@ -398,7 +398,7 @@ async fn the_planner_sees_the_objects_own_attempts_and_every_node() {
     h.add_node(node("n2", &[("pool", "b")]));
     h.add_node(node("n1", &[("pool", "a")]));
 
-    let scenario = h.verifier.run(Scenario::RadioSilence);
+    let scenario = verifier.run(Scenario::RadioSilence);
     reconcile(watched(ig("100", Some(current))), h.ctx.clone())
         .await
         .expect("reconcile succeeds");

@@ -3,6 +3,8 @@
 //! reconcile must send, in order, asserts them and answers them.
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod fake_api;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -125,14 +127,14 @@ pub fn fixed_planner(plan: Plan) -> Planner {
 /// A context over a mocked API server, with caches the test fills.
 pub struct Harness {
     pub ctx: Arc<Context>,
-    pub verifier: ApiServerVerifier,
     pub metrics: Arc<Metrics>,
     pub leadership: Leadership,
     pub attempts: Writer<DeserializeGuard<SwapAttempt>>,
     pub nodes: Writer<Node>,
 }
 
-pub fn harness(planner: Planner, leader: bool) -> Harness {
+/// A context over a mocked API server, and that server's side.
+pub fn harness(planner: Planner, leader: bool) -> (Harness, ApiServerVerifier) {
     let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, NAMESPACE);
     let metrics = Arc::new(Metrics::new());
@@ -153,14 +155,14 @@ pub fn harness(planner: Planner, leader: bool) -> Harness {
     )
     .with_planner(planner)
     .with_clock(Arc::new(fixed_now));
-    Harness {
+    let harness = Harness {
         ctx: Arc::new(ctx),
-        verifier: ApiServerVerifier(handle),
         metrics,
         leadership,
         attempts,
         nodes,
-    }
+    };
+    (harness, ApiServerVerifier(handle))
 }
 
 impl Harness {

@@ -1,0 +1,129 @@
+//! The real scheduler through the adapter, against an in-memory API server:
+//! a revision is never issued twice, even when a create fails after its
+//! reservation, when a stale replica writes, and across controller restarts.
+
+mod support;
+
+use std::sync::Arc;
+
+use genswap_controller::reconciler::reconcile;
+use genswap_controller::scheduler;
+use genswap_crds::InstanceGeneration;
+use support::fake_api::FakeCluster;
+use support::*;
+
+/// A controller process: fresh caches, fresh client, the real planner.
+fn start(cluster: &FakeCluster) -> (Harness, tokio::task::JoinHandle<()>) {
+    let (mut h, verifier) = harness(Arc::new(scheduler::plan), true);
+    h.add_node(node("n1", &[("pool", "a")]));
+    h.add_node(node("n2", &[("pool", "a")]));
+    let server = cluster.serve(verifier);
+    (h, server)
+}
+
+async fn stop(h: Harness, server: tokio::task::JoinHandle<()>) {
+    drop(h);
+    tokio::time::timeout(DEADLINE, server)
+        .await
+        .expect("the fake API server saw the client go")
+        .expect("the fake API server's assertions held");
+}
+
+async fn reconcile_once(h: &mut Harness, cluster: &FakeCluster) -> Result<(), String> {
+    let ig: InstanceGeneration = cluster.sync(h);
+    reconcile(watched(ig), h.ctx.clone())
+        .await
+        .map(|_| ())
+        .map_err(|error| error.to_string())
+}
+
+#[tokio::test]
+async fn a_revision_is_never_issued_twice_across_failed_creates_stale_writers_and_restarts() {
+    let cluster = FakeCluster::new(ig("1", None));
+
+    // Process A. The first attempt (canary n1, rev 1) is reserved, then its
+    // create fails: rev 1 is burned.
+    let (mut a, server) = start(&cluster);
+    cluster.with(|s| s.fail_next_creates = 1);
+    let failed = reconcile_once(&mut a, &cluster)
+        .await
+        .expect_err("the failed create fails the reconcile");
+    assert!(failed.contains("burned"), "{failed}");
+    assert_eq!(cluster.ig().status.as_ref().map(|s| s.sched_rev), Some(1));
+    assert!(cluster.with(|s| s.attempts.is_empty()));
+
+    // A replica whose cache still holds the object from before the
+    // reservation cannot issue anything: its write conflicts.
+    let stale = cluster.ig();
+    reconcile_once(&mut a, &cluster)
+        .await
+        .expect("the retry issues a fresh revision");
+    assert_eq!(cluster.with(|s| s.create_requests.clone()), vec![1, 2]);
+    let error = reconcile(watched(stale), a.ctx.clone())
+        .await
+        .expect_err("a stale writer loses");
+    assert_eq!(error.metric_label(), "conflict");
+    assert_eq!(cluster.with(|s| s.conflicts), 1);
+    assert_eq!(
+        cluster.with(|s| s.create_requests.clone()),
+        vec![1, 2],
+        "the stale writer created nothing"
+    );
+    stop(a, server).await;
+
+    // Process B starts from what the API server holds. The canary is done;
+    // the next node is issued, and its create fails too: rev 3 is burned.
+    cluster.report("web-n1-2", "done", 1);
+    let (mut b, server) = start(&cluster);
+    cluster.with(|s| s.fail_next_creates = 1);
+    reconcile_once(&mut b, &cluster)
+        .await
+        .expect_err("the failed create fails the reconcile");
+    stop(b, server).await;
+
+    // Process C: the burned revision is not reused.
+    let (mut c, server) = start(&cluster);
+    reconcile_once(&mut c, &cluster)
+        .await
+        .expect("the retry after the restart issues a fresh revision");
+    // Nothing more to issue while n2 is in flight: a further reconcile
+    // writes nothing new.
+    reconcile_once(&mut c, &cluster)
+        .await
+        .expect("an idle reconcile succeeds");
+    stop(c, server).await;
+
+    let (requested, stored, sched_rev, reasons) = cluster.with(|s| {
+        (
+            s.create_requests.clone(),
+            s.attempts
+                .values()
+                .map(|a| (a.spec.node_name.clone(), a.spec.sched_rev))
+                .collect::<Vec<_>>(),
+            s.ig.status.as_ref().map(|st| st.sched_rev),
+            s.event_reasons.clone(),
+        )
+    });
+    assert_eq!(
+        requested,
+        vec![1, 2, 3, 4],
+        "every revision was handed out once, in order"
+    );
+    assert_eq!(
+        stored,
+        vec![("n1".into(), 2), ("n2".into(), 4)],
+        "burned revisions 1 and 3 exist nowhere"
+    );
+    assert_eq!(sched_rev, Some(4));
+    for reason in ["AttemptIssued", "AttemptCreateFailed", "SwapDone"] {
+        assert!(
+            reasons.iter().any(|r| r == reason),
+            "{reason} recorded: {reasons:?}"
+        );
+    }
+    assert_eq!(
+        reasons.iter().filter(|r| *r == "SwapDone").count(),
+        1,
+        "an outcome is recorded once, even across a restart: {reasons:?}"
+    );
+}
