@@ -20,10 +20,18 @@
 //! of the host, never of the build.
 
 use std::fmt;
+use std::path::PathBuf;
+use std::process::ExitStatus;
 
 use thiserror::Error;
 
+use crate::cgroup::{CgroupError, QuantityError};
+use crate::engine::interim::SpawnError;
 use crate::gate::{GatePoint, GateRefusal};
+use crate::health::HealthError;
+use crate::journal::JournalError;
+use crate::stage::StageError;
+use crate::switch::SwitchError;
 
 /// How one step of an attempt ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -67,6 +75,9 @@ pub enum AdmissionRefusal {
     /// Another attempt of the same instance is running.
     #[error("the instance is mid-operation: another attempt of it is running on this node")]
     Busy,
+    /// An overlap of an instance whose serving generation is not a server.
+    #[error("the serving generation is a worker, not a server: it cannot overlap")]
+    NotAServer,
 }
 
 /// Why a step did not succeed: one variant per source, each carrying that
@@ -76,8 +87,11 @@ pub enum StepError {
     /// The attempt's lifetime ended.
     #[error("cancelled: {0}")]
     Cancelled(String),
+    /// `--swap=off`.
+    #[error("swaps are off on this node (--swap=off); nothing was started")]
+    SwapsOff,
     /// The attempt gate refused.
-    #[error("the attempt gate refused at {point}: {refusal}")]
+    #[error("the attempt gate refused at {point}")]
     Gate {
         /// Where it was asked.
         point: GatePoint,
@@ -86,8 +100,69 @@ pub enum StepError {
         refusal: GateRefusal,
     },
     /// The instance's own state refused the attempt.
-    #[error("admission: {0}")]
+    #[error("admission refused")]
     Admission(#[source] AdmissionRefusal),
+    /// Staging refused the artifact.
+    #[error("staging refused the artifact")]
+    Stage(#[from] StageError),
+    /// `resources` could not be read as a tier.
+    #[error("the requested resources cannot be used as cgroup limits")]
+    Tier(#[from] QuantityError),
+    /// The cgroup manager refused or failed before anything ran (a limit
+    /// whose controller is not enabled, a cgroup that cannot be made fresh).
+    #[error("the generation's cgroup could not be prepared")]
+    Cgroup(#[from] CgroupError),
+    /// The process would run as uid 0 and the agent does not allow it.
+    #[error("{}", if *asked { "process.user is 0 and this agent does not allow root instances" } else { "no process.user is set, so the instance would run as the agent's uid 0, and this agent does not allow root instances" })]
+    RootRefused {
+        /// `process.user: 0` was asked for (rather than inherited).
+        asked: bool,
+    },
+    /// The instance's run dir could not be made ready.
+    #[error("the instance run dir {} could not be prepared", path.display())]
+    RunDir {
+        /// The run dir.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The intent journal could not be written.
+    #[error("the intent journal could not be written")]
+    Journal(#[from] JournalError),
+    /// The spawn or the exec failed.
+    #[error("the successor could not be started")]
+    Spawn(#[source] SpawnError),
+    /// What started is not what the attempt chose.
+    #[error("what started is not what the attempt chose: {what}")]
+    Identity {
+        /// What differs.
+        what: String,
+    },
+    /// No healthy answer.
+    #[error("the successor did not become healthy")]
+    Unhealthy(#[source] HealthError),
+    /// The successor's main process exited when it should be serving.
+    #[error("generation {generation} exited {when} ({status})")]
+    Exited {
+        /// The generation.
+        generation: u64,
+        /// When: before it was healthy, inside the settle window, before
+        /// the switch.
+        when: &'static str,
+        /// How.
+        status: ExitStatus,
+    },
+    /// `current.sock` could not move; nothing switched.
+    #[error("current.sock could not be switched")]
+    Switch(#[from] SwitchError),
+    /// A generation could not be proven stopped.
+    #[error("the generation could not be proven stopped")]
+    Stop(#[source] CgroupError),
+    /// The engine broke one of its own rules (a bug): refused, never blamed
+    /// on the build.
+    #[error("internal error: {0}")]
+    Internal(&'static str),
 }
 
 /// THE classifier: what a step's result means (SPEC 5.4). `lifetime_ended`
@@ -103,6 +178,35 @@ pub fn classify<T>(result: &Result<T, StepError>, lifetime_ended: bool) -> StepO
     }
     match error {
         StepError::Cancelled(_) => StepOutcome::Cancelled,
-        StepError::Gate { .. } | StepError::Admission(_) => StepOutcome::Stale,
+        StepError::Unhealthy(HealthError::Cancelled { .. }) => StepOutcome::Cancelled,
+        // Refusals: the gate's, the instance's, and the host's before
+        // anything of the build ran.
+        StepError::SwapsOff
+        | StepError::Gate { .. }
+        | StepError::Admission(_)
+        | StepError::Stage(_)
+        | StepError::Tier(_)
+        | StepError::Cgroup(_)
+        | StepError::RootRefused { .. }
+        | StepError::RunDir { .. }
+        | StepError::Journal(_)
+        | StepError::Internal(_) => StepOutcome::Stale,
+        // Faults of the host after the build ran: the link that did not
+        // move, a stop without proof. Not the build's doing.
+        StepError::Switch(_) | StepError::Stop(_) => StepOutcome::Stale,
+        StepError::Spawn(error) => {
+            if error.is_refusal() {
+                StepOutcome::Stale
+            } else {
+                StepOutcome::Failed
+            }
+        }
+        // An unusable health path says nothing about the build.
+        StepError::Unhealthy(HealthError::InvalidPath { .. }) => StepOutcome::Stale,
+        StepError::Unhealthy(HealthError::Timeout { .. } | HealthError::Request { .. }) => {
+            StepOutcome::Failed
+        }
+        // The build's own failures.
+        StepError::Identity { .. } | StepError::Exited { .. } => StepOutcome::Failed,
     }
 }

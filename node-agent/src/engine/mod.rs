@@ -1,10 +1,356 @@
-//! The swap engine: one attempt moves one instance to a new generation.
+//! The swap engine: one attempt moves one instance on this node to a new
+//! generation (SPEC 5.2 to 5.8 and 6).
 //!
-//! It knows nothing of Kubernetes. An adapter hands it an [`Attempt`] (the
-//! SwapAttempt's spec), an [`AttemptGate`](crate::gate::AttemptGate) and a
-//! [`Cancel`] token, and gets a [`SwapResult`] back.
+//! It knows nothing of Kubernetes. An adapter hands [`Engine::swap`] an
+//! [`Attempt`] (the SwapAttempt's spec), an [`AttemptGate`] and a [`Cancel`]
+//! token, and gets a [`SwapResult`] back: what the agent writes to the
+//! SwapAttempt's status. `swap` returns when the attempt is over, an overlap's
+//! retiring generation drained and proven stopped included.
+//!
+//! # Modes
+//!
+//! The attempt runs in its *effective mode* ([`effective_mode`]): an overlap
+//! on a fixed socket layout, with a hold demand, or of a worker runs as a
+//! hold. The effective mode is the first thing written to the intent journal
+//! and is reported in [`SwapResult::effective_mode`].
+//!
+//! - **Overlap** ([SPEC 5.5]): stage → admit → raise → journal → spawn →
+//!   health → settle → switch → retire. The successor starts beside the
+//!   incumbent in its own `gen-<N>` cgroup and socket, and takes over
+//!   `current.sock` only once healthy; any failure before the switch stops
+//!   it with proof, and the incumbent keeps serving.
+//! - **Hold** (SPEC 5.6): stage → admit → journal → stop → spawn → health →
+//!   settle → switch. A build failure after the incumbent stopped is `down`.
+//! - **Worker**: a hold whose new build may exit 0 inside the settle window,
+//!   a one-shot's success (`done`, `clean_exit`). Workers are always watched
+//!   for the settle window.
+//! - **Install** (no generation serves): the effective mode with nothing to
+//!   raise, stop or retire. A failed install stopped nothing, so it is
+//!   `failed`, never `down`.
+//!
+//! # The gate, the classifier and `executed`
+//!
+//! The gate is asked at admission, right before the exec, and at the switch
+//! (overlap); a refusal ends the attempt `abandoned`, and anything of the
+//! build that already runs is stopped with proof. Every step's error goes
+//! through the one classifier, [`crate::classify::classify`]; only a `failed`
+//! step is the build's fault. [`SwapResult::executed`] is `false` only when it
+//! is proven that no process of the build started.
+//!
+//! # Concurrency
+//!
+//! One attempt per instance at a time (a second one is refused as
+//! mid-operation); different instances swap in parallel. The per-instance
+//! state lives behind a `std::sync::Mutex` that is never held across an
+//! await. End an attempt early with its [`Cancel`] token, not by dropping the
+//! future: a dropped swap leaves whatever it had started to crash recovery.
+//!
+//! [SPEC 5.5]: ../../../../shared/SPEC.md
 mod cancel;
+mod flow;
+mod hold;
+pub(crate) mod interim;
+mod overlap;
+mod parts;
 mod types;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use genswap_crds::{InstanceKind, StopSpec};
+use thiserror::Error;
 
 pub use cancel::Cancel;
 pub use types::{Attempt, Step, StepRecord, SwapResult, effective_mode};
+
+use crate::cgroup::{Cgroup, CgroupError, CgroupManager, Tier};
+use crate::gate::{AttemptGate, InstanceKey};
+use crate::journal::{GenerationRecord, Journal, JournalError};
+use crate::stage::Stager;
+use crate::switch::RunLayout;
+use interim::Child;
+
+/// The engine's settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Instances may run as uid 0.
+    pub allow_root: bool,
+    /// `false` is `--swap=off`: every attempt is abandoned and nothing is
+    /// spawned.
+    pub swaps_on: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            allow_root: false,
+            swaps_on: true,
+        }
+    }
+}
+
+/// The host parts the engine composes.
+pub struct EngineParts {
+    /// The cgroup v2 subtree instances run in.
+    pub cgroups: CgroupManager,
+    /// Where the instances' sockets and `current.sock` live.
+    pub layout: RunLayout,
+    /// The artifact store and its staging rules.
+    pub stager: Stager,
+    /// The per-instance intent journal.
+    pub journal: Journal,
+}
+
+/// What serves an instance now, as the engine knows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServingGeneration {
+    /// Its generation N.
+    pub generation: u64,
+    /// The build id.
+    pub build: String,
+    /// The artifact's sha256.
+    pub sha256: String,
+    /// The store path it was executed from.
+    pub store_path: PathBuf,
+    /// Its own socket, `gen-<N>.sock`.
+    pub socket: PathBuf,
+    /// Its cgroup directory.
+    pub cgroup: PathBuf,
+    /// Its main process.
+    pub pid: u32,
+}
+
+/// Why an engine operation outside an attempt failed.
+#[derive(Debug, Error)]
+pub enum EngineError {
+    /// The instance is mid-operation.
+    #[error("{instance} is mid-operation: an attempt of it is running")]
+    Busy {
+        /// The instance.
+        instance: InstanceKey,
+    },
+    /// Its generation could not be stopped with proof.
+    #[error("stopping {instance}: {source}")]
+    Stop {
+        /// The instance.
+        instance: InstanceKey,
+        /// Why.
+        #[source]
+        source: CgroupError,
+    },
+    /// The journal could not record that nothing serves.
+    #[error("journaling that {instance} stopped: {source}")]
+    Journal {
+        /// The instance.
+        instance: InstanceKey,
+        /// Why.
+        #[source]
+        source: JournalError,
+    },
+}
+
+/// One running generation that the engine started and supervises.
+#[derive(Debug)]
+pub(crate) struct Running {
+    /// N, build, digest, store path, cgroup and socket, as journaled.
+    pub(crate) record: GenerationRecord,
+    pub(crate) cgroup: Cgroup,
+    pub(crate) tier: Tier,
+    pub(crate) kind: InstanceKind,
+    pub(crate) child: Child,
+}
+
+impl Running {
+    fn serving(&self) -> ServingGeneration {
+        ServingGeneration {
+            generation: self.record.n,
+            build: self.record.build.clone(),
+            sha256: self.record.sha256.clone(),
+            store_path: self.record.store_path.clone().unwrap_or_default(),
+            socket: self.record.socket.clone(),
+            cgroup: self.record.cgroup.clone(),
+            pid: self.child.pid(),
+        }
+    }
+}
+
+/// The engine's memory of one instance.
+#[derive(Debug, Default)]
+struct InstanceState {
+    /// An attempt (or a stop) of this instance is running.
+    busy: bool,
+    /// The serving generation. While busy, the attempt holds it instead
+    /// (see [`Claim`]) and this is `None`.
+    serving: Option<Running>,
+    /// What serves, kept readable while an attempt holds the generation.
+    info: Option<ServingGeneration>,
+}
+
+/// The swap engine of one node. See the module docs.
+pub struct Engine {
+    cgroups: CgroupManager,
+    layout: RunLayout,
+    stager: Stager,
+    journal: Arc<Journal>,
+    config: EngineConfig,
+    instances: Mutex<HashMap<InstanceKey, InstanceState>>,
+}
+
+impl Engine {
+    /// An engine over these host parts.
+    pub fn new(parts: EngineParts, config: EngineConfig) -> Self {
+        Self {
+            cgroups: parts.cgroups,
+            layout: parts.layout,
+            stager: parts.stager,
+            journal: Arc::new(parts.journal),
+            config,
+            instances: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The engine's settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The run-dir layout (where `current.sock` of an instance is).
+    pub fn layout(&self) -> &RunLayout {
+        &self.layout
+    }
+
+    /// The intent journal: the adapter reads pending outcomes from it and
+    /// acknowledges them once the API server accepted them.
+    pub fn journal(&self) -> &Journal {
+        &self.journal
+    }
+
+    /// The cgroup subtree the engine runs instances in.
+    pub fn cgroups(&self) -> &CgroupManager {
+        &self.cgroups
+    }
+
+    /// What serves `instance` now, if anything.
+    pub fn serving(&self, instance: &InstanceKey) -> Option<ServingGeneration> {
+        self.lock_instances()
+            .get(instance)
+            .and_then(|state| state.info.clone())
+    }
+
+    /// Every instance the engine has a serving generation for.
+    pub fn instances(&self) -> Vec<InstanceKey> {
+        let mut keys: Vec<InstanceKey> = self
+            .lock_instances()
+            .iter()
+            .filter(|(_, state)| state.info.is_some())
+            .map(|(key, _)| key.clone())
+            .collect();
+        keys.sort();
+        keys
+    }
+
+    /// Runs one attempt to its end. See the module docs.
+    pub async fn swap(
+        &self,
+        attempt: &Attempt,
+        gate: &dyn AttemptGate,
+        cancel: &Cancel,
+    ) -> SwapResult {
+        flow::run(self, attempt, gate, cancel).await
+    }
+
+    /// Stops `instance`'s serving generation with proof of exit (its
+    /// InstanceGeneration was deleted, or the agent tears it down), removes
+    /// its cgroup, socket and `current.sock`, and journals that nothing
+    /// serves. Returns the drain time; `None` when nothing served.
+    pub async fn stop_instance(
+        &self,
+        instance: &InstanceKey,
+        stop: &StopSpec,
+    ) -> Result<Option<Duration>, EngineError> {
+        let mut claim = self.claim(instance).ok_or_else(|| EngineError::Busy {
+            instance: instance.clone(),
+        })?;
+        let Some(running) = claim.serving.take() else {
+            return Ok(None);
+        };
+        let drain = match parts::stop_generation(running, stop).await {
+            Ok(report) => report.drain,
+            Err((running, source)) => {
+                claim.serving = Some(running);
+                return Err(EngineError::Stop {
+                    instance: instance.clone(),
+                    source,
+                });
+            }
+        };
+        parts::remove_current_link(&self.layout, instance);
+        let journal = Arc::clone(&self.journal);
+        let key = instance.clone();
+        parts::blocking(move || journal.set_serving(&key, None))
+            .await
+            .map_err(|source| EngineError::Journal {
+                instance: instance.clone(),
+                source,
+            })?;
+        Ok(Some(drain))
+    }
+
+    /// Marks `instance` busy and takes its serving generation for the
+    /// caller; `None` when it is already busy.
+    fn claim(&self, instance: &InstanceKey) -> Option<Claim<'_>> {
+        let mut instances = self.lock_instances();
+        let state = instances.entry(instance.clone()).or_default();
+        if state.busy {
+            return None;
+        }
+        state.busy = true;
+        let serving = state.serving.take();
+        Some(Claim {
+            engine: self,
+            instance: instance.clone(),
+            serving,
+        })
+    }
+
+    /// The map holds plain data that every writer leaves consistent, so a
+    /// poisoned lock is still safe to use.
+    fn lock_instances(&self) -> MutexGuard<'_, HashMap<InstanceKey, InstanceState>> {
+        self.instances
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// An instance marked busy, holding its serving generation. Dropping it
+/// hands whatever `serving` holds back to the engine and clears the mark, on
+/// every exit path.
+struct Claim<'a> {
+    engine: &'a Engine,
+    instance: InstanceKey,
+    serving: Option<Running>,
+}
+
+impl Claim<'_> {
+    /// Publishes what serves now without ending the claim, so
+    /// [`Engine::serving`] answers right after a switch.
+    fn publish(&self) {
+        let info = self.serving.as_ref().map(Running::serving);
+        if let Some(state) = self.engine.lock_instances().get_mut(&self.instance) {
+            state.info = info;
+        }
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        let serving = self.serving.take();
+        let mut instances = self.engine.lock_instances();
+        let state = instances.entry(self.instance.clone()).or_default();
+        state.info = serving.as_ref().map(Running::serving);
+        state.serving = serving;
+        state.busy = false;
+    }
+}

@@ -1,0 +1,674 @@
+//! One attempt's run: the step bookkeeping every mode shares, the intake
+//! (swaps off, mid-operation, the effective mode's first journal write), the
+//! successor's start (cgroup, gate, exec, identity, health, settle), and the
+//! outcome.
+
+use std::future::Future;
+use std::process::ExitStatus;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use genswap_crds::{InstanceKind, Mode, Outcome};
+
+use super::parts::{self, Staged};
+use super::types::{Attempt, Step, StepRecord, SwapResult};
+use super::{Cancel, Engine, Running, hold, overlap};
+use crate::cgroup::Tier;
+use crate::classify::{AdmissionRefusal, StepError, StepOutcome, classify};
+use crate::gate::{AttemptGate, GatePoint};
+use crate::journal::{AttemptRef, GenerationRecord, OutcomeRecord, Phase, Record, unix_millis_now};
+
+/// An attempt that ended before its mode's last step: what the classifier
+/// made of the error, and the error.
+#[derive(Debug)]
+pub(super) struct Ended {
+    pub(super) outcome: StepOutcome,
+    pub(super) error: StepError,
+}
+
+/// How a mode's flow ended well.
+#[derive(Debug, Default)]
+pub(super) struct Finished {
+    /// A worker's one-shot exited 0 inside its window.
+    pub(super) clean_exit: bool,
+    /// Said beside a `done` (a retiring generation that needed
+    /// `cgroup.kill`, a parent that could not be restored).
+    pub(super) note: String,
+}
+
+/// The successor after its start: serving, or a worker's one-shot that
+/// already exited 0.
+pub(super) enum Started {
+    Serving(Box<Running>),
+    CleanExit,
+}
+
+/// What a step's work may borrow: the attempt's fixed context.
+#[derive(Clone, Copy)]
+pub(super) struct Ctx<'a> {
+    pub(super) engine: &'a Engine,
+    pub(super) attempt: &'a Attempt,
+    pub(super) gate: &'a dyn AttemptGate,
+    pub(super) cancel: &'a Cancel,
+}
+
+impl Ctx<'_> {
+    /// Asks the gate at `point`; a cancelled attempt goes no further either.
+    pub(super) fn check_gate(&self, point: GatePoint) -> Result<(), StepError> {
+        if let Some(why) = self.cancel.reason() {
+            return Err(StepError::Cancelled(why));
+        }
+        self.gate
+            .check(point, &self.attempt.id())
+            .map_err(|refusal| StepError::Gate { point, refusal })
+    }
+}
+
+/// One attempt in progress: its context and what it has found out so far.
+pub(super) struct Run<'a> {
+    pub(super) engine: &'a Engine,
+    pub(super) attempt: &'a Attempt,
+    pub(super) gate: &'a dyn AttemptGate,
+    pub(super) cancel: &'a Cancel,
+    pub(super) mode: Mode,
+    pub(super) steps: Vec<StepRecord>,
+    /// The tri-state evidence: `false` only while it is proven that nothing
+    /// of the build started.
+    pub(super) executed: bool,
+    pub(super) generation: Option<u64>,
+    pub(super) drain: Option<Duration>,
+    /// A serving incumbent was stopped by this attempt: a build failure from
+    /// here on is `down`.
+    pub(super) incumbent_stopped: bool,
+    pub(super) record: Record,
+    started_at: SystemTime,
+}
+
+/// Runs `attempt` to its end (see the engine's module docs).
+pub(super) async fn run(
+    engine: &Engine,
+    attempt: &Attempt,
+    gate: &dyn AttemptGate,
+    cancel: &Cancel,
+) -> SwapResult {
+    let started_at = SystemTime::now();
+    let mode = attempt.effective_mode();
+    if !engine.config.swaps_on {
+        return refused_at_intake(mode, started_at, StepError::SwapsOff);
+    }
+    let Some(mut claim) = engine.claim(&attempt.instance) else {
+        return refused_at_intake(
+            mode,
+            started_at,
+            StepError::Admission(AdmissionRefusal::Busy),
+        );
+    };
+    let mut record = Record::admitted(
+        attempt.instance.clone(),
+        AttemptRef {
+            name: attempt.name.clone(),
+            uid: None,
+            sched_rev: attempt.spec.sched_rev,
+        },
+        attempt.spec.cause,
+        attempt.spec.kind,
+        attempt.spec.mode,
+        mode,
+    );
+    record.incumbent = claim.serving.as_ref().map(|running| running.record.clone());
+    let mut run = Run {
+        engine,
+        attempt,
+        gate,
+        cancel,
+        mode,
+        steps: Vec::new(),
+        executed: false,
+        generation: None,
+        drain: None,
+        incumbent_stopped: false,
+        record,
+        started_at,
+    };
+    // SPEC 5.2: the effective mode is on disk before anything else happens,
+    // so a failure is booked under the mode that actually ran.
+    if let Err(ended) = run.step(Step::Journal, false, run.write_journal()).await {
+        return run.end(ended, false).await;
+    }
+    let flow = match mode {
+        Mode::Overlap => overlap::run(&mut run, &mut claim).await,
+        Mode::Hold => hold::run(&mut run, &mut claim).await,
+    };
+    let result = match flow {
+        Ok(finished) => run.done(finished).await,
+        Err(ended) => run.end(ended, true).await,
+    };
+    drop(claim);
+    result
+}
+
+/// An attempt refused before the engine took it: nothing was journaled,
+/// nothing touched the host.
+fn refused_at_intake(mode: Mode, started_at: SystemTime, error: StepError) -> SwapResult {
+    let result: Result<(), StepError> = Err(error);
+    let outcome = classify(&result, false);
+    let reason = result.err().map(|e| reason_of(&e)).unwrap_or_default();
+    SwapResult {
+        outcome: outcome_of(outcome, false),
+        effective_mode: mode,
+        generation: None,
+        reason,
+        executed: false,
+        clean_exit: false,
+        drain: None,
+        steps: vec![StepRecord {
+            step: Step::Admit,
+            result: outcome,
+            duration: Duration::ZERO,
+        }],
+        started_at,
+        finished_at: SystemTime::now(),
+    }
+}
+
+/// The attempt outcome for a step outcome (SPEC 5.4): a cancelled or stale
+/// step abandons the attempt; a failed one is `down` when this attempt had
+/// stopped the serving generation, `failed` otherwise.
+pub(super) fn outcome_of(step: StepOutcome, incumbent_stopped: bool) -> Outcome {
+    match step {
+        StepOutcome::Ok => Outcome::Done,
+        StepOutcome::Cancelled | StepOutcome::Stale => Outcome::Abandoned,
+        StepOutcome::Failed if incumbent_stopped => Outcome::Down,
+        StepOutcome::Failed => Outcome::Failed,
+    }
+}
+
+/// An error and its sources as one line, each source said once.
+pub(super) fn reason_of(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut reason = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !reason.contains(&text) {
+            reason.push_str(": ");
+            reason.push_str(&text);
+        }
+        source = cause.source();
+    }
+    reason
+}
+
+impl<'a> Run<'a> {
+    /// Runs one step, records how it ended, and classifies its error.
+    /// A cancellable step also ends when the attempt's lifetime does.
+    pub(super) async fn step<T>(
+        &mut self,
+        step: Step,
+        cancellable: bool,
+        work: impl Future<Output = Result<T, StepError>>,
+    ) -> Result<T, Ended> {
+        let started = Instant::now();
+        let result = if cancellable {
+            let cancel = self.cancel;
+            tokio::select! {
+                biased;
+                () = cancel.cancelled() => Err(StepError::Cancelled(
+                    cancel.reason().unwrap_or_else(|| "the attempt was cancelled".into()),
+                )),
+                result = work => result,
+            }
+        } else {
+            work.await
+        };
+        self.note(step, started, result)
+    }
+
+    /// Records a step that ran since `started` and ended with `result`,
+    /// classified by the one classifier.
+    pub(super) fn note<T>(
+        &mut self,
+        step: Step,
+        started: Instant,
+        result: Result<T, StepError>,
+    ) -> Result<T, Ended> {
+        let outcome = classify(&result, self.cancel.is_cancelled());
+        self.steps.push(StepRecord {
+            step,
+            result: outcome,
+            duration: started.elapsed(),
+        });
+        result.map_err(|error| Ended { outcome, error })
+    }
+
+    /// Writes the attempt's record, durably.
+    pub(super) fn write_journal(&self) -> impl Future<Output = Result<(), StepError>> + 'static {
+        let journal = Arc::clone(&self.engine.journal);
+        let record = self.record.clone();
+        async move {
+            parts::blocking(move || journal.record(&record))
+                .await
+                .map_err(StepError::Journal)
+        }
+    }
+
+    /// Moves the record to `phase` and writes it, for a phase whose action
+    /// must go on even when
+    /// the journal cannot say so (a switch that happened, a retirement that
+    /// is owed): a failed write is logged, and recovery works from the host.
+    pub(super) async fn advance_after_exec(&mut self, phase: Phase) {
+        self.record.advance(phase);
+        if let Err(error) = self.write_journal().await {
+            tracing::error!(
+                instance = %self.attempt.instance,
+                attempt = %self.attempt.name,
+                error = %reason_of(&error),
+                "the intent journal could not record a phase; the attempt goes on"
+            );
+        }
+    }
+
+    /// Reserves the successor's generation number from the journal's
+    /// counter and describes it in the record.
+    pub(super) async fn reserve_generation(&mut self, staged: &Staged) -> Result<u64, StepError> {
+        let journal = Arc::clone(&self.engine.journal);
+        let instance = self.attempt.instance.clone();
+        let n = parts::blocking(move || journal.allocate_generation(&instance))
+            .await
+            .map_err(StepError::Journal)?;
+        let instance_cgroup = self.engine.cgroups.instance_handle(
+            self.attempt.instance.namespace(),
+            self.attempt.instance.name(),
+        )?;
+        self.generation = Some(n);
+        self.record.successor = Some(GenerationRecord {
+            n,
+            build: self.attempt.spec.build.id.clone(),
+            sha256: staged.sha256.clone(),
+            store_path: Some(staged.path.clone()),
+            cgroup: instance_cgroup.generation(n).path().to_path_buf(),
+            socket: self
+                .engine
+                .layout
+                .generation_socket(&self.attempt.instance, n),
+            config_rev: self.attempt.spec.config_rev.clone(),
+            restart_id: self.attempt.spec.restart_id.clone(),
+            serving_since_ms: None,
+        });
+        Ok(n)
+    }
+
+    /// SPEC 5.5 step 2 (and the hold's admission): the gate, the instance's
+    /// own state, the successor's number, and the checks that can refuse
+    /// the start before anything changes on the host. Returns the tier.
+    pub(super) async fn admit(
+        &mut self,
+        incumbent: Option<&Running>,
+        staged: &Staged,
+    ) -> Result<Tier, StepError> {
+        self.ctx().check_gate(GatePoint::Admission)?;
+        if self.mode == Mode::Overlap
+            && incumbent.is_some_and(|running| running.kind != InstanceKind::Instance)
+        {
+            return Err(StepError::Admission(AdmissionRefusal::NotAServer));
+        }
+        let n = self.reserve_generation(staged).await?;
+        self.preflight(n)
+    }
+
+    /// The checks that can refuse a start before anything changes on the
+    /// host: the tier parses, its controllers are enabled, the uid is
+    /// allowed. Run before an overlap's raise and before a hold's stop, so
+    /// such a refusal never leaves the instance worse off.
+    pub(super) fn preflight(&self, n: u64) -> Result<Tier, StepError> {
+        let tier = Tier::from_resources(&self.attempt.spec.resources)?;
+        let instance = self.engine.cgroups.instance(
+            self.attempt.instance.namespace(),
+            self.attempt.instance.name(),
+        )?;
+        instance.check_generation_limits(n, &tier)?;
+        parts::check_user(&self.attempt.spec.process, self.engine.config.allow_root)?;
+        Ok(tier)
+    }
+
+    /// The successor's start, SPEC 5.5 steps 5 to 7: a fresh `gen-<N>`
+    /// cgroup, the gate, the exec, the identity check, health, and the
+    /// settle window. On any error after the exec the successor is stopped
+    /// with proof before this returns.
+    pub(super) async fn start_successor(
+        &mut self,
+        staged: &Staged,
+        tier: &Tier,
+    ) -> Result<Started, Ended> {
+        let Some(successor) = self.record.successor.clone() else {
+            return Err(Ended {
+                outcome: StepOutcome::Stale,
+                error: StepError::Internal("the successor's generation was not reserved"),
+            });
+        };
+        // Not cancellable: once the exec may have happened, the child's
+        // handle must come back here, whatever the attempt's lifetime says.
+        let spawned = self
+            .step(
+                Step::Spawn,
+                false,
+                spawn_successor(self.ctx(), &successor, staged, tier),
+            )
+            .await;
+        let mut running = match spawned {
+            Ok(running) => {
+                self.executed = true;
+                running
+            }
+            Err(ended) => {
+                self.executed |= parts::may_have_run(&ended.error);
+                return Err(ended);
+            }
+        };
+        self.advance_after_exec(Phase::Spawned {
+            pid: i32::try_from(running.child.pid()).unwrap_or(i32::MAX),
+        })
+        .await;
+
+        let health = &self.attempt.spec.health;
+        let timeout = Duration::from_secs(u64::try_from(health.timeout_seconds).unwrap_or(0));
+        let socket = running.record.socket.clone();
+        let worker = self.attempt.spec.kind == InstanceKind::Worker;
+        let healthy = self
+            .step(
+                Step::Health,
+                true,
+                healthy_or_exit(&mut running, &socket, &health.path, timeout, worker),
+            )
+            .await;
+        match healthy {
+            Ok(HealthEnd::Healthy) => {}
+            Ok(HealthEnd::CleanExit) => {
+                self.clean_up(running).await;
+                return Ok(Started::CleanExit);
+            }
+            Err(ended) => {
+                self.clean_up(running).await;
+                return Err(ended);
+            }
+        }
+        self.advance_after_exec(Phase::Healthy).await;
+
+        if self.attempt.settles() {
+            let window =
+                Duration::from_secs(u64::try_from(self.attempt.spec.settle.seconds).unwrap_or(0));
+            let settled = self
+                .step(Step::Settle, true, settle(&mut running, window, worker))
+                .await;
+            match settled {
+                Ok(SettleEnd::Survived) => {}
+                Ok(SettleEnd::CleanExit) => {
+                    self.clean_up(running).await;
+                    return Ok(Started::CleanExit);
+                }
+                Err(ended) => {
+                    self.clean_up(running).await;
+                    return Err(ended);
+                }
+            }
+        }
+        Ok(Started::Serving(Box::new(running)))
+    }
+
+    /// The parts of the run a step's future may borrow while the run
+    /// records the step.
+    pub(super) fn ctx(&self) -> Ctx<'a> {
+        Ctx {
+            engine: self.engine,
+            attempt: self.attempt,
+            gate: self.gate,
+            cancel: self.cancel,
+        }
+    }
+
+    /// Stops a successor that will not serve, with proof, and removes its
+    /// cgroup and socket. A stop that cannot be proven is logged: the
+    /// cgroup stays for recovery to find.
+    pub(super) async fn clean_up(&mut self, running: Running) {
+        let stop = self.attempt.spec.stop.clone();
+        let n = running.record.n;
+        if let Err((_, error)) = parts::stop_generation(running, &stop).await {
+            tracing::error!(
+                instance = %self.attempt.instance,
+                generation = n,
+                error = %reason_of(&error),
+                "a successor that will not serve could not be proven stopped; its cgroup is left for recovery"
+            );
+        }
+    }
+
+    /// Ends the attempt `done`.
+    async fn done(mut self, finished: Finished) -> SwapResult {
+        let result = SwapResult {
+            outcome: Outcome::Done,
+            effective_mode: self.mode,
+            generation: self.generation,
+            reason: finished.note,
+            executed: self.executed,
+            clean_exit: finished.clean_exit,
+            drain: self.drain,
+            steps: std::mem::take(&mut self.steps),
+            started_at: self.started_at,
+            finished_at: SystemTime::now(),
+        };
+        self.finish_record(&result).await;
+        result
+    }
+
+    /// Ends the attempt early with what the classifier made of `ended`.
+    /// `journaled`: the attempt's record is on file and takes the outcome.
+    async fn end(mut self, ended: Ended, journaled: bool) -> SwapResult {
+        let mut reason = format!("{}: {}", self.last_step_name(), reason_of(&ended.error));
+        if self.incumbent_stopped && ended.outcome != StepOutcome::Ok {
+            reason.push_str(
+                "; nothing serves: the former generation was stopped before this failure",
+            );
+        }
+        let result = SwapResult {
+            outcome: outcome_of(ended.outcome, self.incumbent_stopped),
+            effective_mode: self.mode,
+            generation: self.generation,
+            reason,
+            executed: self.executed,
+            clean_exit: false,
+            drain: self.drain,
+            steps: std::mem::take(&mut self.steps),
+            started_at: self.started_at,
+            finished_at: SystemTime::now(),
+        };
+        if journaled {
+            self.finish_record(&result).await;
+        }
+        result
+    }
+
+    fn last_step_name(&self) -> &'static str {
+        self.steps
+            .last()
+            .map_or("intake", |record| record.step.as_str())
+    }
+
+    /// Writes the outcome into the record, where it stays until the adapter
+    /// acknowledges it.
+    async fn finish_record(&mut self, result: &SwapResult) {
+        self.record.finish(OutcomeRecord {
+            outcome: result.outcome,
+            effective_mode: result.effective_mode,
+            generation: result.generation,
+            reason: result.reason.clone(),
+            executed: result.executed,
+            clean_exit: result.clean_exit,
+            drain_ms: result.drain_ms(),
+            steps: result.step_timings(),
+            started_at_ms: millis_since_epoch(result.started_at),
+            finished_at_ms: millis_since_epoch(result.finished_at),
+        });
+        if let Err(error) = self.write_journal().await {
+            tracing::error!(
+                instance = %self.attempt.instance,
+                attempt = %self.attempt.name,
+                error = %reason_of(&error),
+                "the attempt's outcome could not be journaled; it is reported, but not kept for a retry of the report"
+            );
+        }
+    }
+}
+
+fn millis_since_epoch(at: SystemTime) -> i64 {
+    at.duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or_else(|_| unix_millis_now())
+}
+
+/// The fresh cgroup, the gate right before the exec, the exec, and the
+/// check that what started is what the attempt chose. An error after the
+/// exec stops what started before it returns.
+async fn spawn_successor(
+    ctx: Ctx<'_>,
+    successor: &GenerationRecord,
+    staged: &Staged,
+    tier: &Tier,
+) -> Result<Running, StepError> {
+    let key = &ctx.attempt.instance;
+    let instance = ctx.engine.cgroups.instance(key.namespace(), key.name())?;
+    let cgroup = instance.create_generation(successor.n, tier).await?;
+    let prepared = parts::prepare_run_dir(&ctx.engine.layout, key, &ctx.attempt.spec.process)
+        .and_then(|run_dir| ctx.check_gate(GatePoint::Exec).map(|()| run_dir));
+    let run_dir = match prepared {
+        Ok(run_dir) => run_dir,
+        Err(error) => {
+            parts::remove_cgroup(&cgroup);
+            return Err(error);
+        }
+    };
+    let child = match parts::spawn(
+        &ctx.attempt.spec,
+        successor,
+        staged,
+        &cgroup,
+        &run_dir,
+        ctx.engine.config.allow_root,
+    )
+    .await
+    {
+        Ok(child) => child,
+        Err(error) => {
+            if !parts::may_have_run(&error) {
+                parts::remove_cgroup(&cgroup);
+            }
+            return Err(error);
+        }
+    };
+    let mut running = Running {
+        record: successor.clone(),
+        cgroup,
+        tier: *tier,
+        kind: ctx.attempt.spec.kind,
+        child,
+    };
+    if let Err(error) = parts::verify_identity(&mut running, staged) {
+        if let Err((_, stop_error)) = parts::stop_generation(running, &ctx.attempt.spec.stop).await
+        {
+            tracing::error!(
+                instance = %key,
+                error = %reason_of(&stop_error),
+                "a successor that is not what the attempt chose could not be proven stopped"
+            );
+        }
+        return Err(error);
+    }
+    Ok(running)
+}
+
+/// How the health step ended well.
+enum HealthEnd {
+    Healthy,
+    /// A worker exited 0 before it was ever healthy: a one-shot's success.
+    CleanExit,
+}
+
+/// Health over the successor's own socket, racing its exit: a successor
+/// that exits is not waited for until the deadline.
+async fn healthy_or_exit(
+    running: &mut Running,
+    socket: &std::path::Path,
+    path: &str,
+    timeout: Duration,
+    worker: bool,
+) -> Result<HealthEnd, StepError> {
+    let n = running.record.n;
+    tokio::select! {
+        result = parts::wait_healthy(socket, path, timeout) => result.map(|()| HealthEnd::Healthy),
+        status = parts::exited(&mut running.child) => exit_verdict(n, status, worker, "before it was healthy")
+            .map(|()| HealthEnd::CleanExit),
+    }
+}
+
+/// How the settle window ended well.
+enum SettleEnd {
+    Survived,
+    CleanExit,
+}
+
+/// The settle window: an exit inside it fails the attempt, except a
+/// worker's exit 0 (a one-shot's success).
+async fn settle(
+    running: &mut Running,
+    window: Duration,
+    worker: bool,
+) -> Result<SettleEnd, StepError> {
+    let n = running.record.n;
+    tokio::select! {
+        () = tokio::time::sleep(window) => Ok(SettleEnd::Survived),
+        status = parts::exited(&mut running.child) => exit_verdict(n, status, worker, "inside the settle window")
+            .map(|()| SettleEnd::CleanExit),
+    }
+}
+
+/// `Ok` only for a worker's exit 0; any other exit is the build's failure.
+fn exit_verdict(
+    generation: u64,
+    status: Result<ExitStatus, StepError>,
+    worker: bool,
+    when: &'static str,
+) -> Result<(), StepError> {
+    let status = status?;
+    if worker && status.success() {
+        return Ok(());
+    }
+    Err(StepError::Exited {
+        generation,
+        when,
+        status,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_outcomes_map_to_attempt_outcomes() {
+        assert_eq!(outcome_of(StepOutcome::Ok, false), Outcome::Done);
+        assert_eq!(outcome_of(StepOutcome::Cancelled, true), Outcome::Abandoned);
+        assert_eq!(outcome_of(StepOutcome::Stale, true), Outcome::Abandoned);
+        assert_eq!(outcome_of(StepOutcome::Failed, false), Outcome::Failed);
+        assert_eq!(outcome_of(StepOutcome::Failed, true), Outcome::Down);
+    }
+
+    #[test]
+    fn reasons_say_each_source_once() {
+        let inner = std::io::Error::other("disk full");
+        let error = StepError::Journal(crate::journal::JournalError::Write {
+            path: "/state/journal/a.b.json".into(),
+            source: inner,
+        });
+        let reason = reason_of(&error);
+        assert_eq!(reason.matches("disk full").count(), 1, "{reason}");
+        assert!(reason.contains("/state/journal/a.b.json"), "{reason}");
+    }
+}

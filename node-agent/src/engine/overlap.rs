@@ -1,0 +1,208 @@
+//! Overlap (SPEC 5.5): the successor starts beside the incumbent and takes
+//! over `current.sock` only once it is healthy (and settled); then the
+//! incumbent retires with proof of exit. Before the switch, every failure
+//! stops the successor and leaves the incumbent serving.
+
+use std::time::Instant;
+
+use super::flow::{Ended, Finished, Run, Started, reason_of};
+use super::parts::{self, Staged};
+use super::types::Step;
+use super::{Claim, Running};
+use crate::cgroup::{ParentRaise, Tier};
+use crate::classify::{StepError, StepOutcome};
+use crate::gate::GatePoint;
+use crate::journal::{Phase, unix_millis_now};
+use crate::switch::point_current;
+
+/// Runs an overlap from staging to the retirement. With no serving
+/// generation (an install) there is nothing to raise or retire.
+pub(super) async fn run(run: &mut Run<'_>, claim: &mut Claim<'_>) -> Result<Finished, Ended> {
+    let ctx = run.ctx();
+    let staged = run
+        .step(
+            Step::Stage,
+            true,
+            parts::stage(&ctx.engine.stager, &ctx.attempt.spec.build),
+        )
+        .await?;
+    let started = Instant::now();
+    let admitted = run.admit(claim.serving.as_ref(), &staged).await;
+    let tier = run.note(Step::Admit, started, admitted)?;
+
+    let mut raise = None;
+    let result = after_admission(run, claim, &staged, &tier, &mut raise).await;
+    // Every exit path restores a raised parent, after the extra generation
+    // has left (the successor stopped on a failure, the incumbent retired
+    // on success): lowering limits under two live generations could make
+    // the kernel reclaim or OOM-kill inside the instance.
+    let restore_note = restore_parent(run, raise);
+    match result {
+        Ok(mut finished) => {
+            if let Some(note) = restore_note {
+                append(&mut finished.note, &note);
+            }
+            if let Err(error) = set_instance_tier(run, &tier) {
+                append(&mut finished.note, &reason_of(&error));
+            }
+            Ok(finished)
+        }
+        Err(ended) => Err(ended),
+    }
+}
+
+async fn after_admission(
+    run: &mut Run<'_>,
+    claim: &mut Claim<'_>,
+    staged: &Staged,
+    tier: &Tier,
+    raise: &mut Option<ParentRaise>,
+) -> Result<Finished, Ended> {
+    let started = Instant::now();
+    let raised = match claim.serving.as_ref() {
+        Some(incumbent) => raise_parent(run, &incumbent.tier, tier, raise).await,
+        // An install: the instance cgroup takes the tier before anything runs.
+        None => set_instance_tier(run, tier),
+    };
+    run.note(Step::Raise, started, raised)?;
+
+    run.record.advance(Phase::Spawning);
+    let write = run.write_journal();
+    run.step(Step::Journal, false, write).await?;
+
+    let mut successor = match run.start_successor(staged, tier).await? {
+        Started::Serving(running) => *running,
+        // Only workers exit cleanly on purpose, and workers never overlap.
+        Started::CleanExit => {
+            return Err(Ended {
+                outcome: StepOutcome::Failed,
+                error: StepError::Internal("a server's successor exited before the switch"),
+            });
+        }
+    };
+
+    let started = Instant::now();
+    let switched = switch(run, &mut successor).await;
+    if let Err(error) = switched {
+        let ended = run.note(Step::Switch, started, Err::<(), _>(error));
+        run.clean_up(successor).await;
+        return ended.map(|()| Finished::default());
+    }
+    run.note(Step::Switch, started, Ok(()))?;
+    let retiring = claim.serving.replace(successor);
+    claim.publish();
+
+    let mut finished = Finished::default();
+    if let Some(retiring) = retiring {
+        run.advance_after_exec(Phase::IncumbentStopped).await;
+        let started = Instant::now();
+        let stop = run.attempt.spec.stop.clone();
+        let n = retiring.record.n;
+        let stopped = parts::stop_generation(retiring, &stop).await;
+        match stopped {
+            Ok(report) => {
+                run.drain = Some(report.drain);
+                if report.killed {
+                    append(
+                        &mut finished.note,
+                        &format!(
+                            "generation {n} did not stop within {}s of the stop signal; its cgroup was killed",
+                            stop.timeout_seconds
+                        ),
+                    );
+                }
+                let _ = run.note(Step::Retire, started, Ok(()));
+            }
+            Err((_, error)) => {
+                append(
+                    &mut finished.note,
+                    &format!(
+                        "the retiring generation {n} is not proven stopped; its cgroup is left for recovery: {}",
+                        reason_of(&error)
+                    ),
+                );
+                let _ = run.note(Step::Retire, started, Err::<(), _>(StepError::Stop(error)));
+            }
+        }
+    }
+    Ok(finished)
+}
+
+/// The parent raise: its previous values go to the journal before the
+/// first write, so every exit path (and recovery) can put them back.
+async fn raise_parent(
+    run: &mut Run<'_>,
+    incumbent: &Tier,
+    successor: &Tier,
+    raise: &mut Option<ParentRaise>,
+) -> Result<(), StepError> {
+    let key = &run.attempt.instance;
+    let instance = run.engine.cgroups.instance(key.namespace(), key.name())?;
+    let prepared = instance.begin_raise(incumbent, successor)?;
+    if prepared.is_noop() {
+        return Ok(());
+    }
+    run.record.advance(Phase::ParentRaised {
+        saved: parts::saved_limits(prepared.record()),
+    });
+    run.write_journal().await?;
+    let applying = raise.insert(prepared);
+    applying.apply()?;
+    Ok(())
+}
+
+/// Writes the tier as the instance cgroup's own limits.
+fn set_instance_tier(run: &Run<'_>, tier: &Tier) -> Result<(), StepError> {
+    let key = &run.attempt.instance;
+    let instance = run.engine.cgroups.instance(key.namespace(), key.name())?;
+    instance.apply_tier(tier)?;
+    Ok(())
+}
+
+/// Puts a raised parent back; returns a note for the reason when it could
+/// not (the journal keeps what to restore for recovery).
+fn restore_parent(run: &mut Run<'_>, raise: Option<ParentRaise>) -> Option<String> {
+    let mut raise = raise?;
+    match raise.restore() {
+        Ok(()) => {
+            run.record.parent_restored();
+            None
+        }
+        Err(error) => {
+            // The journal keeps the saved values: recovery restores them.
+            let _ = raise.disarm();
+            Some(format!(
+                "the instance cgroup's raised limits could not be restored: {}",
+                reason_of(&error)
+            ))
+        }
+    }
+}
+
+/// SPEC 5.5 step 8: the gate again, the successor still alive, then
+/// `current.sock` repointed. If the link cannot move, nothing switched.
+async fn switch(run: &mut Run<'_>, successor: &mut Running) -> Result<(), StepError> {
+    run.ctx().check_gate(GatePoint::Switch)?;
+    if let Some(status) = parts::has_exited(&mut successor.child) {
+        return Err(StepError::Exited {
+            generation: successor.record.n,
+            when: "before the switch",
+            status,
+        });
+    }
+    run.record.advance(Phase::Switched);
+    run.write_journal().await?;
+    let instance_dir = run.engine.layout.instance_dir(&run.attempt.instance);
+    point_current(&instance_dir, &successor.record.socket)?;
+    successor.record.serving_since_ms = Some(unix_millis_now());
+    parts::journal_serving(run, Some(successor.record.clone())).await;
+    Ok(())
+}
+
+/// Adds `note` to a reason, `; `-separated.
+pub(super) fn append(reason: &mut String, note: &str) {
+    if !reason.is_empty() {
+        reason.push_str("; ");
+    }
+    reason.push_str(note);
+}

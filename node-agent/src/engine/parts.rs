@@ -1,0 +1,306 @@
+//! The engine's calls into its parts (stage, spawn, health, cgroup, switch,
+//! journal), each turned into a [`StepError`] the one classifier reads.
+
+use std::fs;
+use std::io;
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+use std::sync::Arc;
+use std::time::Duration;
+
+use genswap_crds::{BuildSpec, ProcessSpec, StopSpec};
+
+use super::Running;
+use super::flow::{Run, reason_of};
+use crate::cgroup::{Cgroup, CgroupError, Controller, RaiseRecord, StopReport, stop_signal};
+use crate::classify::StepError;
+use crate::gate::InstanceKey;
+use crate::journal::{GenerationRecord, SavedLimits};
+use crate::switch::{CURRENT_SOCKET, RunLayout};
+
+pub(super) use crate::stage::Staged;
+use crate::stage::Stager;
+
+/// Runs blocking file work (the journal's fsyncs) off the async threads.
+pub(super) async fn blocking<T, E>(
+    work: impl FnOnce() -> Result<T, E> + Send + 'static,
+) -> Result<T, E>
+where
+    T: Send + 'static,
+    E: Send + 'static,
+{
+    match tokio::task::spawn_blocking(work).await {
+        Ok(result) => result,
+        // The work panicked: carry the panic to the caller, as a direct
+        // call would have.
+        Err(join) => std::panic::resume_unwind(join.into_panic()),
+    }
+}
+
+/// SPEC 5.5 step 1: the artifact into the store, verified.
+pub(super) async fn stage(stager: &Stager, build: &BuildSpec) -> Result<Staged, StepError> {
+    Ok(stager.stage(&build.artifact, &build.sha256).await?)
+}
+
+/// Refuses uid 0 (asked for, or inherited from a root agent when no user is
+/// given) unless the agent allows root instances.
+pub(super) fn check_user(process: &ProcessSpec, allow_root: bool) -> Result<(), StepError> {
+    if allow_root {
+        return Ok(());
+    }
+    let uid = match process.user {
+        Some(uid) => uid,
+        None => i64::from(nix::unistd::geteuid().as_raw()),
+    };
+    if uid == 0 {
+        return Err(StepError::RootRefused {
+            asked: process.user.is_some(),
+        });
+    }
+    Ok(())
+}
+
+/// The instance's run dir, made usable by the process's uid/gid (it binds
+/// its socket there).
+pub(super) fn prepare_run_dir(
+    layout: &RunLayout,
+    instance: &InstanceKey,
+    process: &ProcessSpec,
+) -> Result<PathBuf, StepError> {
+    let dir = layout
+        .create_instance_dir(instance)
+        .map_err(|source| StepError::RunDir {
+            path: layout.instance_dir(instance),
+            source,
+        })?;
+    let uid = process.user.and_then(|uid| u32::try_from(uid).ok());
+    let gid = process.group.and_then(|gid| u32::try_from(gid).ok());
+    if uid.is_some() || gid.is_some() {
+        std::os::unix::fs::chown(&dir, uid, gid).map_err(|source| StepError::RunDir {
+            path: dir.clone(),
+            source,
+        })?;
+    }
+    Ok(dir)
+}
+
+/// Health over the generation's own socket (SPEC 5.5 step 6). The caller
+/// races it with the attempt's lifetime and the process's exit.
+pub(super) async fn wait_healthy(
+    socket: &Path,
+    path: &str,
+    timeout: Duration,
+) -> Result<(), StepError> {
+    crate::health::wait_healthy(socket, path, timeout, std::future::pending())
+        .await
+        .map(|_| ())
+        .map_err(StepError::Unhealthy)
+}
+
+/// The journal's shape of a parent raise's previous values.
+pub(super) fn saved_limits(record: &RaiseRecord) -> SavedLimits {
+    let mut saved = SavedLimits::default();
+    for limit in &record.saved {
+        let previous = Some(limit.previous.clone());
+        match limit.controller {
+            Controller::Memory => saved.memory_max = previous,
+            Controller::Cpu => saved.cpu_max = previous,
+            Controller::Pids => saved.pids_max = previous,
+        }
+    }
+    saved
+}
+
+/// Records what serves the instance now. A failed write is logged: the
+/// host (cgroups, `current.sock`) is what recovery trusts in the end.
+pub(super) async fn journal_serving(run: &Run<'_>, serving: Option<GenerationRecord>) {
+    let journal = Arc::clone(&run.engine.journal);
+    let instance = run.attempt.instance.clone();
+    if let Err(error) = blocking(move || journal.set_serving(&instance, serving)).await {
+        tracing::error!(
+            instance = %run.attempt.instance,
+            error = %reason_of(&error),
+            "the intent journal could not record the serving generation"
+        );
+    }
+}
+
+/// Stops a generation with proof of exit (SPEC 5.5 step 9): the stop signal,
+/// `populated 0` within the stop timeout, else `cgroup.kill` and
+/// `populated 0` again. Then its process is reaped and its cgroup and socket
+/// removed. On an error the generation is handed back, maybe still running.
+pub(super) async fn stop_generation(
+    mut running: Running,
+    stop: &StopSpec,
+) -> Result<StopReport, (Running, CgroupError)> {
+    let timeout = Duration::from_secs(u64::try_from(stop.timeout_seconds).unwrap_or(0));
+    let report = match running.cgroup.stop(stop_signal(stop.signal), timeout).await {
+        Ok(report) => report,
+        Err(error) => return Err((running, error)),
+    };
+    // Proven empty, so the main process has exited: this only reaps it.
+    let _ = exited(&mut running.child).await;
+    remove_cgroup(&running.cgroup);
+    remove_socket(&running.record.socket);
+    Ok(report)
+}
+
+/// Removes an empty generation cgroup; a failure is logged (it holds
+/// nothing, recovery removes it).
+pub(super) fn remove_cgroup(cgroup: &Cgroup) {
+    if let Err(error) = cgroup.remove() {
+        tracing::warn!(
+            cgroup = %cgroup.path().display(),
+            error = %reason_of(&error),
+            "an empty generation cgroup could not be removed"
+        );
+    }
+}
+
+/// Removes a stopped generation's socket file (only a socket).
+fn remove_socket(socket: &Path) {
+    match fs::symlink_metadata(socket) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            if let Err(error) = fs::remove_file(socket) {
+                tracing::warn!(socket = %socket.display(), %error, "a stopped generation's socket could not be removed");
+            }
+        }
+        Ok(_) => {
+            tracing::warn!(socket = %socket.display(), "not removing a generation socket path that is not a socket")
+        }
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+        Err(error) => {
+            tracing::warn!(socket = %socket.display(), %error, "cannot inspect a stopped generation's socket")
+        }
+    }
+}
+
+/// Removes `current.sock` when nothing serves, so it never names a dead
+/// socket.
+pub(super) fn remove_current_link(layout: &RunLayout, instance: &InstanceKey) {
+    let link = layout.instance_dir(instance).join(CURRENT_SOCKET);
+    match fs::remove_file(&link) {
+        Ok(()) => {}
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+        Err(error) => {
+            tracing::warn!(link = %link.display(), %error, "current.sock could not be removed")
+        }
+    }
+}
+
+/// Whether a step's error leaves it possible that a process of the build
+/// started: the `executed` evidence.
+pub(super) fn may_have_run(error: &StepError) -> bool {
+    match error {
+        StepError::Spawn(error) => error.may_have_run(),
+        StepError::Identity { .. } | StepError::Unhealthy(_) | StepError::Exited { .. } => true,
+        _ => false,
+    }
+}
+
+/// Resolves with the generation's main process's exit status.
+pub(super) async fn exited(child: &mut super::interim::Child) -> Result<ExitStatus, StepError> {
+    child.wait().await.map_err(StepError::Spawn)
+}
+
+/// The exit status, when the main process has already exited.
+pub(super) fn has_exited(child: &mut super::interim::Child) -> Option<ExitStatus> {
+    child.try_wait().ok().flatten()
+}
+
+/// SPEC 5.5 step 5: starts the successor inside its fresh cgroup.
+pub(super) async fn spawn(
+    spec: &genswap_crds::SwapAttemptSpec,
+    successor: &GenerationRecord,
+    staged: &Staged,
+    cgroup: &Cgroup,
+    run_dir: &Path,
+    allow_root: bool,
+) -> Result<super::interim::Child, StepError> {
+    check_user(&spec.process, allow_root)?;
+    let mut env: Vec<(String, String)> = spec
+        .process
+        .env
+        .iter()
+        .map(|var| (var.name.clone(), var.value.clone()))
+        .collect();
+    env.push((
+        "GENSWAP_SOCKET".into(),
+        successor.socket.display().to_string(),
+    ));
+    env.push(("GENSWAP_GENERATION".into(), successor.n.to_string()));
+    env.push(("GENSWAP_BUILD".into(), successor.build.clone()));
+    let working_dir = spec
+        .process
+        .working_dir
+        .as_deref()
+        .map(Path::new)
+        .unwrap_or(run_dir);
+    super::interim::start(
+        &staged.path,
+        &spec.process.args,
+        &env,
+        Some(working_dir),
+        spec.process.user.and_then(|uid| u32::try_from(uid).ok()),
+        spec.process.group.and_then(|gid| u32::try_from(gid).ok()),
+        &cgroup.procs_file(),
+    )
+    .map_err(StepError::Spawn)
+}
+
+/// Checks that what started is exactly the generation, build and store path
+/// the attempt chose: the process executes the staged store file and lives
+/// in the generation's own cgroup. A process that already exited cannot be
+/// inspected; its exit is the health step's to report.
+pub(super) fn verify_identity(running: &mut Running, staged: &Staged) -> Result<(), StepError> {
+    let pid = running.child.pid();
+    if running.record.store_path.as_deref() != Some(staged.path.as_path()) {
+        return Err(StepError::Identity {
+            what: format!(
+                "generation {} was to run {}, the staged store file is {}",
+                running.record.n,
+                running
+                    .record
+                    .store_path
+                    .as_deref()
+                    .map_or_else(|| "nothing".into(), |p| p.display().to_string()),
+                staged.path.display()
+            ),
+        });
+    }
+    let exe = fs::read_link(format!("/proc/{pid}/exe"));
+    let cgroup = fs::read_to_string(format!("/proc/{pid}/cgroup"));
+    if has_exited(&mut running.child).is_some() {
+        return Ok(());
+    }
+    let (Ok(exe), Ok(cgroup)) = (exe, cgroup) else {
+        // Gone between the reads: its exit is reported by the health step.
+        return Ok(());
+    };
+    let expected_exe = fs::canonicalize(&staged.path).unwrap_or_else(|_| staged.path.clone());
+    if exe != expected_exe {
+        return Err(StepError::Identity {
+            what: format!(
+                "pid {pid} executes {}, not the staged store file {}",
+                exe.display(),
+                expected_exe.display()
+            ),
+        });
+    }
+    if let Some(expected) = running.cgroup.proc_path() {
+        let actual = cgroup
+            .lines()
+            .find_map(|line| line.strip_prefix("0::"))
+            .unwrap_or_default();
+        if actual != expected {
+            return Err(StepError::Identity {
+                what: format!(
+                    "pid {pid} is in cgroup {actual:?}, not in generation {}'s {expected:?}",
+                    running.record.n
+                ),
+            });
+        }
+    }
+    Ok(())
+}

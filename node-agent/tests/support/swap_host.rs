@@ -1,0 +1,420 @@
+//! A whole node for one swap test: a unique cgroup v2 subtree, a staging
+//! root, an artifact store, a run dir and a journal in one temp dir, the
+//! engine over them, and testapp builds to stage. Everything is removed on
+//! drop, after a panic too: the subtree is killed and removed by
+//! [`TestCgroupTree`], the temp dir deleted.
+//!
+//! Include it after the cgroup guard:
+//! `#[path = "support/cgroup_guard.rs"] mod cgroup_guard;`
+//! `#[path = "support/swap_host.rs"] mod swap_host;`
+#![allow(dead_code)]
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use genswap_crds::{
+    Artifact, BuildSpec, Cause, Demand, EnvVar, HealthSpec, InstanceKind, Mode, ProcessSpec,
+    SettleSpec, StopSignal, StopSpec, SwapAttemptSpec,
+};
+use node_agent::engine::{Attempt, Cancel, Engine, EngineConfig, EngineParts, SwapResult};
+use node_agent::gate::{AttemptGate, AttemptId, GatePoint, GateRefusal, InstanceKey};
+use node_agent::journal::Journal;
+use node_agent::stage::{Stager, StagerConfig, Store};
+use node_agent::switch::RunLayout;
+
+use crate::cgroup_guard::TestCgroupTree;
+
+/// Generous: the machine is shared and may be slow.
+pub const DEADLINE: Duration = Duration::from_secs(30);
+/// The uid and gid instances run as (`nobody`): not root.
+pub const NOBODY: i64 = 65534;
+
+/// One test's node.
+pub struct SwapHost {
+    pub engine: Engine,
+    pub instance: InstanceKey,
+    /// `<dir>/staging`: the staging root artifacts must be under.
+    pub staging: PathBuf,
+    pub run_dir: PathBuf,
+    pub state_dir: PathBuf,
+    tree: TestCgroupTree,
+    // Dropped after the tree: nothing runs from it by then.
+    dir: tempfile::TempDir,
+}
+
+impl SwapHost {
+    /// A node with swaps on and root instances refused.
+    pub fn new(tag: &str) -> SwapHost {
+        SwapHost::with_config(tag, EngineConfig::default())
+    }
+
+    pub fn with_config(tag: &str, config: EngineConfig) -> SwapHost {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("genswap-{tag}-"))
+            .tempdir()
+            .expect("temp dir");
+        // Instances run as nobody: they must reach the store and the run dir.
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755))
+            .expect("open the temp dir to the instance's uid");
+        let staging = dir.path().join("staging");
+        let run_dir = dir.path().join("run");
+        let state_dir = dir.path().join("state");
+        fs::create_dir(&staging).expect("staging root");
+        let tree = TestCgroupTree::new(tag);
+        let stager = Stager::new(
+            Store::open(dir.path().join("store")).expect("store"),
+            StagerConfig::new(&staging),
+        )
+        .expect("stager");
+        let parts = EngineParts {
+            cgroups: tree.manager(),
+            layout: RunLayout::new(&run_dir),
+            stager,
+            journal: Journal::open(&state_dir).expect("journal"),
+        };
+        SwapHost {
+            engine: Engine::new(parts, config),
+            instance: InstanceKey::new("default", "app").expect("instance key"),
+            staging,
+            run_dir,
+            state_dir,
+            tree,
+            dir,
+        }
+    }
+
+    /// A distinct testapp build in the staging root.
+    pub fn build(&self, name: &str) -> testapp::Build {
+        testapp_build(&self.staging, name)
+    }
+
+    /// An overlap attempt of `build` with schedRev `rev`: no settle window,
+    /// generous deadlines, run as nobody.
+    pub fn attempt(&self, rev: i64, build: &testapp::Build, id: &str) -> Attempt {
+        Attempt {
+            instance: self.instance.clone(),
+            name: format!("app-node-a-{rev}"),
+            spec: spec(rev, build, id),
+        }
+    }
+
+    /// Runs `attempt` with a gate that always passes.
+    pub async fn swap(&self, attempt: &Attempt) -> SwapResult {
+        self.engine.swap(attempt, &OpenGate, &Cancel::new()).await
+    }
+
+    /// Installs `build` and checks it serves.
+    pub async fn install(&self, rev: i64, name: &str) -> testapp::Build {
+        let build = self.build(name);
+        let result = self.swap(&self.attempt(rev, &build, name)).await;
+        assert_eq!(
+            result.outcome,
+            genswap_crds::Outcome::Done,
+            "install of {name}: {result:?}"
+        );
+        build
+    }
+
+    /// `<run>/<ns>.<name>/current.sock`.
+    pub fn current_sock(&self) -> PathBuf {
+        self.engine.layout().current_socket(&self.instance)
+    }
+
+    /// Who answers through `current.sock` now; `None` when nobody does.
+    pub async fn who_serves(&self) -> Option<Identity> {
+        ask(&self.current_sock()).await
+    }
+
+    /// The instance's cgroup directory.
+    pub fn instance_cgroup(&self) -> PathBuf {
+        self.tree
+            .path()
+            .join("genswap")
+            .join(self.instance.to_string())
+    }
+
+    /// The `gen-<N>` cgroups that exist, ascending.
+    pub fn generation_cgroups(&self) -> Vec<u64> {
+        let mut found: Vec<u64> = fs::read_dir(self.instance_cgroup())
+            .map(|entries| {
+                entries
+                    .filter_map(Result::ok)
+                    .filter_map(|e| {
+                        e.file_name()
+                            .to_str()
+                            .and_then(|n| n.strip_prefix("gen-"))
+                            .and_then(|n| n.parse().ok())
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        found.sort_unstable();
+        found
+    }
+
+    /// Every pid anywhere in the test's cgroup subtree.
+    pub fn pids_in_tree(&self) -> Vec<u32> {
+        let mut pids = Vec::new();
+        collect_pids(self.tree.path(), &mut pids);
+        pids
+    }
+
+    /// The generation sockets in the instance's run dir.
+    pub fn generation_sockets(&self) -> Vec<u64> {
+        self.engine
+            .layout()
+            .generation_sockets(&self.instance)
+            .expect("read the run dir")
+    }
+
+    /// Asserts that exactly `generation` is left: one `gen-<N>` cgroup, one
+    /// socket, and processes only in that cgroup (or nothing at all for
+    /// `None`).
+    pub fn assert_only(&self, generation: Option<u64>) {
+        let expected: Vec<u64> = generation.into_iter().collect();
+        assert_eq!(
+            self.generation_cgroups(),
+            expected,
+            "generation cgroups left"
+        );
+        assert_eq!(
+            self.generation_sockets(),
+            expected,
+            "generation sockets left"
+        );
+        match generation {
+            None => assert_eq!(self.pids_in_tree(), Vec::<u32>::new(), "processes left"),
+            Some(n) => {
+                let mut inside = Vec::new();
+                collect_pids(
+                    &self.instance_cgroup().join(format!("gen-{n}")),
+                    &mut inside,
+                );
+                let mut everywhere = self.pids_in_tree();
+                everywhere.sort_unstable();
+                inside.sort_unstable();
+                assert_eq!(everywhere, inside, "processes outside generation {n}");
+                assert!(!inside.is_empty(), "generation {n} runs no process");
+            }
+        }
+    }
+
+    /// Stops what serves and checks nothing is left in the subtree.
+    pub async fn tear_down(&self) {
+        self.engine
+            .stop_instance(&self.instance, &StopSpec::default())
+            .await
+            .expect("stop the instance");
+        self.assert_only(None);
+    }
+}
+
+fn collect_pids(dir: &Path, pids: &mut Vec<u32>) {
+    if let Ok(text) = fs::read_to_string(dir.join("cgroup.procs")) {
+        pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+    }
+    if let Ok(entries) = fs::read_dir(dir) {
+        for entry in entries.filter_map(Result::ok) {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                collect_pids(&entry.path(), pids);
+            }
+        }
+    }
+}
+
+/// A SwapAttempt spec for `build`: overlap, no canary, health within 20 s,
+/// stop within 10 s, run as nobody.
+pub fn spec(rev: i64, build: &testapp::Build, id: &str) -> SwapAttemptSpec {
+    SwapAttemptSpec {
+        instance: "app".into(),
+        node_name: "node-a".into(),
+        sched_rev: rev,
+        cause: Cause::Release,
+        kind: InstanceKind::Instance,
+        build: BuildSpec {
+            id: id.into(),
+            artifact: Artifact {
+                path: Some(build.path.display().to_string()),
+                url: None,
+            },
+            sha256: build.sha256.clone(),
+        },
+        mode: Mode::Overlap,
+        demand: Demand::None,
+        config_rev: String::new(),
+        restart_id: String::new(),
+        canary: false,
+        process: ProcessSpec {
+            user: Some(NOBODY),
+            group: Some(NOBODY),
+            ..ProcessSpec::default()
+        },
+        health: HealthSpec {
+            path: "/".into(),
+            timeout_seconds: 20,
+        },
+        settle: SettleSpec {
+            seconds: 1,
+            all_nodes: false,
+        },
+        stop: StopSpec {
+            signal: StopSignal::Term,
+            timeout_seconds: 10,
+        },
+        resources: Default::default(),
+        socket: Default::default(),
+    }
+}
+
+/// Adds a testapp knob to the attempt's environment.
+pub fn knob(attempt: &mut Attempt, name: &str, value: &str) {
+    attempt.spec.process.env.push(EnvVar {
+        name: name.into(),
+        value: value.into(),
+    });
+}
+
+/// What a generation says about itself.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    pub status: u16,
+    pub build: String,
+    pub generation: u64,
+    pub pid: u32,
+}
+
+/// `GET /` on `socket`; `None` when nothing answers.
+pub async fn ask(socket: &Path) -> Option<Identity> {
+    let (status, body) = node_agent::health::get_within(socket, "/", Duration::from_secs(10))
+        .await
+        .ok()?;
+    parse_identity(status, &String::from_utf8_lossy(&body))
+}
+
+/// Parses `build=… generation=… pid=…`.
+pub fn parse_identity(status: u16, body: &str) -> Option<Identity> {
+    let mut build = None;
+    let mut generation = None;
+    let mut pid = None;
+    for field in body.split_whitespace() {
+        match field.split_once('=') {
+            Some(("build", v)) => build = Some(v.to_string()),
+            Some(("generation", v)) => generation = v.parse().ok(),
+            Some(("pid", v)) => pid = v.parse().ok(),
+            _ => {}
+        }
+    }
+    Some(Identity {
+        status,
+        build: build?,
+        generation: generation?,
+        pid: pid?,
+    })
+}
+
+/// A gate that passes everywhere.
+pub struct OpenGate;
+
+impl AttemptGate for OpenGate {
+    fn check(&self, _point: GatePoint, _attempt: &AttemptId) -> Result<(), GateRefusal> {
+        Ok(())
+    }
+}
+
+/// A gate that says a newer attempt exists from `point` on, and remembers
+/// where it was asked.
+pub struct SupersedeAt {
+    pub point: GatePoint,
+    pub asked: Mutex<Vec<GatePoint>>,
+}
+
+impl SupersedeAt {
+    pub fn new(point: GatePoint) -> Self {
+        Self {
+            point,
+            asked: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn asked(&self) -> Vec<GatePoint> {
+        self.asked.lock().expect("gate log").clone()
+    }
+}
+
+impl AttemptGate for SupersedeAt {
+    fn check(&self, point: GatePoint, attempt: &AttemptId) -> Result<(), GateRefusal> {
+        self.asked.lock().expect("gate log").push(point);
+        if point == self.point {
+            Err(GateRefusal::Superseded {
+                newest: attempt.sched_rev + 1,
+            })
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// Whether `pid` is alive (a zombie counts as gone).
+pub fn alive(pid: u32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|stat| {
+            stat.rsplit_once(')')
+                .map(|(_, rest)| !rest.trim_start().starts_with('Z'))
+                .unwrap_or(false)
+        })
+        .unwrap_or(false)
+}
+
+/// Polls `condition` until it holds or the deadline passes.
+pub async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A testapp build at `dir/name`, building the server first when this
+/// profile has not built it (a `cargo test -p node-agent` on its own).
+pub fn testapp_build(dir: &Path, name: &str) -> testapp::Build {
+    static BUILT: Mutex<()> = Mutex::new(());
+    let _one_at_a_time = BUILT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    match testapp::make_build(dir, name) {
+        Ok(build) => build,
+        Err(testapp::Error::NotBuilt { path }) => {
+            build_testapp(&path);
+            testapp::make_build(dir, name).expect("a testapp build after building the server")
+        }
+        Err(error) => panic!("making testapp build {name}: {error}"),
+    }
+}
+
+/// `cargo build -p testapp` into the target dir `missing` is expected in.
+fn build_testapp(missing: &Path) {
+    let profile_dir = missing.parent().expect("a profile dir");
+    let target_dir = profile_dir.parent().expect("a target dir");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut command = Command::new(cargo);
+    command
+        .args([
+            "build",
+            "-q",
+            "-p",
+            "testapp",
+            "--bin",
+            testapp::BINARY_NAME,
+        ])
+        .arg("--target-dir")
+        .arg(target_dir);
+    if profile_dir.file_name().is_some_and(|p| p == "release") {
+        command.arg("--release");
+    }
+    let status = command.status().expect("run cargo build -p testapp");
+    assert!(status.success(), "cargo build -p testapp failed: {status}");
+}
