@@ -171,24 +171,36 @@ pub async fn wait_healthy_with(
     let mut cancel = std::pin::pin!(cancel);
     let mut backoff = policy.initial_backoff;
     let mut attempts = 0u32;
+    let mut last: Option<Observation> = None;
     let cancelled = |attempts| HealthError::Cancelled {
         socket: socket.to_path_buf(),
         attempts,
         elapsed: start.elapsed(),
     };
+    let timed_out = |attempts, last: Option<Observation>| HealthError::Timeout {
+        socket: socket.to_path_buf(),
+        path: path.to_string(),
+        timeout: policy.timeout,
+        attempts,
+        last: last.unwrap_or(Observation::Hung(Duration::ZERO)),
+    };
     loop {
-        // At least one try, however short the timeout.
-        let left = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1));
-        let limit = policy.request_timeout.min(left);
+        // The first try runs however short the timeout; later ones only
+        // while time is left.
+        let left = deadline.saturating_duration_since(Instant::now());
+        if attempts > 0 && left.is_zero() {
+            return Err(timed_out(attempts, last));
+        }
+        let limit = policy
+            .request_timeout
+            .min(left.max(Duration::from_millis(1)));
         attempts += 1;
         let observation = tokio::select! {
             biased;
             () = &mut cancel => return Err(cancelled(attempts)),
             observed = status_within(socket, &uri, limit) => observed,
         };
-        let last = match observation {
+        match observation {
             Ok(status) => {
                 return Ok(HealthReport {
                     status,
@@ -196,17 +208,14 @@ pub async fn wait_healthy_with(
                     elapsed: start.elapsed(),
                 });
             }
-            Err(last) => last,
-        };
+            // A try the deadline cut short says less than what came before
+            // it (a 500, a refusal): that stays the reason.
+            Err(Observation::Hung(_)) if limit < policy.request_timeout && last.is_some() => {}
+            Err(observation) => last = Some(observation),
+        }
         let now = Instant::now();
         if now >= deadline {
-            return Err(HealthError::Timeout {
-                socket: socket.to_path_buf(),
-                path: path.to_string(),
-                timeout: policy.timeout,
-                attempts,
-                last,
-            });
+            return Err(timed_out(attempts, last));
         }
         let pause = backoff.min(deadline - now);
         tokio::select! {
