@@ -1,0 +1,252 @@
+//! Leader election through kube-lease-manager against an in-memory Lease:
+//! one replica leads, a leader cut off from the API server steps down on its
+//! first failed renewal, the other takes over, and shutdown releases.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use genswap_controller::leader::{Leadership, LeaseSettings, hold_lease};
+use genswap_controller::metrics::Metrics;
+use genswap_controller::shutdown;
+use http::{Method, Request, Response, StatusCode};
+use kube::Client;
+use kube::client::Body;
+use serde_json::{Map, Value, json};
+
+const NAMESPACE: &str = "genswap-system";
+const LEASE: &str = "genswap-controller";
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// The one Lease object, as the API server would store it.
+#[derive(Default)]
+struct LeaseStore {
+    spec: Option<Map<String, Value>>,
+    resource_version: u64,
+}
+
+impl LeaseStore {
+    fn object(&self) -> Value {
+        json!({
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": LEASE,
+                "namespace": NAMESPACE,
+                "resourceVersion": self.resource_version.to_string(),
+            },
+            "spec": self.spec.clone().unwrap_or_default(),
+        })
+    }
+
+    fn holder(&self) -> Option<String> {
+        self.spec
+            .as_ref()?
+            .get("holderIdentity")?
+            .as_str()
+            .map(str::to_string)
+    }
+
+    /// Merges `patch.spec` in; a null removes a field.
+    fn merge(&mut self, patch: &Value) {
+        let spec = self.spec.get_or_insert_with(Map::new);
+        if let Some(fields) = patch["spec"].as_object() {
+            for (key, value) in fields {
+                if value.is_null() {
+                    spec.remove(key);
+                } else {
+                    spec.insert(key.clone(), value.clone());
+                }
+            }
+        }
+        self.resource_version += 1;
+    }
+}
+
+/// One replica's view of the API server; `cut_off` makes every request fail.
+struct Replica {
+    client: Client,
+    cut_off: Arc<AtomicBool>,
+}
+
+fn replica(store: &Arc<Mutex<LeaseStore>>) -> Replica {
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let cut_off = Arc::new(AtomicBool::new(false));
+    let store = store.clone();
+    let partitioned = cut_off.clone();
+    tokio::spawn(async move {
+        while let Some((request, send)) = handle.next_request().await {
+            let response = if partitioned.load(Ordering::SeqCst) {
+                respond(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    json!({"kind": "Status", "status": "Failure", "code": 503, "reason": "ServiceUnavailable"}),
+                )
+            } else {
+                answer(&store, request).await
+            };
+            send.send_response(response);
+        }
+    });
+    Replica {
+        client: Client::new(service, NAMESPACE),
+        cut_off,
+    }
+}
+
+async fn answer(store: &Mutex<LeaseStore>, request: Request<Body>) -> Response<Body> {
+    let method = request.method().clone();
+    let path = request.uri().path().to_string();
+    let content_type = request
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    let bytes = request
+        .into_body()
+        .collect_bytes()
+        .await
+        .expect("request body readable");
+    let body: Value = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes).expect("request body is JSON")
+    };
+    let leases = format!("/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases");
+    let lease = format!("{leases}/{LEASE}");
+    let mut store = store.lock().unwrap_or_else(PoisonError::into_inner);
+    match (method, path) {
+        (Method::GET, p) if p == lease => match store.spec {
+            Some(_) => respond(StatusCode::OK, store.object()),
+            None => respond(
+                StatusCode::NOT_FOUND,
+                json!({"kind": "Status", "status": "Failure", "code": 404, "reason": "NotFound"}),
+            ),
+        },
+        (Method::POST, p) if p == leases => {
+            if store.spec.is_some() {
+                respond(
+                    StatusCode::CONFLICT,
+                    json!({"kind": "Status", "status": "Failure", "code": 409, "reason": "AlreadyExists"}),
+                )
+            } else {
+                store.spec = Some(Map::new());
+                store.resource_version += 1;
+                respond(StatusCode::CREATED, store.object())
+            }
+        }
+        (Method::PATCH, p) if p == lease => {
+            let claimant = body["spec"]["holderIdentity"].as_str().map(str::to_string);
+            let held_by_other =
+                matches!((store.holder(), &claimant), (Some(h), Some(c)) if &h != c);
+            // A server-side apply of holderIdentity conflicts with the field
+            // manager that set it, as the real API server does.
+            if content_type.starts_with("application/apply-patch") && held_by_other {
+                return respond(
+                    StatusCode::CONFLICT,
+                    json!({"kind": "Status", "status": "Failure", "code": 409, "reason": "Conflict"}),
+                );
+            }
+            store.merge(&body);
+            respond(StatusCode::OK, store.object())
+        }
+        (method, path) => panic!("the fake API server does not expect {method} {path}"),
+    }
+}
+
+fn respond(code: StatusCode, body: Value) -> Response<Body> {
+    Response::builder()
+        .status(code)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Body::from(serde_json::to_vec(&body).expect("serializes")))
+        .expect("response builds")
+}
+
+fn settings(identity: &str) -> LeaseSettings {
+    LeaseSettings {
+        name: LEASE.into(),
+        namespace: NAMESPACE.into(),
+        identity: identity.into(),
+        duration_seconds: 2,
+        grace_seconds: 1,
+    }
+}
+
+/// Polls `condition` until it holds or the deadline passes.
+async fn eventually(what: &str, condition: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while !condition() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn one_leader_steps_down_when_cut_off_and_the_other_takes_over() {
+    let store = Arc::new(Mutex::new(LeaseStore::default()));
+    let a = replica(&store);
+    let leader_a = Leadership::follower(Arc::new(Metrics::new()));
+    let (stop_a, stopped_a) = shutdown::channel();
+    let task_a = tokio::spawn(hold_lease(
+        a.client.clone(),
+        settings("replica-a"),
+        leader_a.clone(),
+        stopped_a.wait(),
+    ));
+    eventually("replica-a leads alone", || leader_a.is_leader()).await;
+
+    let b = replica(&store);
+    let leader_b = Leadership::follower(Arc::new(Metrics::new()));
+    let (stop_b, stopped_b) = shutdown::channel();
+    let task_b = tokio::spawn(hold_lease(
+        b.client.clone(),
+        settings("replica-b"),
+        leader_b.clone(),
+        stopped_b.wait(),
+    ));
+
+    // A is cut off from the API server: its next renewal fails and it
+    // steps down; B then finds the claim expired and takes it.
+    a.cut_off.store(true, Ordering::SeqCst);
+    eventually("replica-a steps down", || !leader_a.is_leader()).await;
+    eventually("replica-b takes over", || leader_b.is_leader()).await;
+    assert_eq!(
+        store
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .holder()
+            .as_deref(),
+        Some("replica-b")
+    );
+    assert!(!leader_a.is_leader(), "a cut-off replica stays a follower");
+
+    // B shuts down: it steps down and frees the Lease for A.
+    stop_b.fire();
+    tokio::time::timeout(DEADLINE, task_b)
+        .await
+        .expect("replica-b stops in time")
+        .expect("task joined")
+        .expect("lease task ended cleanly");
+    assert!(!leader_b.is_leader());
+    assert_eq!(
+        store
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .holder(),
+        None,
+        "shutdown released the Lease"
+    );
+
+    // A reaches the API server again and leads.
+    a.cut_off.store(false, Ordering::SeqCst);
+    eventually("replica-a leads again", || leader_a.is_leader()).await;
+    stop_a.fire();
+    tokio::time::timeout(DEADLINE, task_a)
+        .await
+        .expect("replica-a stops in time")
+        .expect("task joined")
+        .expect("lease task ended cleanly");
+}
