@@ -6,9 +6,13 @@ mod cgroup_guard;
 #[path = "support/swap_host.rs"]
 mod swap_host;
 
+use std::time::Duration;
+
 use genswap_crds::{Mode, Outcome};
-use node_agent::engine::Step;
-use swap_host::{SwapHost, knob};
+use node_agent::classify::StepOutcome;
+use node_agent::engine::{Cancel, Step};
+use node_agent::gate::GatePoint;
+use swap_host::{SupersedeAt, SwapHost, knob};
 
 #[tokio::test]
 async fn overlap_done_switches_to_the_successor_and_retires_the_incumbent() {
@@ -67,5 +71,139 @@ async fn successor_answering_500_fails_and_the_incumbent_keeps_serving() {
     assert!(result.reason.contains("500"), "{}", result.reason);
     assert_eq!(host.who_serves().await, Some(before.clone()));
     host.assert_only(Some(before.generation));
+    host.tear_down().await;
+}
+
+#[tokio::test]
+async fn successor_exiting_inside_the_settle_window_fails() {
+    let host = SwapHost::new("overlap-settle-exit");
+    host.install(1, "b1").await;
+    let before = host.who_serves().await.expect("b1 serves");
+
+    let b2 = host.build("b2");
+    let mut attempt = host.attempt(2, &b2, "b2");
+    attempt.spec.canary = true;
+    attempt.spec.settle.seconds = 20;
+    knob(&mut attempt, "TESTAPP_EXIT_AFTER_MS", "1500");
+    knob(&mut attempt, "TESTAPP_EXIT_CODE", "3");
+    let result = host.swap(&attempt).await;
+
+    assert_eq!(result.outcome, Outcome::Failed, "{result:?}");
+    assert!(result.executed);
+    assert!(
+        result.reason.contains("inside the settle window"),
+        "{}",
+        result.reason
+    );
+    let settle = result
+        .steps
+        .iter()
+        .find(|s| s.step == Step::Settle)
+        .expect("a settle step");
+    assert_eq!(settle.result, StepOutcome::Failed);
+    assert_eq!(host.who_serves().await, Some(before.clone()));
+    host.assert_only(Some(before.generation));
+    host.tear_down().await;
+}
+
+#[tokio::test]
+async fn superseded_before_the_exec_is_abandoned_with_nothing_executed() {
+    let host = SwapHost::new("overlap-superseded-exec");
+    host.install(1, "b1").await;
+    let before = host.who_serves().await.expect("b1 serves");
+
+    let b2 = host.build("b2");
+    let gate = SupersedeAt::new(GatePoint::Exec);
+    let result = host
+        .engine
+        .swap(&host.attempt(2, &b2, "b2"), &gate, &Cancel::new())
+        .await;
+
+    assert_eq!(result.outcome, Outcome::Abandoned, "{result:?}");
+    assert!(!result.executed, "nothing of b2 ran: {result:?}");
+    assert!(result.reason.contains("superseded"), "{}", result.reason);
+    assert_eq!(gate.asked(), vec![GatePoint::Admission, GatePoint::Exec]);
+    assert_eq!(host.who_serves().await, Some(before.clone()));
+    host.assert_only(Some(before.generation));
+    host.tear_down().await;
+}
+
+#[tokio::test]
+async fn superseded_at_the_switch_stops_the_successor_and_keeps_the_incumbent() {
+    let host = SwapHost::new("overlap-superseded-switch");
+    host.install(1, "b1").await;
+    let before = host.who_serves().await.expect("b1 serves");
+
+    let b2 = host.build("b2");
+    let gate = SupersedeAt::new(GatePoint::Switch);
+    let result = host
+        .engine
+        .swap(&host.attempt(2, &b2, "b2"), &gate, &Cancel::new())
+        .await;
+
+    assert_eq!(result.outcome, Outcome::Abandoned, "{result:?}");
+    assert!(result.executed, "b2 ran before the refusal: {result:?}");
+    assert!(result.reason.contains("superseded"), "{}", result.reason);
+    assert_eq!(
+        gate.asked(),
+        vec![GatePoint::Admission, GatePoint::Exec, GatePoint::Switch]
+    );
+    assert_eq!(host.who_serves().await, Some(before.clone()));
+    host.assert_only(Some(before.generation));
+    host.tear_down().await;
+}
+
+#[tokio::test]
+async fn an_incumbent_ignoring_sigterm_is_killed_at_the_stop_timeout() {
+    let host = SwapHost::new("overlap-ignore-sigterm");
+    host.install_with(1, "b1", |a| knob(a, "TESTAPP_IGNORE_SIGTERM", "1"))
+        .await;
+    let before = host.who_serves().await.expect("b1 serves");
+
+    let b2 = host.build("b2");
+    let mut attempt = host.attempt(2, &b2, "b2");
+    attempt.spec.stop.timeout_seconds = 1;
+    let result = host.swap(&attempt).await;
+
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    let drain = result.drain.expect("a drain time");
+    assert!(
+        drain >= Duration::from_secs(1),
+        "it ignored SIGTERM for the whole stop timeout: {drain:?}"
+    );
+    assert!(result.drain_ms().is_some_and(|ms| ms >= 1000));
+    assert!(result.reason.contains("killed"), "{}", result.reason);
+    assert!(!swap_host::alive(before.pid), "proven exit");
+    assert_eq!(host.who_serves().await.map(|i| i.build), Some("b2".into()));
+    host.assert_only(result.generation);
+    host.tear_down().await;
+}
+
+#[tokio::test]
+async fn forked_grandchildren_die_with_the_retiring_cgroup() {
+    let host = SwapHost::new("overlap-grandchildren");
+    host.install_with(1, "b1", |a| knob(a, "TESTAPP_FORK_CHILDREN", "3"))
+        .await;
+    let before = host.who_serves().await.expect("b1 serves");
+    let gen1 = host
+        .instance_cgroup()
+        .join(format!("gen-{}", before.generation));
+    let family: Vec<u32> = std::fs::read_to_string(gen1.join("cgroup.procs"))
+        .expect("gen-1 procs")
+        .lines()
+        .filter_map(|l| l.parse().ok())
+        .collect();
+    assert_eq!(family.len(), 4, "b1 and its three children: {family:?}");
+
+    let b2 = host.build("b2");
+    let mut attempt = host.attempt(2, &b2, "b2");
+    attempt.spec.stop.timeout_seconds = 1;
+    let result = host.swap(&attempt).await;
+
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    for pid in family {
+        assert!(!swap_host::alive(pid), "pid {pid} of generation 1 survived");
+    }
+    host.assert_only(result.generation);
     host.tear_down().await;
 }

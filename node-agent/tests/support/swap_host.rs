@@ -107,10 +107,22 @@ impl SwapHost {
         self.engine.swap(attempt, &OpenGate, &Cancel::new()).await
     }
 
-    /// Installs `build` and checks it serves.
+    /// Installs build `name` and checks it serves.
     pub async fn install(&self, rev: i64, name: &str) -> testapp::Build {
+        self.install_with(rev, name, |_| {}).await
+    }
+
+    /// Installs build `name`, its attempt changed by `tune` first.
+    pub async fn install_with(
+        &self,
+        rev: i64,
+        name: &str,
+        tune: impl FnOnce(&mut Attempt),
+    ) -> testapp::Build {
         let build = self.build(name);
-        let result = self.swap(&self.attempt(rev, &build, name)).await;
+        let mut attempt = self.attempt(rev, &build, name);
+        tune(&mut attempt);
+        let result = self.swap(&attempt).await;
         assert_eq!(
             result.outcome,
             genswap_crds::Outcome::Done,

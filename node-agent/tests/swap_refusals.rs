@@ -1,0 +1,160 @@
+//! Attempts refused before anything of the build runs: staging rules, a
+//! limit this host cannot apply, swaps off. Each is `abandoned` with
+//! `executed: false`, nothing of the build is spawned, and the incumbent
+//! keeps serving.
+
+#[path = "support/cgroup_guard.rs"]
+mod cgroup_guard;
+#[path = "support/swap_host.rs"]
+mod swap_host;
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+
+use genswap_crds::{Outcome, ResourcesSpec};
+use node_agent::classify::StepOutcome;
+use node_agent::engine::{Attempt, EngineConfig, Step, SwapResult};
+use swap_host::SwapHost;
+
+/// Runs `attempt` against an installed b1 and checks the refusal rule:
+/// abandoned, executed false, the step that refused is stale, b1 serves,
+/// nothing of the new build exists.
+async fn assert_refused(
+    host: &SwapHost,
+    attempt: &Attempt,
+    step: Step,
+    says: &[&str],
+) -> SwapResult {
+    let before = host.who_serves().await.expect("b1 serves");
+    let result = host.swap(attempt).await;
+    assert_eq!(result.outcome, Outcome::Abandoned, "{result:?}");
+    assert!(!result.executed, "nothing ran: {result:?}");
+    let last = result.steps.last().expect("a step record");
+    assert_eq!(
+        (last.step, last.result),
+        (step, StepOutcome::Stale),
+        "{result:?}"
+    );
+    for words in says {
+        assert!(
+            result.reason.contains(words),
+            "{words:?} not in {:?}",
+            result.reason
+        );
+    }
+    assert_eq!(host.who_serves().await, Some(before.clone()));
+    host.assert_only(Some(before.generation));
+    result
+}
+
+#[tokio::test]
+async fn digest_mismatch_is_abandoned_and_nothing_spawns() {
+    let host = SwapHost::new("refuse-digest");
+    host.install(1, "b1").await;
+    let b2 = host.build("b2");
+    let mut attempt = host.attempt(2, &b2, "b2");
+    attempt.spec.build.sha256 = "0".repeat(64);
+    assert_refused(&host, &attempt, Step::Stage, &["digest", "b2"]).await;
+    host.tear_down().await;
+}
+
+#[tokio::test]
+async fn artifact_outside_the_staging_root_is_refused() {
+    let host = SwapHost::new("refuse-outside");
+    host.install(1, "b1").await;
+    let outside = host.staging.parent().expect("temp dir").join("outside");
+    fs::create_dir(&outside).expect("outside dir");
+    let b2 = swap_host::testapp_build(&outside, "b2");
+    let attempt = host.attempt(2, &b2, "b2");
+    assert_refused(&host, &attempt, Step::Stage, &["outside the staging root"]).await;
+    host.tear_down().await;
+}
+
+#[tokio::test]
+async fn artifact_through_an_escaping_symlink_is_refused() {
+    let host = SwapHost::new("refuse-symlink");
+    host.install(1, "b1").await;
+    let outside = host.staging.parent().expect("temp dir").join("outside");
+    fs::create_dir(&outside).expect("outside dir");
+    let real = swap_host::testapp_build(&outside, "b2");
+    let link = host.staging.join("b2-link");
+    std::os::unix::fs::symlink(&real.path, &link).expect("symlink");
+    let mut attempt = host.attempt(2, &real, "b2");
+    attempt.spec.build.artifact.path = Some(link.display().to_string());
+    assert_refused(&host, &attempt, Step::Stage, &["symlink", "b2-link"]).await;
+    host.tear_down().await;
+}
+
+#[tokio::test]
+async fn missing_artifact_is_refused() {
+    let host = SwapHost::new("refuse-missing");
+    host.install(1, "b1").await;
+    let b2 = host.build("b2");
+    fs::remove_file(&b2.path).expect("remove b2");
+    let attempt = host.attempt(2, &b2, "b2");
+    assert_refused(&host, &attempt, Step::Stage, &["does not exist", "b2"]).await;
+    host.tear_down().await;
+}
+
+#[tokio::test]
+async fn artifact_that_is_not_executable_is_refused() {
+    let host = SwapHost::new("refuse-noexec");
+    host.install(1, "b1").await;
+    let b2 = host.build("b2");
+    fs::set_permissions(&b2.path, fs::Permissions::from_mode(0o644)).expect("chmod");
+    let attempt = host.attempt(2, &b2, "b2");
+    assert_refused(&host, &attempt, Step::Stage, &["not executable", "b2"]).await;
+    host.tear_down().await;
+}
+
+#[tokio::test]
+async fn a_memory_limit_this_host_cannot_apply_is_refused_naming_the_controller() {
+    let host = SwapHost::new("refuse-memory");
+    let mount = node_agent::cgroup::discover_mount().expect("cgroup v2 mount");
+    let controllers = fs::read_to_string(mount.join("cgroup.controllers")).unwrap_or_default();
+    if controllers.split_whitespace().any(|c| c == "memory") {
+        eprintln!(
+            "skipped: the memory controller is enabled in cgroup v2 here, so the limit applies"
+        );
+        return;
+    }
+    host.install(1, "b1").await;
+    let b2 = host.build("b2");
+    let mut attempt = host.attempt(2, &b2, "b2");
+    attempt.spec.resources =
+        serde_json::from_value::<ResourcesSpec>(serde_json::json!({ "memoryMax": "64Mi" }))
+            .expect("resources");
+    assert_refused(&host, &attempt, Step::Admit, &["memory controller"]).await;
+    host.tear_down().await;
+}
+
+#[tokio::test]
+async fn uid_0_is_refused_unless_root_instances_are_allowed() {
+    let host = SwapHost::new("refuse-root");
+    host.install(1, "b1").await;
+    let b2 = host.build("b2");
+    let mut attempt = host.attempt(2, &b2, "b2");
+    attempt.spec.process.user = Some(0);
+    assert_refused(&host, &attempt, Step::Admit, &["root"]).await;
+    host.tear_down().await;
+}
+
+#[tokio::test]
+async fn swaps_off_abandons_every_attempt_and_spawns_nothing() {
+    let host = SwapHost::with_config(
+        "refuse-swaps-off",
+        EngineConfig {
+            swaps_on: false,
+            ..EngineConfig::default()
+        },
+    );
+    let b1 = host.build("b1");
+    let result = host.swap(&host.attempt(1, &b1, "b1")).await;
+    assert_eq!(result.outcome, Outcome::Abandoned, "{result:?}");
+    assert!(!result.executed);
+    assert!(result.reason.contains("swaps are off"), "{}", result.reason);
+    assert_eq!(host.who_serves().await, None);
+    assert!(!host.instance_cgroup().exists(), "no cgroup was made");
+    assert!(!host.run_dir.exists(), "no run dir was made");
+    host.assert_only(None);
+}
