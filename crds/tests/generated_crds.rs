@@ -39,3 +39,17 @@ fn crds_declare_what_kubectl_relies_on() {
         assert!(all.contains(needle), "generated CRDs lack {needle:?}");
     }
 }
+
+#[test]
+fn crdgen_stdout_is_the_committed_files_concatenated() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_crdgen"))
+        .output()
+        .expect("crdgen runs");
+    assert!(output.status.success(), "crdgen failed: {:?}", output);
+    let mut committed = String::new();
+    for (file, _) in genswap_crds::crdgen::render().expect("CRDs render") {
+        committed += &std::fs::read_to_string(root.join("crds").join(file)).expect("committed CRD");
+    }
+    assert_eq!(String::from_utf8_lossy(&output.stdout), committed);
+}

@@ -17,7 +17,7 @@ fn main() -> ExitCode {
     };
     if !write {
         for (_, yaml) in &rendered {
-            print!("---\n{yaml}");
+            print!("{yaml}");
         }
         return ExitCode::SUCCESS;
     }
