@@ -43,8 +43,10 @@
 //!
 //! Unless ignored, SIGTERM starts a graceful drain: the listener is closed
 //! (new connections are refused; the socket file stays, the agent owns it),
-//! connections idle between requests are closed at once, a request in flight
-//! finishes and its response carries `connection: close`, and after all
+//! every response from then on carries `connection: close` (a request in
+//! flight finishes), a connection idle between requests is closed once it
+//! has stayed idle for 500 ms (not at once: a keep-alive client may already
+//! have written its next request, which is then answered), and after all
 //! connections have ended, or `TESTAPP_DRAIN_MS` has passed, the process exits
 //! 0. SIGTERM before the socket is bound (boot delay, never-bind) exits 0 at
 //! once.

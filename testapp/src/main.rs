@@ -14,7 +14,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper::header::{CONTENT_TYPE, HeaderName, HeaderValue};
+use hyper::header::{CONNECTION, CONTENT_TYPE, HeaderName, HeaderValue};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
@@ -35,6 +35,9 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 const X_GENSWAP_BUILD: HeaderName = HeaderName::from_static("x-genswap-build");
 const X_GENSWAP_GENERATION: HeaderName = HeaderName::from_static("x-genswap-generation");
 const TEXT_PLAIN: HeaderValue = HeaderValue::from_static("text/plain; charset=utf-8");
+const CLOSE: HeaderValue = HeaderValue::from_static("close");
+/// How long a connection may sit idle after SIGTERM before it is closed.
+const IDLE_GRACE: Duration = Duration::from_millis(500);
 
 /// One lifecycle line on stderr.
 macro_rules! event {
@@ -428,15 +431,33 @@ fn bind(path: &Path) -> Result<UnixListener, RunError> {
 }
 
 async fn serve(stream: UnixStream, responder: Arc<Responder>, mut shutdown: watch::Receiver<()>) {
+    let draining = shutdown.clone();
     let service = service_fn(move |_: Request<Incoming>| {
         let responder = Arc::clone(&responder);
-        async move { Ok::<_, Infallible>(responder.respond().await) }
+        // Once the drain began, every answer says the connection closes, so
+        // a keep-alive client reconnects (to the next generation) after it.
+        let closing = draining.has_changed().unwrap_or(true);
+        async move {
+            let mut response = responder.respond().await;
+            if closing {
+                response.headers_mut().insert(CONNECTION, CLOSE);
+            }
+            Ok::<_, Infallible>(response)
+        }
     });
     let connection = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
     let mut connection = std::pin::pin!(connection);
     tokio::select! {
         _ = connection.as_mut() => return,
         _ = shutdown.changed() => {}
+    }
+    // A connection idle at SIGTERM is not closed at once: a client may have
+    // written its next request already, and closing under it would lose
+    // that request. It is served (with `connection: close`) until it has
+    // been left idle for IDLE_GRACE.
+    tokio::select! {
+        _ = connection.as_mut() => return,
+        () = sleep(IDLE_GRACE) => {}
     }
     // Closes the connection now if it is between requests; otherwise the
     // request in flight finishes with `connection: close`.
