@@ -26,10 +26,10 @@ use std::process::ExitStatus;
 use thiserror::Error;
 
 use crate::cgroup::{CgroupError, QuantityError};
-use crate::engine::interim::SpawnError;
 use crate::gate::{GatePoint, GateRefusal};
 use crate::health::HealthError;
 use crate::journal::JournalError;
+use crate::spawn::SpawnError;
 use crate::stage::StageError;
 use crate::switch::SwitchError;
 
@@ -194,13 +194,21 @@ pub fn classify<T>(result: &Result<T, StepError>, lifetime_ended: bool) -> StepO
         // Faults of the host after the build ran: the link that did not
         // move, a stop without proof. Not the build's doing.
         StepError::Switch(_) | StepError::Stop(_) => StepOutcome::Stale,
-        StepError::Spawn(error) => {
-            if error.is_refusal() {
-                StepOutcome::Stale
-            } else {
-                StepOutcome::Failed
-            }
-        }
+        StepError::Spawn(error) => match error {
+            // The build's own failure: its exec failed (missing
+            // interpreter, bad format). Nothing of it ran, but it cannot run.
+            SpawnError::Exec { .. } => StepOutcome::Failed,
+            // Refused or failed before the exec: nothing of the build ran,
+            // and the cause is the host's or the configuration's.
+            SpawnError::RootRefused { .. }
+            | SpawnError::InvalidSpec { .. }
+            | SpawnError::OpenCgroup { .. }
+            | SpawnError::Prepare { .. }
+            | SpawnError::Fork { .. }
+            | SpawnError::Setup { .. } => StepOutcome::Stale,
+            // The agent lost track of a running process: the host's fault.
+            SpawnError::Wait { .. } => StepOutcome::Stale,
+        },
         // An unusable health path says nothing about the build.
         StepError::Unhealthy(HealthError::InvalidPath { .. }) => StepOutcome::Stale,
         StepError::Unhealthy(HealthError::Timeout { .. } | HealthError::Request { .. }) => {

@@ -49,7 +49,6 @@
 mod cancel;
 mod flow;
 mod hold;
-pub(crate) mod interim;
 mod overlap;
 mod parts;
 mod types;
@@ -68,9 +67,9 @@ pub use types::{Attempt, Step, StepRecord, SwapResult, effective_mode};
 use crate::cgroup::{Cgroup, CgroupError, CgroupManager, Tier};
 use crate::gate::{AttemptGate, InstanceKey};
 use crate::journal::{GenerationRecord, Journal, JournalError};
+use crate::spawn::Spawned;
 use crate::stage::Stager;
 use crate::switch::RunLayout;
-use interim::Child;
 
 /// The engine's settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -159,7 +158,7 @@ pub(crate) struct Running {
     pub(crate) cgroup: Cgroup,
     pub(crate) tier: Tier,
     pub(crate) kind: InstanceKind,
-    pub(crate) child: Child,
+    pub(crate) child: Spawned,
 }
 
 impl Running {

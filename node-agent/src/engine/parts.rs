@@ -17,6 +17,7 @@ use crate::cgroup::{Cgroup, CgroupError, Controller, RaiseRecord, StopReport, st
 use crate::classify::StepError;
 use crate::gate::InstanceKey;
 use crate::journal::{GenerationRecord, SavedLimits};
+use crate::spawn::{SpawnSpec, Spawned, VerifyError};
 use crate::switch::{CURRENT_SOCKET, RunLayout};
 
 pub(super) use crate::stage::Staged;
@@ -200,107 +201,96 @@ pub(super) fn may_have_run(error: &StepError) -> bool {
 }
 
 /// Resolves with the generation's main process's exit status.
-pub(super) async fn exited(child: &mut super::interim::Child) -> Result<ExitStatus, StepError> {
+pub(super) async fn exited(child: &mut Spawned) -> Result<ExitStatus, StepError> {
     child.wait().await.map_err(StepError::Spawn)
 }
 
 /// The exit status, when the main process has already exited.
-pub(super) fn has_exited(child: &mut super::interim::Child) -> Option<ExitStatus> {
+pub(super) fn has_exited(child: &mut Spawned) -> Option<ExitStatus> {
     child.try_wait().ok().flatten()
 }
 
-/// SPEC 5.5 step 5: starts the successor inside its fresh cgroup.
-pub(super) async fn spawn(
+/// SPEC 5.5 step 5: starts the successor inside its fresh cgroup, with its
+/// own socket, uid/gid and environment. Its working directory defaults to
+/// the instance's run dir, which its uid can use.
+pub(super) fn spawn(
     spec: &genswap_crds::SwapAttemptSpec,
     successor: &GenerationRecord,
     staged: &Staged,
     cgroup: &Cgroup,
     run_dir: &Path,
     allow_root: bool,
-) -> Result<super::interim::Child, StepError> {
-    check_user(&spec.process, allow_root)?;
-    let mut env: Vec<(String, String)> = spec
+) -> Result<Spawned, StepError> {
+    let mut request = SpawnSpec::new(
+        &staged.path,
+        cgroup.clone(),
+        &successor.socket,
+        successor.n,
+        &successor.build,
+    );
+    request.args = spec.process.args.clone();
+    request.env = spec
         .process
         .env
         .iter()
         .map(|var| (var.name.clone(), var.value.clone()))
         .collect();
-    env.push((
-        "GENSWAP_SOCKET".into(),
-        successor.socket.display().to_string(),
-    ));
-    env.push(("GENSWAP_GENERATION".into(), successor.n.to_string()));
-    env.push(("GENSWAP_BUILD".into(), successor.build.clone()));
-    let working_dir = spec
-        .process
-        .working_dir
-        .as_deref()
-        .map(Path::new)
-        .unwrap_or(run_dir);
-    super::interim::start(
-        &staged.path,
-        &spec.process.args,
-        &env,
-        Some(working_dir),
-        spec.process.user.and_then(|uid| u32::try_from(uid).ok()),
-        spec.process.group.and_then(|gid| u32::try_from(gid).ok()),
-        &cgroup.procs_file(),
-    )
-    .map_err(StepError::Spawn)
+    request.working_dir = Some(
+        spec.process
+            .working_dir
+            .as_deref()
+            .map_or_else(|| run_dir.to_path_buf(), PathBuf::from),
+    );
+    request.uid = spec.process.user.and_then(|uid| u32::try_from(uid).ok());
+    request.gid = spec.process.group.and_then(|gid| u32::try_from(gid).ok());
+    request.allow_root = allow_root;
+    crate::spawn::spawn(request).map_err(StepError::Spawn)
 }
 
 /// Checks that what started is exactly the generation, build and store path
-/// the attempt chose: the process executes the staged store file and lives
-/// in the generation's own cgroup. A process that already exited cannot be
-/// inspected; its exit is the health step's to report.
+/// the attempt chose, as the kernel reports it: the executable, the
+/// generation's own cgroup and the `GENSWAP_*` values. A process that
+/// already exited cannot be inspected; its exit is the health step's to
+/// report.
 pub(super) fn verify_identity(running: &mut Running, staged: &Staged) -> Result<(), StepError> {
-    let pid = running.child.pid();
-    if running.record.store_path.as_deref() != Some(staged.path.as_path()) {
-        return Err(StepError::Identity {
-            what: format!(
-                "generation {} was to run {}, the staged store file is {}",
-                running.record.n,
-                running
-                    .record
-                    .store_path
-                    .as_deref()
-                    .map_or_else(|| "nothing".into(), |p| p.display().to_string()),
-                staged.path.display()
-            ),
-        });
+    let child = &running.child;
+    let chosen = &running.record;
+    let mismatch = |what: String| Err(StepError::Identity { what });
+    if child.exe() != staged.path || chosen.store_path.as_deref() != Some(staged.path.as_path()) {
+        return mismatch(format!(
+            "generation {} ran {}, the staged store file is {}",
+            chosen.n,
+            child.exe().display(),
+            staged.path.display()
+        ));
     }
-    let exe = fs::read_link(format!("/proc/{pid}/exe"));
-    let cgroup = fs::read_to_string(format!("/proc/{pid}/cgroup"));
-    if has_exited(&mut running.child).is_some() {
-        return Ok(());
+    if child.generation() != chosen.n || child.build() != chosen.build {
+        return mismatch(format!(
+            "started generation {} of build {:?}, the attempt chose generation {} of {:?}",
+            child.generation(),
+            child.build(),
+            chosen.n,
+            chosen.build
+        ));
     }
-    let (Ok(exe), Ok(cgroup)) = (exe, cgroup) else {
-        // Gone between the reads: its exit is reported by the health step.
-        return Ok(());
-    };
-    let expected_exe = fs::canonicalize(&staged.path).unwrap_or_else(|_| staged.path.clone());
-    if exe != expected_exe {
-        return Err(StepError::Identity {
-            what: format!(
-                "pid {pid} executes {}, not the staged store file {}",
-                exe.display(),
-                expected_exe.display()
-            ),
-        });
+    if child.cgroup().path() != chosen.cgroup || child.socket() != chosen.socket {
+        return mismatch(format!(
+            "started in {} on {}, the attempt chose {} on {}",
+            child.cgroup().path().display(),
+            child.socket().display(),
+            chosen.cgroup.display(),
+            chosen.socket.display()
+        ));
     }
-    if let Some(expected) = running.cgroup.proc_path() {
-        let actual = cgroup
-            .lines()
-            .find_map(|line| line.strip_prefix("0::"))
-            .unwrap_or_default();
-        if actual != expected {
-            return Err(StepError::Identity {
-                what: format!(
-                    "pid {pid} is in cgroup {actual:?}, not in generation {}'s {expected:?}",
-                    running.record.n
-                ),
-            });
+    match child.verify() {
+        Ok(_) => Ok(()),
+        Err(error @ VerifyError::Mismatch { .. }) => mismatch(error.to_string()),
+        Err(error @ VerifyError::Unreadable { .. }) => {
+            if has_exited(&mut running.child).is_some() {
+                Ok(())
+            } else {
+                mismatch(format!("it cannot be inspected: {error}"))
+            }
         }
     }
-    Ok(())
 }
