@@ -138,7 +138,9 @@ pub fn init_tracing(format: LogFormat) -> Result<(), SetupError> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // Escape codes only for a person at a terminal, never into log files.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match format {
         LogFormat::Json => builder.json().try_init(),
         LogFormat::Text => builder.try_init(),

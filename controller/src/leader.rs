@@ -91,14 +91,19 @@ const RETRY_AFTER_ERROR: Duration = Duration::from_secs(2);
 impl LeaseSettings {
     /// Refuses timings `LeaseParams` would panic on.
     pub fn validate(&self) -> Result<(), LeaseError> {
-        if self.grace_seconds == 0 || self.grace_seconds >= self.duration_seconds {
-            return Err(LeaseError::BadTiming {
-                duration: self.duration_seconds,
-                grace: self.grace_seconds,
-            });
-        }
-        Ok(())
+        validate_timing(self.duration_seconds, self.grace_seconds)
     }
+}
+
+/// Refuses a grace of zero or one not shorter than the duration.
+pub fn validate_timing(duration_seconds: u64, grace_seconds: u64) -> Result<(), LeaseError> {
+    if grace_seconds == 0 || grace_seconds >= duration_seconds {
+        return Err(LeaseError::BadTiming {
+            duration: duration_seconds,
+            grace: grace_seconds,
+        });
+    }
+    Ok(())
 }
 
 /// Holds the Lease until `shutdown` resolves, keeping `leadership` current.

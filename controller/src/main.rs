@@ -45,6 +45,7 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<(), MainError> {
+    leader::validate_timing(args.lease_duration_seconds, args.lease_grace_seconds)?;
     let config = args.kube_config().await?;
     let lease_settings = LeaseSettings {
         name: args.lease_name.clone(),
@@ -57,7 +58,6 @@ async fn run(args: Args) -> Result<(), MainError> {
         duration_seconds: args.lease_duration_seconds,
         grace_seconds: args.lease_grace_seconds,
     };
-    lease_settings.validate()?;
     // A renewal must fail before the claim expires, so a leader cut off from
     // the API server steps down before anyone else can take over.
     let lease_timeout = Duration::from_secs(lease_settings.grace_seconds.saturating_sub(1).max(1));
@@ -70,7 +70,10 @@ async fn run(args: Args) -> Result<(), MainError> {
     let readiness = Readiness::default();
 
     let listener = http::bind(args.metrics_addr).await?;
-    info!(addr = %args.metrics_addr, "serving /metrics, /healthz, /readyz");
+    match listener.local_addr() {
+        Ok(addr) => info!(%addr, "serving /metrics, /healthz, /readyz"),
+        Err(_) => info!(addr = %args.metrics_addr, "serving /metrics, /healthz, /readyz"),
+    }
     let (stop_http, http_stopped) = shutdown::channel();
     let server = tokio::spawn(http::serve(
         listener,

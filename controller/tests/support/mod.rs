@@ -3,6 +3,7 @@
 //! reconcile must send, in order, asserts them and answers them.
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod cluster;
 pub mod fake_api;
 
 use std::sync::Arc;

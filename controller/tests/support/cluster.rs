@@ -1,0 +1,393 @@
+//! An in-memory API server for the whole controller: it answers lists,
+//! streams watch events, takes the controller's writes (keeping the
+//! resourceVersion precondition of a status apply) and holds a Lease. It is
+//! reachable through a mocked client or over real HTTP on loopback.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use axum::extract::State;
+use bytes::Bytes;
+use futures::channel::mpsc;
+use http::{Method, Request, Response, StatusCode};
+use kube::Client;
+use serde_json::{Map, Value, json};
+
+pub const NS: &str = "apps";
+pub const LEASE: &str = "genswap-controller";
+const SHA: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
+
+pub type ResponseBody = axum::body::Body;
+type Chunk = Result<Bytes, Infallible>;
+
+/// The kinds the fake stores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Kind {
+    Ig,
+    Attempt,
+    Node,
+    Lease,
+}
+
+impl Kind {
+    pub fn collection(self) -> String {
+        match self {
+            Kind::Ig => format!("/apis/genswap.dev/v1alpha1/namespaces/{NS}/instancegenerations"),
+            Kind::Attempt => format!("/apis/genswap.dev/v1alpha1/namespaces/{NS}/swapattempts"),
+            Kind::Node => "/api/v1/nodes".to_string(),
+            Kind::Lease => format!("/apis/coordination.k8s.io/v1/namespaces/{NS}/leases"),
+        }
+    }
+
+    fn list_type(self) -> (&'static str, &'static str) {
+        match self {
+            Kind::Ig => ("genswap.dev/v1alpha1", "InstanceGenerationList"),
+            Kind::Attempt => ("genswap.dev/v1alpha1", "SwapAttemptList"),
+            Kind::Node => ("v1", "NodeList"),
+            Kind::Lease => ("coordination.k8s.io/v1", "LeaseList"),
+        }
+    }
+}
+
+/// What the fake holds and saw.
+#[derive(Default)]
+pub struct Cluster {
+    objects: BTreeMap<Kind, BTreeMap<String, Value>>,
+    watchers: BTreeMap<Kind, Vec<mpsc::UnboundedSender<Chunk>>>,
+    resource_version: u64,
+    /// Every genswap write the controller sent, as "METHOD path".
+    pub writes: Vec<String>,
+    pub event_reasons: Vec<String>,
+}
+
+/// A cluster shared by the test and the server side.
+pub type Shared = Arc<Mutex<Cluster>>;
+
+pub fn lock(cluster: &Shared) -> MutexGuard<'_, Cluster> {
+    cluster.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Cluster {
+    /// Stores `object` (or removes it) and streams the change to watchers.
+    pub fn put(&mut self, kind: Kind, mut object: Value, deleted: bool) {
+        self.resource_version += 1;
+        object["metadata"]["resourceVersion"] = json!(self.resource_version.to_string());
+        let name = object["metadata"]["name"]
+            .as_str()
+            .expect("object has a name")
+            .to_string();
+        let objects = self.objects.entry(kind).or_default();
+        let event_type = if deleted {
+            objects.remove(&name);
+            "DELETED"
+        } else if objects.insert(name, object.clone()).is_some() {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        let mut line =
+            serde_json::to_vec(&json!({"type": event_type, "object": object})).expect("serializes");
+        line.push(b'\n');
+        let line = Bytes::from(line);
+        self.watchers
+            .entry(kind)
+            .or_default()
+            .retain(|watcher| watcher.unbounded_send(Ok(line.clone())).is_ok());
+    }
+
+    pub fn get(&self, kind: Kind, name: &str) -> Option<Value> {
+        self.objects.get(&kind)?.get(name).cloned()
+    }
+
+    pub fn all(&self, kind: Kind) -> Vec<Value> {
+        self.objects
+            .get(&kind)
+            .map(|objects| objects.values().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// The Lease's holder, if any.
+    pub fn lease_holder(&self) -> Option<String> {
+        self.get(Kind::Lease, LEASE)?["spec"]["holderIdentity"]
+            .as_str()
+            .map(str::to_string)
+    }
+
+    /// The IG's READY column (`ready/selected`).
+    pub fn ready_column(&self) -> Option<String> {
+        self.get(Kind::Ig, "web")?["status"]["ready"]
+            .as_str()
+            .map(str::to_string)
+    }
+
+    fn answer(
+        &mut self,
+        method: &Method,
+        path: &str,
+        query: &str,
+        content_type: &str,
+        body: Value,
+    ) -> Response<ResponseBody> {
+        for kind in [Kind::Ig, Kind::Attempt, Kind::Node] {
+            if method == Method::GET && path == kind.collection() {
+                return self.list_or_watch(kind, query);
+            }
+        }
+        let leases = Kind::Lease.collection();
+        if path.starts_with(&leases) {
+            return self.lease(method, path, content_type, body);
+        }
+        self.writes.push(format!("{method} {path}"));
+        let igs = Kind::Ig.collection();
+        let attempts = Kind::Attempt.collection();
+        if method == Method::PATCH && path.starts_with(&igs) && path.ends_with("/status") {
+            let name = body["metadata"]["name"].as_str().unwrap_or_default();
+            let mut ig = self.get(Kind::Ig, name).expect("the IG exists");
+            if body["metadata"]["resourceVersion"] != ig["metadata"]["resourceVersion"] {
+                return failure(409, "Conflict");
+            }
+            ig["status"] = body["status"].clone();
+            self.put(Kind::Ig, ig, false);
+            respond(StatusCode::OK, &self.get(Kind::Ig, name))
+        } else if method == Method::POST && path == attempts {
+            self.put(Kind::Attempt, body.clone(), false);
+            respond(StatusCode::CREATED, &body)
+        } else if method == Method::DELETE && path.starts_with(&attempts) {
+            let name = path.rsplit('/').next().unwrap_or_default();
+            if let Some(object) = self.get(Kind::Attempt, name) {
+                self.put(Kind::Attempt, object, true);
+            }
+            respond(
+                StatusCode::OK,
+                &json!({"kind": "Status", "status": "Success"}),
+            )
+        } else if method == Method::POST
+            && path == format!("/apis/events.k8s.io/v1/namespaces/{NS}/events")
+        {
+            self.event_reasons
+                .push(body["reason"].as_str().unwrap_or_default().to_string());
+            respond(StatusCode::CREATED, &body)
+        } else {
+            panic!("the fake API server does not expect {method} {path}?{query}");
+        }
+    }
+
+    fn list_or_watch(&mut self, kind: Kind, query: &str) -> Response<ResponseBody> {
+        if query.split('&').any(|p| p == "watch=true") {
+            let (sender, receiver) = mpsc::unbounded();
+            self.watchers.entry(kind).or_default().push(sender);
+            return Response::builder()
+                .status(StatusCode::OK)
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(ResponseBody::from_stream(receiver))
+                .expect("response builds");
+        }
+        let (api_version, list_kind) = kind.list_type();
+        respond(
+            StatusCode::OK,
+            &json!({
+                "apiVersion": api_version,
+                "kind": list_kind,
+                "metadata": { "resourceVersion": self.resource_version.to_string() },
+                "items": self.all(kind),
+            }),
+        )
+    }
+
+    /// GET, create, and merge-patch of the Lease. A server-side apply that
+    /// claims a Lease someone else holds conflicts, as the field manager of
+    /// `holderIdentity` would on a real API server.
+    fn lease(
+        &mut self,
+        method: &Method,
+        path: &str,
+        content_type: &str,
+        body: Value,
+    ) -> Response<ResponseBody> {
+        let item = format!("{}/{LEASE}", Kind::Lease.collection());
+        let existing = self.get(Kind::Lease, LEASE);
+        match (method.clone(), existing) {
+            (Method::GET, Some(lease)) if path == item => respond(StatusCode::OK, &lease),
+            (Method::GET, None) if path == item => failure(404, "NotFound"),
+            (Method::POST, None) => {
+                let lease = json!({
+                    "apiVersion": "coordination.k8s.io/v1",
+                    "kind": "Lease",
+                    "metadata": { "name": LEASE, "namespace": NS },
+                    "spec": {},
+                });
+                self.put(Kind::Lease, lease, false);
+                respond(StatusCode::CREATED, &self.get(Kind::Lease, LEASE))
+            }
+            (Method::POST, Some(_)) => failure(409, "AlreadyExists"),
+            (Method::PATCH, Some(mut lease)) if path == item => {
+                let claimant = body["spec"]["holderIdentity"].as_str();
+                let holder = lease["spec"]["holderIdentity"].as_str();
+                if content_type.starts_with("application/apply-patch")
+                    && matches!((holder, claimant), (Some(h), Some(c)) if h != c)
+                {
+                    return failure(409, "Conflict");
+                }
+                let spec = lease["spec"]
+                    .as_object_mut()
+                    .expect("lease spec is an object");
+                for (key, value) in body["spec"].as_object().cloned().unwrap_or_else(Map::new) {
+                    if value.is_null() {
+                        spec.remove(&key);
+                    } else {
+                        spec.insert(key, value);
+                    }
+                }
+                self.put(Kind::Lease, lease, false);
+                respond(StatusCode::OK, &self.get(Kind::Lease, LEASE))
+            }
+            (method, _) => panic!("the fake API server does not expect {method} {path}"),
+        }
+    }
+}
+
+fn respond(code: StatusCode, body: &impl serde::Serialize) -> Response<ResponseBody> {
+    Response::builder()
+        .status(code)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(ResponseBody::from(
+            serde_json::to_vec(body).expect("serializes"),
+        ))
+        .expect("response builds")
+}
+
+fn failure(code: u16, reason: &str) -> Response<ResponseBody> {
+    respond(
+        StatusCode::from_u16(code).expect("valid status code"),
+        &json!({"apiVersion": "v1", "kind": "Status", "status": "Failure", "code": code, "reason": reason}),
+    )
+}
+
+fn parse(bytes: &[u8]) -> Value {
+    if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(bytes).expect("request body is JSON")
+    }
+}
+
+fn content_type(headers: &http::HeaderMap) -> String {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// A client whose requests `cluster` answers in process.
+pub fn client(cluster: &Shared) -> Client {
+    let (service, mut handle) =
+        tower_test::mock::pair::<Request<kube::client::Body>, Response<ResponseBody>>();
+    let cluster = cluster.clone();
+    tokio::spawn(async move {
+        while let Some((request, send)) = handle.next_request().await {
+            let (parts, body) = request.into_parts();
+            let bytes = body.collect_bytes().await.expect("request body readable");
+            let response = lock(&cluster).answer(
+                &parts.method,
+                parts.uri.path(),
+                parts.uri.query().unwrap_or_default(),
+                &content_type(&parts.headers),
+                parse(&bytes),
+            );
+            send.send_response(response);
+        }
+    });
+    Client::new(service, NS)
+}
+
+/// Serves `cluster` over HTTP on a loopback port until the task is aborted.
+pub async fn serve_http(cluster: &Shared) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    async fn handle(
+        State(cluster): State<Shared>,
+        request: Request<axum::body::Body>,
+    ) -> Response<ResponseBody> {
+        let (parts, body) = request.into_parts();
+        let bytes = axum::body::to_bytes(body, usize::MAX)
+            .await
+            .expect("request body readable");
+        lock(&cluster).answer(
+            &parts.method,
+            parts.uri.path(),
+            parts.uri.query().unwrap_or_default(),
+            &content_type(&parts.headers),
+            parse(&bytes),
+        )
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let addr = listener.local_addr().expect("bound address");
+    let router = axum::Router::new()
+        .fallback(handle)
+        .with_state(cluster.clone());
+    let server = tokio::spawn(async move {
+        axum::serve(listener, router)
+            .await
+            .expect("the fake API server serves");
+    });
+    (addr, server)
+}
+
+/// The IG `web`, selecting nodes with `pool=a`.
+pub fn ig() -> Value {
+    json!({
+        "apiVersion": "genswap.dev/v1alpha1",
+        "kind": "InstanceGeneration",
+        "metadata": { "name": "web", "namespace": NS, "uid": "uid-web", "generation": 1 },
+        "spec": {
+            "nodeSelector": { "pool": "a" },
+            "build": { "id": "b1", "artifact": { "path": "/opt/web/b1" }, "sha256": SHA },
+        },
+    })
+}
+
+/// A Node in `pool`, with the bulky status real Nodes carry.
+pub fn node(name: &str, pool: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": { "name": name, "labels": { "pool": pool } },
+        "status": { "images": [{ "names": ["registry.invalid/big:1"], "sizeBytes": 1 }] },
+    })
+}
+
+/// A cluster with the IG and nodes n1, n2 (pool a) and `other` (pool z).
+pub fn seeded() -> Shared {
+    let cluster = Shared::default();
+    {
+        let mut c = lock(&cluster);
+        c.put(Kind::Ig, ig(), false);
+        c.put(Kind::Node, node("n1", "a"), false);
+        c.put(Kind::Node, node("n2", "a"), false);
+        c.put(Kind::Node, node("other", "z"), false);
+    }
+    cluster
+}
+
+/// Polls `condition` on the cluster until it holds or `deadline` passes.
+pub async fn eventually(
+    what: &str,
+    cluster: &Shared,
+    deadline: std::time::Duration,
+    condition: impl Fn(&Cluster) -> bool,
+) {
+    let until = tokio::time::Instant::now() + deadline;
+    loop {
+        if condition(&lock(cluster)) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "timed out waiting: {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
