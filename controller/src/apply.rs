@@ -321,7 +321,10 @@ async fn write_status(
     let params = PatchParams::apply(&ctx.field_manager).force();
     let igs: Api<InstanceGeneration> = Api::namespaced(ctx.client.clone(), namespace);
     match igs.patch_status(name, &params, &Patch::Apply(&body)).await {
-        Ok(_) => Ok(()),
+        Ok(_) => {
+            ctx.note_replaced(ig);
+            Ok(())
+        }
         Err(kube::Error::Api(failure)) if failure.is_conflict() => {
             Err(ApplyError::ReservationConflict {
                 name: name.to_string(),

@@ -40,6 +40,10 @@ pub type Clock = Arc<dyn Fn() -> Timestamp + Send + Sync>;
 /// with no event at all: a safety net under the watches.
 pub const RESYNC_PERIOD: Duration = Duration::from_secs(10 * 60);
 
+/// How soon to look again when the cache has not yet caught up with this
+/// replica's own status write (the watch event normally comes first).
+pub const CATCH_UP_RETRY: Duration = Duration::from_secs(1);
+
 /// Reason of the Warning recorded on an InstanceGeneration the controller
 /// cannot read.
 pub const REASON_INVALID: &str = "InvalidObject";
@@ -76,6 +80,9 @@ pub struct Context {
     planner: Planner,
     clock: Clock,
     failures: Mutex<HashMap<ObjectRef<WatchedIg>, u32>>,
+    /// Per IG (namespace, name), the resourceVersion this replica's last
+    /// status write replaced: a cached IG still at it is known to be stale.
+    replaced: Mutex<HashMap<(String, String), String>>,
 }
 
 impl Context {
@@ -99,6 +106,7 @@ impl Context {
             planner: Arc::new(scheduler::plan),
             clock: Arc::new(Timestamp::now),
             failures: Mutex::new(HashMap::new()),
+            replaced: Mutex::new(HashMap::new()),
         }
     }
 
@@ -120,6 +128,31 @@ impl Context {
         let count = failures.entry(object).or_insert(0);
         *count = count.saturating_add(1);
         *count
+    }
+
+    /// Records that our status write replaced `ig` at its resourceVersion.
+    pub(crate) fn note_replaced(&self, ig: &InstanceGeneration) {
+        if let Some(version) = ig.resource_version() {
+            self.replaced
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(key_of(ig), version);
+        }
+    }
+
+    /// Whether the cached `ig` is still the version our own write replaced;
+    /// forgets the note once the cache has moved on.
+    fn is_behind_own_write(&self, ig: &InstanceGeneration) -> bool {
+        let mut replaced = self.replaced.lock().unwrap_or_else(PoisonError::into_inner);
+        let key = key_of(ig);
+        match replaced.get(&key) {
+            Some(version) if ig.resource_version().as_ref() == Some(version) => true,
+            Some(_) => {
+                replaced.remove(&key);
+                false
+            }
+            None => false,
+        }
     }
 
     fn clear_failures(&self, object: &ObjectRef<WatchedIg>) {
@@ -152,6 +185,12 @@ pub async fn reconcile(
         debug!(ig = %ig.name_any(), "being deleted; not planning");
         return Ok(Action::await_change());
     }
+    if ctx.is_behind_own_write(ig) {
+        // Planning from it would only lose the reservation race to our own
+        // write; the watch event of that write re-triggers this IG.
+        debug!(ig = %ig.name_any(), "cache behind our own status write; waiting for it");
+        return Ok(Action::requeue(CATCH_UP_RETRY));
+    }
     let attempts = observe::attempts_of(ig, &ctx.attempts);
     let nodes = observe::nodes(&ctx.nodes);
     let plan = (ctx.planner)(ig, &attempts, &nodes, (ctx.clock)());
@@ -165,6 +204,10 @@ pub async fn reconcile(
         // The new leader plans from what reached the API server.
         Applied::SteppedDown { .. } => Ok(Action::await_change()),
     }
+}
+
+fn key_of(ig: &InstanceGeneration) -> (String, String) {
+    (ig.namespace().unwrap_or_default(), ig.name_any())
 }
 
 /// Requeues a failed reconcile with a per-object exponential backoff.

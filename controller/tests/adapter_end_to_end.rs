@@ -52,22 +52,31 @@ async fn a_revision_is_never_issued_twice_across_failed_creates_stale_writers_an
     assert_eq!(cluster.ig().status.as_ref().map(|s| s.sched_rev), Some(1));
     assert!(cluster.with(|s| s.attempts.is_empty()));
 
-    // A replica whose cache still holds the object from before the
-    // reservation cannot issue anything: its write conflicts.
+    // A former leader whose cache still holds the object from before the
+    // last reservation cannot issue anything: its write conflicts.
     let stale = cluster.ig();
     reconcile_once(&mut a, &cluster)
         .await
         .expect("the retry issues a fresh revision");
     assert_eq!(cluster.with(|s| s.create_requests.clone()), vec![1, 2]);
-    let error = reconcile(watched(stale), a.ctx.clone())
+    let (mut former, former_server) = start(&cluster);
+    cluster.sync(&mut former);
+    let error = reconcile(watched(stale.clone()), former.ctx.clone())
         .await
         .expect_err("a stale writer loses");
     assert_eq!(error.metric_label(), "conflict");
     assert_eq!(cluster.with(|s| s.conflicts), 1);
+    stop(former, former_server).await;
+    // The writer itself, handed its own stale copy, waits for its cache to
+    // catch up instead of racing its own write.
+    reconcile(watched(stale), a.ctx.clone())
+        .await
+        .expect("waiting is not an error");
+    assert_eq!(cluster.with(|s| s.conflicts), 1);
     assert_eq!(
         cluster.with(|s| s.create_requests.clone()),
         vec![1, 2],
-        "the stale writer created nothing"
+        "the stale copies created nothing"
     );
     stop(a, server).await;
 

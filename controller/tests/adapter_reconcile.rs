@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use genswap_controller::metrics::Metrics;
-use genswap_controller::reconciler::{RESYNC_PERIOD, backoff_delay, error_policy, reconcile};
+use genswap_controller::reconciler::{
+    CATCH_UP_RETRY, RESYNC_PERIOD, backoff_delay, error_policy, reconcile,
+};
 use genswap_controller::scheduler::Plan;
 use genswap_crds::InstanceGenerationStatus;
 use http::StatusCode;
@@ -61,6 +63,27 @@ async fn issuing_an_attempt_reserves_the_revision_before_creating_it() {
             == "genswap_controller_attempts_issued_total{cause=\"install\",mode=\"overlap\"} 1"),
         "the issued attempt is counted"
     );
+}
+
+#[tokio::test]
+async fn a_cache_still_behind_our_own_write_is_not_planned_from() {
+    let (h, verifier) = harness(fixed_planner(issuing_plan()), true);
+    let ig = ig("100", Some(status(4)));
+    let scenario = verifier.run(Scenario::Apply {
+        ig: ig.clone(),
+        plan: issuing_plan(),
+    });
+    reconcile(watched(ig.clone()), h.ctx.clone())
+        .await
+        .expect("the first reconcile issues");
+    // The same version again: our own write replaced it, so planning from
+    // it could only conflict. Nothing is sent; it looks again soon.
+    let action = reconcile(watched(ig), h.ctx.clone())
+        .await
+        .expect("waiting for the cache is not an error");
+    assert_eq!(action, Action::requeue(CATCH_UP_RETRY));
+    drop(h.ctx);
+    finish(scenario).await;
 }
 
 #[tokio::test]
