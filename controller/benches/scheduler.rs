@@ -243,6 +243,10 @@ fn vm_hwm_kib() -> Option<u64> {
         .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
+fn kib(bytes: usize) -> String {
+    format!("{:.1} KiB", bytes as f64 / 1024.0)
+}
+
 fn mib(bytes: usize) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
 }
@@ -288,7 +292,7 @@ fn main() {
             per_plan * 1e6,
             row.allocations_per_plan,
             mib(row.fixture_heap),
-            mib(row.peak_plan_heap),
+            kib(row.peak_plan_heap),
             row.vm_hwm_kib.map_or_else(
                 || "n/a".to_string(),
                 |k| format!("{:.1} MiB", k as f64 / 1024.0)

@@ -39,7 +39,6 @@ mod naming;
 mod outcomes;
 mod rollout;
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use genswap_crds::{
@@ -112,8 +111,13 @@ pub fn plan(
     let mut events = Vec::new();
 
     let selected = rollout::select_nodes(&ctx.spec.node_selector, nodes);
-    let (mut slots, strays, newest_rev) =
-        gather(&ctx, &selected, attempts, std::mem::take(&mut status.nodes));
+    let (sorted_attempts, newest_rev) = sort_attempts(&ctx, attempts);
+    let (mut slots, strays) = gather(
+        &ctx,
+        &selected,
+        &sorted_attempts,
+        std::mem::take(&mut status.nodes),
+    );
 
     let mut book = FailureBook::new(std::mem::take(&mut status.held_down));
     for slot in &mut slots {
@@ -171,7 +175,7 @@ pub fn plan(
 
     let mut delete = strays;
     for slot in &slots {
-        delete.extend(rollout::expired(&slot.attempts));
+        delete.extend(rollout::expired(slot.attempts));
     }
 
     let node_entries: Vec<NodeGeneration> = slots.into_iter().map(|s| s.entry).collect();
@@ -233,69 +237,84 @@ impl<'a> Context<'a> {
 struct NodeSlot<'a> {
     name: &'a str,
     canary: bool,
-    attempts: Vec<&'a SwapAttempt>,
+    attempts: &'a [&'a SwapAttempt],
     entry: NodeGeneration,
 }
 
-/// Pairs each selected node with its attempts and its previous status entry.
-/// Returns the slots, the names of attempts on nodes no longer selected, and
-/// the highest revision any attempt of this instance carries.
+/// This instance's attempts sorted by (node, revision), so each node's are
+/// one run, and the highest revision among them. Attempts of another
+/// instance are not ours to count or delete.
+fn sort_attempts<'a>(
+    ctx: &Context<'_>,
+    attempts: &'a [SwapAttempt],
+) -> (Vec<&'a SwapAttempt>, i64) {
+    let mut ours: Vec<&SwapAttempt> = attempts
+        .iter()
+        .filter(|a| a.spec.instance == ctx.name)
+        .collect();
+    ours.sort_unstable_by(|a, b| {
+        (a.spec.node_name.as_str(), a.spec.sched_rev)
+            .cmp(&(b.spec.node_name.as_str(), b.spec.sched_rev))
+    });
+    let newest_rev = ours.iter().map(|a| a.spec.sched_rev).max().unwrap_or(0);
+    (ours, newest_rev)
+}
+
+/// Pairs each selected node with its attempts and its previous status entry
+/// by walking the three name-sorted lists together (no per-node lookups: a
+/// plan for a thousand nodes stays linear). Returns the slots and the names
+/// of attempts on nodes no longer selected.
 fn gather<'a>(
     ctx: &Context<'_>,
     selected: &[&'a str],
-    attempts: &'a [SwapAttempt],
-    previous_entries: Vec<NodeGeneration>,
-) -> (Vec<NodeSlot<'a>>, Vec<String>, i64) {
-    let mut newest_rev = 0;
-    let mut by_node: HashMap<&str, Vec<&SwapAttempt>> = HashMap::with_capacity(selected.len());
-    for attempt in attempts {
-        // Attempts of another instance are not ours to count or delete.
-        if attempt.spec.instance != ctx.name {
-            continue;
-        }
-        newest_rev = newest_rev.max(attempt.spec.sched_rev);
-        by_node
-            .entry(attempt.spec.node_name.as_str())
-            .or_default()
-            .push(attempt);
+    sorted_attempts: &'a [&'a SwapAttempt],
+    mut previous_entries: Vec<NodeGeneration>,
+) -> (Vec<NodeSlot<'a>>, Vec<String>) {
+    // The scheduler writes them sorted; anything else is sorted here.
+    if !previous_entries.is_sorted_by(|a, b| a.name <= b.name) {
+        previous_entries.sort_by(|a, b| a.name.cmp(&b.name));
     }
-    let mut entries: HashMap<String, NodeGeneration> = previous_entries
-        .into_iter()
-        .map(|entry| (entry.name.clone(), entry))
-        .collect();
+    let mut entries = previous_entries.into_iter().peekable();
+    let mut groups = sorted_attempts
+        .chunk_by(|a, b| a.spec.node_name == b.spec.node_name)
+        .peekable();
     let canaries = usize::try_from(ctx.spec.rollout.canary_nodes).unwrap_or(0);
-    let slots = selected
-        .iter()
-        .enumerate()
-        .map(|(index, &name)| {
-            let mut attempts = by_node.remove(name).unwrap_or_default();
-            attempts.sort_by_key(|a| a.spec.sched_rev);
-            NodeSlot {
-                name,
-                canary: index < canaries,
-                attempts,
-                entry: entries.remove(name).unwrap_or_else(|| NodeGeneration {
-                    name: name.to_string(),
-                    generation: None,
-                    build: None,
-                    sha256: None,
-                    config_rev: None,
-                    restart_id: None,
-                    since: None,
-                    last_attempt: None,
-                }),
-            }
-        })
-        .collect();
-    let mut strays: Vec<&SwapAttempt> = by_node.into_values().flatten().collect();
-    strays.sort_by(|a, b| {
-        (&a.spec.node_name, a.spec.sched_rev).cmp(&(&b.spec.node_name, b.spec.sched_rev))
-    });
+    let mut strays: Vec<&SwapAttempt> = Vec::new();
+    let mut slots = Vec::with_capacity(selected.len());
+    for (index, &name) in selected.iter().enumerate() {
+        // Entries of nodes no longer selected are dropped on the way.
+        while entries.next_if(|e| e.name.as_str() < name).is_some() {}
+        while let Some(group) = groups.next_if(|g| g[0].spec.node_name.as_str() < name) {
+            strays.extend(group);
+        }
+        let entry = entries
+            .next_if(|e| e.name == name)
+            .unwrap_or_else(|| NodeGeneration {
+                name: name.to_string(),
+                generation: None,
+                build: None,
+                sha256: None,
+                config_rev: None,
+                restart_id: None,
+                since: None,
+                last_attempt: None,
+            });
+        let attempts = groups
+            .next_if(|g| g[0].spec.node_name == name)
+            .unwrap_or_default();
+        slots.push(NodeSlot {
+            name,
+            canary: index < canaries,
+            attempts,
+            entry,
+        });
+    }
+    strays.extend(groups.flatten());
     let strays = strays
         .into_iter()
         .filter_map(|a| a.metadata.name.clone())
         .collect();
-    (slots, strays, newest_rev)
+    (slots, strays)
 }
 
 /// The build every selected node serves, when they all serve the same one.

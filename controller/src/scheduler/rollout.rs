@@ -136,7 +136,7 @@ impl Facts {
         let aims = newest.is_some_and(|a| aims_at(&a.spec, desired));
         let in_flight = newest.is_some() && outcome.is_none();
         let backoff_until = if aims && outcome == Some(Outcome::Abandoned) {
-            backoff_until(&slot.attempts, desired)
+            backoff_until(slot.attempts, desired)
         } else {
             None
         };
