@@ -252,7 +252,7 @@ fn mib(bytes: usize) -> String {
 }
 
 fn main() {
-    // `cargo test --benches` runs benches with --test: keep that cheap.
+    // `cargo bench -p controller --bench scheduler -- --test`: a smoke run.
     let quick = std::env::args().any(|a| a == "--test");
     let cases: &[(&str, usize, usize, i32, bool)] = if quick {
         &[("smoke", 10, 3, 1, true)]
