@@ -802,6 +802,41 @@ fn a_retry_goes_to_the_first_node_needing_the_build_when_the_failed_one_is_gone(
     assert_eq!(created(&plan), ["c rev6 release"]);
 }
 
+#[test]
+fn without_halt_on_failure_a_retry_arms_each_failed_node_on_its_own() {
+    let mut s = spec("b1");
+    s.rollout.halt_on_failure = false;
+    let mut world = World::new(ig(s), nodes(&["a", "b", "c"]));
+    world.reconcile();
+    world.finish("a", failed("unhealthy"));
+    assert_eq!(created(&world.reconcile()), ["b rev2 install"]);
+    world.finish("b", failed("unhealthy"));
+    assert_eq!(created(&world.reconcile()), ["c rev3 install"]);
+    world.finish("c", done());
+    world.reconcile();
+    assert_eq!(held(&world.status()), ["b1/overlap@a", "b1/overlap@b"]);
+
+    world.edit(|s| s.retry = "1".into());
+    let plan = world.reconcile();
+    assert_eq!(created(&plan), ["a rev4 retry canary", "b rev5 retry"]);
+    assert_eq!(
+        held(&plan.status),
+        ["b1/overlap@a armed", "b1/overlap@b armed"]
+    );
+
+    world.finish("a", done());
+    world.finish("b", failed("unhealthy again"));
+    let plan = world.reconcile();
+    assert!(plan.create.is_empty());
+    assert_eq!(
+        held(&plan.status),
+        ["b1/overlap@b"],
+        "a's done lifts only a's entry"
+    );
+    assert_eq!(plan.status.ready.as_deref(), Some("2/3"));
+    assert_eq!(condition(&plan.status, "Stalled"), "True BuildFailed");
+}
+
 // ---------------------------------------------------------------------------
 // Abandoned attempts: re-issued with backoff
 // ---------------------------------------------------------------------------
