@@ -20,6 +20,8 @@ pub mod engine;
 pub mod gate;
 pub mod health;
 pub mod journal;
+pub mod metrics;
+pub mod ownership;
 pub mod spawn;
 pub mod stage;
 pub mod switch;

@@ -1,0 +1,313 @@
+//! The agent's operations endpoints: `/metrics`, `/healthz` and `/readyz`.
+//!
+//! Both intakes use this module: the Kubernetes mode ([`crate::kube`]) and
+//! standalone mode. It knows nothing of Kubernetes: an intake records each
+//! [`SwapResult`] with [`AgentMetrics::record_result`], keeps the gauges
+//! current, flips [`Readiness`] as it gains the node and reads its source, and
+//! runs [`serve`] on a listener from [`bind`].
+//!
+//! Metrics (OpenMetrics text, every name prefixed `genswap_agent_`):
+//!
+//! | name | type | labels | meaning |
+//! | --- | --- | --- | --- |
+//! | `genswap_agent_attempts_total` | counter | `outcome`, `mode` | attempts ended, by outcome and the mode that ran |
+//! | `genswap_agent_step_duration_seconds` | histogram | `step` | time spent in each swap step |
+//! | `genswap_agent_generations_running` | gauge | | instances with a serving generation on this node |
+//! | `genswap_agent_journal_backlog` | gauge | | outcomes not yet accepted by the API server (or the status file) |
+//!
+//! `/healthz` answers 200 while the process serves HTTP. `/readyz` answers
+//! 200 once the agent owns the node and its intake has read its source
+//! (the watch synced, or the directory was read), 503 with the missing part
+//! otherwise.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use genswap_crds::{Mode, Outcome};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+use thiserror::Error;
+use tokio::net::TcpListener;
+
+use crate::engine::SwapResult;
+
+/// The prefix of every metric name.
+pub const PREFIX: &str = "genswap_agent";
+
+/// The content type `/metrics` answers with.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The default `--metrics-addr`: loopback only, since the agent runs with
+/// host networking.
+pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9090";
+
+/// Labels of `attempts_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AttemptLabels {
+    outcome: String,
+    mode: String,
+}
+
+/// Labels of `step_duration_seconds`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StepLabels {
+    step: String,
+}
+
+type StepHistograms = Family<StepLabels, Histogram, fn() -> Histogram>;
+
+/// Steps last from a millisecond (a refused admission) to minutes (a health
+/// timeout, a long drain): 1 ms doubling to about 9 minutes.
+fn step_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 20))
+}
+
+/// The agent's metrics and the registry that exposes them.
+#[derive(Debug)]
+pub struct AgentMetrics {
+    registry: Registry,
+    attempts: Family<AttemptLabels, Counter>,
+    step_duration: StepHistograms,
+    generations_running: Gauge,
+    journal_backlog: Gauge,
+}
+
+impl Default for AgentMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl AgentMetrics {
+    /// Registers every metric in a fresh registry.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix(PREFIX);
+        let attempts = Family::<AttemptLabels, Counter>::default();
+        let step_duration: StepHistograms = Family::new_with_constructor(step_histogram);
+        let generations_running = Gauge::default();
+        let journal_backlog = Gauge::default();
+        registry.register(
+            "attempts",
+            "Swap attempts ended on this node, by outcome and the mode that ran",
+            attempts.clone(),
+        );
+        registry.register_with_unit(
+            "step_duration",
+            "Time spent in each step of a swap attempt",
+            Unit::Seconds,
+            step_duration.clone(),
+        );
+        registry.register(
+            "generations_running",
+            "Instances with a serving generation on this node",
+            generations_running.clone(),
+        );
+        registry.register(
+            "journal_backlog",
+            "Attempt outcomes not yet accepted by the API server (or written to the status file)",
+            journal_backlog.clone(),
+        );
+        Self {
+            registry,
+            attempts,
+            step_duration,
+            generations_running,
+            journal_backlog,
+        }
+    }
+
+    /// Counts an attempt the engine ran and observes each step's duration.
+    pub fn record_result(&self, result: &SwapResult) {
+        self.record_outcome(result.outcome, result.effective_mode);
+        for step in &result.steps {
+            self.step_duration
+                .get_or_create(&StepLabels {
+                    step: step.step.as_str().to_string(),
+                })
+                .observe(step.duration.as_secs_f64());
+        }
+    }
+
+    /// Counts an attempt that ended without the engine (superseded before it
+    /// ran).
+    pub fn record_outcome(&self, outcome: Outcome, mode: Mode) {
+        self.attempts
+            .get_or_create(&AttemptLabels {
+                outcome: outcome_label(outcome).to_string(),
+                mode: mode_label(mode).to_string(),
+            })
+            .inc();
+    }
+
+    /// Sets how many instances have a serving generation.
+    pub fn set_generations_running(&self, count: usize) {
+        self.generations_running
+            .set(i64::try_from(count).unwrap_or(i64::MAX));
+    }
+
+    /// One more outcome waits to be accepted.
+    pub fn backlog_added(&self) {
+        self.journal_backlog.inc();
+    }
+
+    /// One outcome was accepted (or its object is gone).
+    pub fn backlog_removed(&self) {
+        self.journal_backlog.dec();
+    }
+
+    /// The current backlog.
+    pub fn journal_backlog(&self) -> i64 {
+        self.journal_backlog.get()
+    }
+
+    /// The registry in the OpenMetrics text format.
+    pub fn encode(&self) -> Result<String, std::fmt::Error> {
+        let mut text = String::new();
+        encode(&mut text, &self.registry)?;
+        Ok(text)
+    }
+}
+
+fn outcome_label(outcome: Outcome) -> &'static str {
+    match outcome {
+        Outcome::Done => "done",
+        Outcome::Failed => "failed",
+        Outcome::Abandoned => "abandoned",
+        Outcome::Down => "down",
+    }
+}
+
+fn mode_label(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Overlap => "overlap",
+        Mode::Hold => "hold",
+    }
+}
+
+/// What `/readyz` answers from: the agent owns the node, and its intake has
+/// read its source once. Clones share one state.
+#[derive(Clone, Debug, Default)]
+pub struct Readiness {
+    inner: Arc<ReadinessFlags>,
+}
+
+#[derive(Debug, Default)]
+struct ReadinessFlags {
+    owner: AtomicBool,
+    synced: AtomicBool,
+}
+
+impl Readiness {
+    /// Not ready: neither owner nor synced.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Set when the node lock is taken (and cleared when it is let go).
+    pub fn set_owner(&self, owns_node: bool) {
+        self.inner.owner.store(owns_node, Ordering::SeqCst);
+    }
+
+    /// Set once the intake has read its source (the watch's first list).
+    pub fn set_synced(&self, synced: bool) {
+        self.inner.synced.store(synced, Ordering::SeqCst);
+    }
+
+    /// Whether both hold.
+    pub fn is_ready(&self) -> bool {
+        self.not_ready_because().is_none()
+    }
+
+    /// What is missing, in words; `None` when ready.
+    pub fn not_ready_because(&self) -> Option<&'static str> {
+        match (
+            self.inner.owner.load(Ordering::SeqCst),
+            self.inner.synced.load(Ordering::SeqCst),
+        ) {
+            (true, true) => None,
+            (false, true) => Some("waiting for the node lock: another agent owns this node"),
+            (true, false) => Some("the intake has not read its attempts yet"),
+            (false, false) => {
+                Some("waiting for the node lock, and the intake has not read its attempts yet")
+            }
+        }
+    }
+}
+
+/// Why the endpoints could not be served.
+#[derive(Debug, Error)]
+pub enum MetricsError {
+    #[error("cannot listen on {addr} for the metrics endpoints: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("serving the metrics endpoints failed: {0}")]
+    Serve(#[source] std::io::Error),
+}
+
+#[derive(Clone)]
+struct Endpoints {
+    metrics: Arc<AgentMetrics>,
+    readiness: Readiness,
+}
+
+/// The router of `/metrics`, `/healthz` and `/readyz`.
+pub fn router(metrics: Arc<AgentMetrics>, readiness: Readiness) -> Router {
+    Router::new()
+        .route("/metrics", get(serve_metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(serve_readiness))
+        .with_state(Endpoints { metrics, readiness })
+}
+
+/// Binds `addr`; the caller learns the port (`local_addr`) before serving.
+pub async fn bind(addr: SocketAddr) -> Result<TcpListener, MetricsError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| MetricsError::Bind { addr, source })
+}
+
+/// Serves the endpoints on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Arc<AgentMetrics>,
+    readiness: Readiness,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), MetricsError> {
+    axum::serve(listener, router(metrics, readiness))
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(MetricsError::Serve)
+}
+
+async fn serve_metrics(State(endpoints): State<Endpoints>) -> Response {
+    match endpoints.metrics.encode() {
+        Ok(text) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response(),
+        Err(error) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("encoding metrics failed: {error}\n"),
+        )
+            .into_response(),
+    }
+}
+
+async fn serve_readiness(State(endpoints): State<Endpoints>) -> Response {
+    match endpoints.readiness.not_ready_because() {
+        None => (StatusCode::OK, "ok\n").into_response(),
+        Some(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response(),
+    }
+}
