@@ -121,6 +121,11 @@ pub struct InstanceGenerationStatus {
     pub nodes: Vec<NodeGeneration>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub held_down: Vec<HeldDown>,
+    /// The `spec.retry` token the controller last acted on. A different token
+    /// in the spec arms one attempt of a held-down build; absent until the
+    /// first plan, so a new object never retries by itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_retry: Option<String>,
     /// The newest build that reached `done` on every selected node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub good_build: Option<String>,

@@ -8,10 +8,6 @@ use super::failure_book::FailureBook;
 use super::rollout::Progress;
 use super::{Context, mode_name};
 
-/// The condition that remembers the last `spec.retry` seen (its message is
-/// the token), until the status type has a field for it.
-pub const RETRY_OBSERVED_CONDITION: &str = "RetryObserved";
-
 /// The reasons the scheduler writes on its conditions.
 pub mod reasons {
     /// Ready=True: every selected node serves the desired state.

@@ -2,9 +2,7 @@
 //! retry allowance that a change of `spec.retry` arms.
 
 use genswap_crds::{HeldDown, Mode};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-
-use super::conditions::RETRY_OBSERVED_CONDITION;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 /// `status.heldDown`, one entry per (build, mode, node) that failed.
 pub(super) struct FailureBook {
@@ -111,38 +109,13 @@ impl FailureBook {
     }
 }
 
-/// Records `token` (the spec's `retry`) in the [`RETRY_OBSERVED_CONDITION`]
-/// condition and says whether it differs from the one recorded before. No
-/// record yet means no change: a fresh object never arms a retry by itself.
-pub(super) fn observe_retry_token(
-    conditions: &mut Vec<Condition>,
-    token: &str,
-    observed_generation: Option<i64>,
-    now: &Time,
-) -> bool {
-    let record = |last_transition_time: Time| Condition {
-        type_: RETRY_OBSERVED_CONDITION.to_string(),
-        status: "True".into(),
-        reason: "RetryTokenRecorded".into(),
-        message: token.to_string(),
-        observed_generation,
-        last_transition_time,
-    };
-    match conditions
-        .iter_mut()
-        .find(|c| c.type_ == RETRY_OBSERVED_CONDITION)
-    {
-        Some(existing) if existing.message == token => {
-            existing.observed_generation = observed_generation;
-            false
-        }
-        Some(existing) => {
-            *existing = record(now.clone());
-            true
-        }
-        None => {
-            conditions.push(record(now.clone()));
-            false
-        }
+/// Records `token` (the spec's `retry`) in `status.lastRetry` and says
+/// whether it differs from the one recorded before. No record yet means no
+/// change: a fresh object never arms a retry by itself.
+pub(super) fn observe_retry_token(last_retry: &mut Option<String>, token: &str) -> bool {
+    let changed = last_retry.as_deref().is_some_and(|last| last != token);
+    if last_retry.as_deref() != Some(token) {
+        *last_retry = Some(token.to_string());
     }
+    changed
 }

@@ -20,10 +20,9 @@
 //! - The failure book holds (build, mode, node) entries. With `haltOnFailure`
 //!   any entry of the desired (build, mode) stops every node; without it an
 //!   entry stops only its own node and the rollout goes on elsewhere.
-//! - `spec.retry` has no remembered copy in the status type yet, so the last
-//!   value seen is kept in a condition of type [`RETRY_OBSERVED_CONDITION`]
-//!   (its message is the token). A status without that condition records the
-//!   current token and arms nothing, so a new object never retries by itself.
+//! - The last `spec.retry` seen is kept in `status.lastRetry`. A status
+//!   without it records the current token and arms nothing, so a new object
+//!   never retries by itself.
 //! - Abandoned attempts are re-issued after `5s · 2^(n-1)` (capped at 5 min)
 //!   for `n` consecutive abandoned attempts of the desired state on the node.
 //!   `n` is counted from the attempts themselves, so a node's trailing run of
@@ -49,7 +48,7 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 
-pub use conditions::{RETRY_OBSERVED_CONDITION, reasons};
+pub use conditions::reasons;
 pub use naming::{LABEL_INSTANCE, LABEL_NODE, attempt_name, label_value};
 pub use rollout::{abandoned_backoff, effective_mode, selects};
 
@@ -124,12 +123,7 @@ pub fn plan(
         outcomes::observe(slot, &mut book, &ctx, &mut events);
     }
 
-    let retry_changed = failure_book::observe_retry_token(
-        &mut status.conditions,
-        &ctx.spec.retry,
-        ctx.generation,
-        &ctx.now,
-    );
+    let retry_changed = failure_book::observe_retry_token(&mut status.last_retry, &ctx.spec.retry);
     if retry_changed {
         let armed = book.arm(&ctx.desired.build, ctx.mode);
         if armed > 0 {
