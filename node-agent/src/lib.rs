@@ -16,12 +16,15 @@
 
 pub mod cgroup;
 pub mod classify;
+pub mod demo;
 pub mod engine;
 pub mod gate;
 pub mod health;
+pub mod host;
 pub mod journal;
 pub mod metrics;
 pub mod ownership;
 pub mod spawn;
 pub mod stage;
+pub mod standalone;
 pub mod switch;

@@ -1,6 +1,300 @@
-//! genswap node agent.
+//! genswap node agent: `run` (Kubernetes mode, what the DaemonSet runs),
+//! `standalone --dir DIR` (one host, a directory of InstanceGeneration
+//! files) and `demo` (a guided run of standalone mode on this machine).
 
-fn main() {
-    eprintln!("node-agent: not implemented yet");
-    std::process::exit(2);
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use node_agent::demo::{self, DemoError, DemoOptions};
+use node_agent::host::{self, Host, HostArgs, HostError};
+use node_agent::standalone::{self, NodeIdentity, StandaloneConfig, StandaloneError};
+use thiserror::Error;
+use tracing::{error, info};
+
+/// The genswap node agent: swaps host processes between generations under
+/// cgroup v2.
+#[derive(Parser, Debug)]
+#[command(name = "node-agent", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Kubernetes mode: run the SwapAttempts of this node (what the
+    /// DaemonSet runs).
+    Run(RunArgs),
+    /// Standalone mode: one host, no cluster; the desired state is a
+    /// directory of InstanceGeneration YAML files, status is written beside
+    /// them.
+    Standalone(StandaloneArgs),
+    /// A guided run of standalone mode on this machine (root, cgroup v2):
+    /// install, overlap release, a failing build, its retry, a hold
+    /// release, with a client sending requests throughout. Cleans up after
+    /// itself.
+    Demo(DemoArgs),
+}
+
+#[derive(Args, Debug)]
+struct RunArgs {
+    #[command(flatten)]
+    host: HostArgs,
+}
+
+#[derive(Args, Debug)]
+struct StandaloneArgs {
+    /// The directory of InstanceGeneration files (`*.yaml`, `*.yml`), one
+    /// object per file. Status goes to `<dir>/status/<file name>`.
+    #[arg(long, env = "GENSWAP_STANDALONE_DIR", value_name = "DIR")]
+    dir: PathBuf,
+    /// This host's node name. Default: the host name.
+    #[arg(long, env = "GENSWAP_NODE_NAME")]
+    node_name: Option<String>,
+    /// A node label, `key=value`, matched against `spec.nodeSelector`;
+    /// repeat for more (the environment variable takes a comma-separated
+    /// list). `kubernetes.io/hostname=<node name>` is always set.
+    #[arg(
+        long = "node-label",
+        env = "GENSWAP_NODE_LABELS",
+        value_name = "KEY=VALUE",
+        value_delimiter = ',',
+        value_parser = parse_label
+    )]
+    node_labels: Vec<(String, String)>,
+    /// On exit, stop every instance and forget it (state and status files
+    /// removed). Without it, serving generations keep running, as the
+    /// agent leaves them.
+    #[arg(long, env = "GENSWAP_STOP_ON_EXIT")]
+    stop_on_exit: bool,
+    #[command(flatten)]
+    host: HostArgs,
+}
+
+#[derive(Args, Debug)]
+struct DemoArgs {
+    /// The demo keeps its run dir, state dir, staging root and store in a
+    /// fresh temp dir, whatever the path flags say; `--cgroup-root` is the
+    /// directory its fresh cgroup subtree is created under.
+    #[command(flatten)]
+    host: HostArgs,
+}
+
+impl Command {
+    fn host(&self) -> &HostArgs {
+        match self {
+            Command::Run(args) => &args.host,
+            Command::Standalone(args) => &args.host,
+            Command::Demo(args) => &args.host,
+        }
+    }
+}
+
+/// `key=value`, with a key and a value that a Kubernetes label allows.
+fn parse_label(text: &str) -> Result<(String, String), String> {
+    let (key, value) = text
+        .split_once('=')
+        .ok_or_else(|| format!("{text:?} is not key=value"))?;
+    let key_ok = !key.is_empty()
+        && key.len() <= 317
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'));
+    let value_ok = value.len() <= 63
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if !key_ok {
+        return Err(format!("{key:?} is not a label key"));
+    }
+    if !value_ok {
+        return Err(format!("{value:?} is not a label value"));
+    }
+    Ok((key.to_string(), value.to_string()))
+}
+
+#[derive(Debug, Error)]
+enum MainError {
+    #[error(transparent)]
+    Host(#[from] HostError),
+    #[error(transparent)]
+    Standalone(#[from] StandaloneError),
+    #[error(transparent)]
+    Demo(#[from] DemoError),
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    #[error(
+        "Kubernetes mode (`node-agent run`) is not built into this binary yet; use `node-agent standalone --dir DIR` or `node-agent demo`"
+    )]
+    KubeNotBuilt,
+    #[error("the demo did not go as its story says (see the table above)")]
+    DemoUnexpected,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The demo talks to a human on stdout and its failing builds are part
+    // of the story: only the agent's own errors go to the log.
+    let default_level = match cli.command {
+        Command::Demo(_) => "error",
+        _ => "info",
+    };
+    if let Err(error) = host::init_tracing(cli.command.host().log_format, default_level) {
+        eprintln!("node-agent: {error}");
+        return ExitCode::FAILURE;
+    }
+    match run(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            error!(error = %chain(&error), "node-agent failed");
+            eprintln!("node-agent: {}", chain(&error));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(command: Command) -> Result<(), MainError> {
+    if let Command::Run(args) = &command
+        && !args.host.no_host_namespaces
+    {
+        // Before the runtime starts any thread: setns into a mount
+        // namespace needs a single-threaded process.
+        let joined = host::join_host_namespaces()?;
+        info!(joined = ?joined.joined, "joined the host's namespaces");
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(MainError::Runtime)?;
+    runtime.block_on(async move {
+        match command {
+            Command::Run(_) => Err(MainError::KubeNotBuilt),
+            Command::Standalone(args) => run_standalone(args).await,
+            Command::Demo(args) => {
+                let report = demo::run(DemoOptions {
+                    cgroup_parent: args.host.cgroup_root.clone(),
+                })
+                .await?;
+                if report.as_expected() {
+                    Ok(())
+                } else {
+                    Err(MainError::DemoUnexpected)
+                }
+            }
+        }
+    })
+}
+
+async fn run_standalone(args: StandaloneArgs) -> Result<(), MainError> {
+    let settings = args.host.settings();
+    let host = Host::build(&settings)?;
+    let name = args
+        .node_name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .or_else(host::host_name)
+        .unwrap_or_else(|| "localhost".into());
+    let labels: BTreeMap<String, String> = args.node_labels.iter().cloned().collect();
+    let config = StandaloneConfig {
+        dir: args.dir.clone(),
+        node: NodeIdentity::new(name, labels),
+        stop_on_exit: args.stop_on_exit,
+    };
+    info!(
+        dir = %config.dir.display(),
+        node = %config.node.name,
+        cgroup_root = ?host.settings.cgroup_root,
+        run_dir = %settings.run_dir.display(),
+        state_dir = %settings.state_dir.display(),
+        "standalone mode"
+    );
+    standalone::run(&host, config, shutdown_signal()).await?;
+    Ok(())
+}
+
+/// SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = terminate => {}
+    }
+}
+
+/// The error and its sources, `a: b: c`.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let more = cause.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subcommands_take_the_shared_host_flags() {
+        let cli = Cli::try_parse_from([
+            "node-agent",
+            "standalone",
+            "--dir",
+            "/etc/genswap/instances",
+            "--node-label",
+            "pool=edge",
+            "--node-label",
+            "zone=a",
+            "--swap=off",
+        ])
+        .expect("standalone flags parse");
+        let Command::Standalone(args) = cli.command else {
+            panic!("not standalone");
+        };
+        assert_eq!(args.dir, PathBuf::from("/etc/genswap/instances"));
+        assert_eq!(
+            args.node_labels,
+            vec![
+                ("pool".to_string(), "edge".to_string()),
+                ("zone".to_string(), "a".to_string())
+            ]
+        );
+        assert!(!args.host.settings().engine.swaps_on);
+
+        let cli = Cli::try_parse_from(["node-agent", "run", "--no-host-namespaces"])
+            .expect("run flags parse");
+        assert!(cli.command.host().no_host_namespaces);
+        Cli::try_parse_from(["node-agent", "demo"]).expect("demo parses");
+    }
+
+    #[test]
+    fn a_label_must_be_key_equals_value() {
+        assert!(parse_label("pool").is_err());
+        assert!(parse_label("=x").is_err());
+        assert!(parse_label("a=b c").is_err());
+        assert_eq!(
+            parse_label("topology.kubernetes.io/zone=eu-1a"),
+            Ok(("topology.kubernetes.io/zone".into(), "eu-1a".into()))
+        );
+    }
+
+    #[test]
+    fn standalone_needs_a_directory() {
+        assert!(Cli::try_parse_from(["node-agent", "standalone"]).is_err());
+    }
 }

@@ -1,0 +1,644 @@
+//! `node-agent demo`: a guided run of standalone mode on this machine, for a
+//! newcomer. It needs no cluster: root and a writable cgroup v2 mount.
+//!
+//! In a fresh temp dir and cgroup subtree it makes four builds of the test
+//! app and drives standalone mode (the same scheduler and swap engine as a
+//! cluster node) by rewriting one InstanceGeneration file:
+//!
+//! 1. install `build-1`;
+//! 2. an overlap release to `build-2`;
+//! 3. a release of `build-bad`, which answers 500 to its health check:
+//!    `failed`, held down, `build-2` keeps serving;
+//! 4. a retry of it (`spec.retry` changed): the one re-armed attempt runs,
+//!    fails the same way, and the build is held down again; `build-2`
+//!    still serves. (A retry re-arms a build; it does not fix it.)
+//! 5. a hold release to `build-3`: `build-2` stops before `build-3` starts,
+//!    so requests fail in the gap; that is what `hold` means.
+//!
+//! From step 2 on a client sends requests through `current.sock` without a
+//! pause; each step's row counts the requests sent and failed while it ran.
+//! Overlap steps must show 0 failed. Everything is stopped and removed at
+//! the end, on Ctrl-C and on failure too.
+
+pub mod app;
+mod sandbox;
+mod traffic;
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use genswap_crds::{ConditionType, Mode, Outcome};
+use thiserror::Error;
+use tokio::sync::oneshot;
+
+use crate::cgroup::{CgroupError, discover_mount};
+use crate::engine::EngineConfig;
+use crate::gate::InstanceKey;
+use crate::host::{Host, HostError, HostSettings};
+use crate::standalone::files::write_atomically;
+use crate::standalone::{
+    self, NodeIdentity, StandaloneConfig, StandaloneError, StatusDocument, WaitError,
+};
+use sandbox::Sandbox;
+use traffic::{Client, Tally};
+
+/// The demo's instance.
+const NAMESPACE: &str = "demo";
+const NAME: &str = "hello";
+const MANIFEST: &str = "hello.yaml";
+/// The uid and gid the instance runs as (`nobody`): not root.
+const NOBODY: u32 = 65534;
+/// The longest one step may take before the demo gives up.
+const STEP_DEADLINE: Duration = Duration::from_secs(60);
+/// How long the demo waits for standalone mode to stop everything.
+const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(60);
+
+/// What the demo can be told.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DemoOptions {
+    /// The cgroup directory the demo's subtree goes under; default: the
+    /// cgroup v2 mount found in `/proc/self/mountinfo`.
+    pub cgroup_parent: Option<PathBuf>,
+}
+
+/// Why the demo could not run to its end.
+#[derive(Debug, Error)]
+pub enum DemoError {
+    /// The test app is neither built nor buildable here.
+    #[error("the test app is not available: {problem}\n  run: {command}")]
+    Testapp { problem: String, command: String },
+    /// No cgroup v2 hierarchy to run in.
+    #[error(
+        "the demo needs a writable cgroup v2 hierarchy (run it as root on Linux with cgroup v2): {0}"
+    )]
+    Cgroup(#[source] CgroupError),
+    /// The temp dir or the cgroup subtree could not be set up.
+    #[error("cannot {what}: {source}")]
+    Setup {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    /// The host parts could not be built.
+    #[error(transparent)]
+    Host(#[from] HostError),
+    /// A test-app build could not be made.
+    #[error("cannot make a test-app build: {0}")]
+    Build(#[source] testapp::Error),
+    /// A step did not reach its end in time.
+    #[error("step {step}: {source}")]
+    Step {
+        step: String,
+        #[source]
+        source: WaitError,
+    },
+    /// Standalone mode stopped on its own.
+    #[error("standalone mode stopped: {0}")]
+    Standalone(#[source] StandaloneError),
+    /// Standalone mode did not stop within the deadline.
+    #[error("standalone mode did not stop within {0:?}")]
+    ShutdownTimeout(Duration),
+    /// Ctrl-C or SIGTERM.
+    #[error("interrupted")]
+    Interrupted,
+    /// Cleanup failed; the paths say what may be left.
+    #[error("cleanup failed: {0}")]
+    Cleanup(#[source] io::Error),
+}
+
+/// One row of the table: one step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    /// What the step did.
+    pub step: String,
+    /// The attempt's cause.
+    pub cause: String,
+    /// The mode that ran.
+    pub mode: Mode,
+    /// How the attempt ended.
+    pub outcome: Outcome,
+    /// Whether a process of the build started.
+    pub executed: bool,
+    /// How long the generation this attempt stopped took to exit.
+    pub drain_ms: Option<i64>,
+    /// Requests sent and failed while the step ran (`None` before the
+    /// client starts).
+    pub traffic: Option<Tally>,
+    /// The build that answered the client last.
+    pub serving: Option<String>,
+    /// How long the step took.
+    pub took: Duration,
+}
+
+/// The demo's result.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DemoReport {
+    /// One row per step.
+    pub rows: Vec<Row>,
+}
+
+impl DemoReport {
+    /// The table the demo prints.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{:<32} {:<8} {:<8} {:<10} {:<9} {:>8} {:>7} {:>7}  {:<10} {:>6}",
+            "step",
+            "cause",
+            "mode",
+            "outcome",
+            "executed",
+            "drain",
+            "sent",
+            "failed",
+            "serving",
+            "took"
+        );
+        for row in &self.rows {
+            let (sent, failed) = match row.traffic {
+                Some(t) => (t.sent.to_string(), t.failed.to_string()),
+                None => ("-".into(), "-".into()),
+            };
+            let _ = writeln!(
+                out,
+                "{:<32} {:<8} {:<8} {:<10} {:<9} {:>8} {:>7} {:>7}  {:<10} {:>5.1}s",
+                row.step,
+                row.cause,
+                mode_name(row.mode),
+                outcome_name(row.outcome),
+                row.executed,
+                row.drain_ms
+                    .map_or_else(|| "-".to_string(), |ms| format!("{ms} ms")),
+                sent,
+                failed,
+                row.serving.as_deref().unwrap_or("-"),
+                row.took.as_secs_f64(),
+            );
+        }
+        out
+    }
+
+    /// The story held: the outcomes expected, and no failed request in an
+    /// overlap step.
+    pub fn as_expected(&self) -> bool {
+        let outcomes: Vec<Outcome> = self.rows.iter().map(|r| r.outcome).collect();
+        let overlap_clean = self
+            .rows
+            .iter()
+            .filter(|r| r.mode == Mode::Overlap)
+            .all(|r| r.traffic.is_none_or(|t| t.failed == 0));
+        outcomes
+            == [
+                Outcome::Done,
+                Outcome::Done,
+                Outcome::Failed,
+                Outcome::Failed,
+                Outcome::Done,
+            ]
+            && overlap_clean
+    }
+}
+
+/// Runs the demo to its end and cleans up. See the module docs.
+pub async fn run(options: DemoOptions) -> Result<DemoReport, DemoError> {
+    println!("genswap demo: standalone mode on this machine, no cluster needed.\n");
+    app::ensure_built()?;
+    let parent = match options.cgroup_parent {
+        Some(parent) => parent,
+        None => discover_mount().map_err(DemoError::Cgroup)?,
+    };
+    let mut sandbox = Sandbox::create(&parent)?;
+    let result = run_in(&sandbox).await;
+    let cleanup = tokio::task::spawn_blocking(move || {
+        let cleanup = sandbox.clean_up();
+        (sandbox, cleanup)
+    })
+    .await;
+    match cleanup {
+        Ok((_, Ok(done))) => {
+            println!(
+                "\nCleaned up: cgroup subtree {} ({} leftover processes) and {}.",
+                done.cgroup.display(),
+                done.leftover_processes,
+                done.dir.display()
+            );
+        }
+        Ok((_, Err(error))) => {
+            if result.is_ok() {
+                return Err(DemoError::Cleanup(error));
+            }
+            eprintln!("genswap demo: cleanup failed too: {error}");
+        }
+        // The sandbox's own drop cleaned up after the panic.
+        Err(join) => std::panic::resume_unwind(join.into_panic()),
+    }
+    result
+}
+
+/// Everything between setting up the sandbox and removing it.
+async fn run_in(sandbox: &Sandbox) -> Result<DemoReport, DemoError> {
+    let dir = sandbox.dir();
+    let manifests = dir.join("manifests");
+    let staging = dir.join("staging");
+    for path in [&manifests, &staging] {
+        std::fs::create_dir(path).map_err(|source| DemoError::Setup {
+            what: format!("create {}", path.display()),
+            source,
+        })?;
+    }
+    let settings = HostSettings {
+        cgroup_root: Some(sandbox.cgroup().to_path_buf()),
+        run_dir: dir.join("run"),
+        state_dir: dir.join("state"),
+        staging_root: staging.clone(),
+        store_dir: None,
+        engine: EngineConfig {
+            allow_root: false,
+            swaps_on: true,
+        },
+    };
+    let host = Host::build(&settings)?;
+    let key = InstanceKey::new(NAMESPACE, NAME).map_err(|error| DemoError::Setup {
+        what: "name the demo instance".into(),
+        source: io::Error::new(io::ErrorKind::InvalidInput, error),
+    })?;
+    let current = host.engine.layout().current_socket(&key);
+    println!("  manifest:    {}", manifests.join(MANIFEST).display());
+    println!(
+        "  status:      {}",
+        standalone::status_path(&manifests, MANIFEST).display()
+    );
+    println!("  current.sock {}", current.display());
+    println!("  cgroups:     {}", sandbox.cgroup().display());
+    println!();
+
+    let builds = Builds::make(&staging)?;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let node = NodeIdentity::new(
+        crate::host::host_name().unwrap_or_else(|| "this-host".into()),
+        BTreeMap::new(),
+    );
+    let config = StandaloneConfig {
+        dir: manifests.clone(),
+        node,
+        stop_on_exit: true,
+    };
+    let mut runner = tokio::spawn({
+        let engine = host.engine.clone();
+        let gate = host.gate.clone();
+        let state_dir = settings.state_dir.clone();
+        async move {
+            standalone::run_with(engine, gate, &state_dir, config, async {
+                let _ = stopped.await;
+            })
+            .await
+        }
+    });
+
+    let script = Script {
+        manifests: &manifests,
+        builds: &builds,
+        current: &current,
+    };
+    let outcome = tokio::select! {
+        report = script.run() => report,
+        () = interrupted() => {
+            println!("\nInterrupted: stopping everything and cleaning up.");
+            Err(DemoError::Interrupted)
+        }
+        ended = &mut runner => Err(match ended {
+            Ok(Err(error)) => DemoError::Standalone(error),
+            Ok(Ok(())) | Err(_) => DemoError::Interrupted,
+        }),
+    };
+
+    // Stop standalone mode: it stops the instance with proof of exit.
+    let _ = stop.send(());
+    if !runner.is_finished() {
+        match tokio::time::timeout(SHUTDOWN_DEADLINE, &mut runner).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(error))) => tracing::warn!(%error, "standalone mode ended with an error"),
+            Ok(Err(join)) => tracing::warn!(%join, "standalone mode panicked"),
+            Err(_) => {
+                runner.abort();
+                if outcome.is_ok() {
+                    return Err(DemoError::ShutdownTimeout(SHUTDOWN_DEADLINE));
+                }
+            }
+        }
+    }
+    outcome
+}
+
+/// Ctrl-C or SIGTERM.
+async fn interrupted() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = terminate => {}
+    }
+}
+
+/// The four builds, distinct files in the staging root.
+struct Builds {
+    one: testapp::Build,
+    two: testapp::Build,
+    bad: testapp::Build,
+    three: testapp::Build,
+}
+
+impl Builds {
+    fn make(staging: &Path) -> Result<Builds, DemoError> {
+        let make = |name: &str| testapp::make_build(staging, name).map_err(DemoError::Build);
+        Ok(Builds {
+            one: make("build-1")?,
+            two: make("build-2")?,
+            bad: make("build-bad")?,
+            three: make("build-3")?,
+        })
+    }
+}
+
+/// What one manifest asks for.
+struct Desired<'a> {
+    id: &'a str,
+    build: &'a testapp::Build,
+    mode: Mode,
+    retry: &'a str,
+    args: &'a [&'a str],
+}
+
+impl Desired<'_> {
+    /// The InstanceGeneration file: short health and settle windows keep
+    /// the demo under a minute.
+    fn manifest(&self) -> String {
+        let args = self
+            .args
+            .iter()
+            .map(|a| format!("\"{a}\""))
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!(
+            "apiVersion: genswap.dev/v1alpha1
+kind: InstanceGeneration
+metadata:
+  name: {NAME}
+  namespace: {NAMESPACE}
+spec:
+  build:
+    id: {id}
+    artifact:
+      path: {path}
+    sha256: {sha}
+  mode: {mode}
+  retry: \"{retry}\"
+  process:
+    args: [{args}]
+    user: {NOBODY}
+    group: {NOBODY}
+  health:
+    path: /healthz
+    timeoutSeconds: 3
+  settle:
+    seconds: 1
+  stop:
+    timeoutSeconds: 5
+",
+            id = self.id,
+            path = self.build.path.display(),
+            sha = self.build.sha256,
+            mode = mode_name(self.mode),
+            retry = self.retry,
+        )
+    }
+}
+
+struct Script<'a> {
+    manifests: &'a Path,
+    builds: &'a Builds,
+    current: &'a Path,
+}
+
+impl Script<'_> {
+    async fn run(&self) -> Result<DemoReport, DemoError> {
+        let b = self.builds;
+        let mut report = DemoReport::default();
+        let mut last_rev = 0;
+
+        let (row, doc) = self
+            .step(
+                "1/5",
+                "install build-1",
+                "The file appears; standalone mode plans an install and the engine starts \
+                 generation 1 in its own cgroup, health-checks it on its own socket and \
+                 points current.sock at it.",
+                &Desired {
+                    id: "build-1",
+                    build: &b.one,
+                    mode: Mode::Overlap,
+                    retry: "",
+                    args: &[],
+                },
+                last_rev,
+                None,
+            )
+            .await?;
+        last_rev = newest_rev(&doc);
+        report.rows.push(row);
+
+        println!("Starting a client that sends requests through current.sock without a pause.\n");
+        let client = Client::start(self.current.to_path_buf());
+
+        let steps: [(&str, &str, &str, Desired<'_>); 4] = [
+            (
+                "2/5",
+                "release build-2 (overlap)",
+                "build-2 starts beside build-1, becomes healthy, takes over current.sock \
+                 by an atomic rename, then build-1 drains and is proven stopped.",
+                Desired {
+                    id: "build-2",
+                    build: &b.two,
+                    mode: Mode::Overlap,
+                    retry: "",
+                    args: &[],
+                },
+            ),
+            (
+                "3/5",
+                "release build-bad (overlap)",
+                "build-bad answers 500 to its health check: the attempt fails, build-bad is \
+                 stopped and held down (Stalled=True), and build-2 never stops serving.",
+                Desired {
+                    id: "build-bad",
+                    build: &b.bad,
+                    mode: Mode::Overlap,
+                    retry: "",
+                    args: &["--status=500"],
+                },
+            ),
+            (
+                "4/5",
+                "retry build-bad (spec.retry)",
+                "Changing spec.retry re-arms exactly one attempt of the held-down build. It \
+                 is the same build, so it fails the same way and is held down again: a retry \
+                 re-arms a build, it does not fix it. build-2 still serves.",
+                Desired {
+                    id: "build-bad",
+                    build: &b.bad,
+                    mode: Mode::Overlap,
+                    retry: "1",
+                    args: &["--status=500"],
+                },
+            ),
+            (
+                "5/5",
+                "release build-3 (hold)",
+                "A hold stops build-2 first and then starts build-3: the requests that arrive \
+                 in between fail. That gap is what mode: hold trades for never running two \
+                 generations at once.",
+                Desired {
+                    id: "build-3",
+                    build: &b.three,
+                    mode: Mode::Hold,
+                    retry: "1",
+                    args: &[],
+                },
+            ),
+        ];
+        for (number, title, story, desired) in steps {
+            let (row, doc) = self
+                .step(number, title, story, &desired, last_rev, Some(&client))
+                .await?;
+            last_rev = newest_rev(&doc);
+            report.rows.push(row);
+        }
+        drop(client);
+
+        println!("\n{}", report.table());
+        if report.as_expected() {
+            println!(
+                "Every overlap step answered every request; the failed build never took traffic; \
+                 the hold step shows the gap a hold costs."
+            );
+        } else {
+            println!(
+                "WARNING: the run did not go as the story says; the table shows what happened."
+            );
+        }
+        Ok(report)
+    }
+
+    /// Writes the manifest and waits until standalone mode has run the
+    /// attempt it causes and the plan is quiet.
+    async fn step(
+        &self,
+        number: &str,
+        title: &str,
+        story: &str,
+        desired: &Desired<'_>,
+        last_rev: i64,
+        client: Option<&Client>,
+    ) -> Result<(Row, StatusDocument), DemoError> {
+        println!("{number} {title}\n    {story}");
+        let before = client.map(Client::tally);
+        let started = Instant::now();
+        let path = self.manifests.join(MANIFEST);
+        let text = desired.manifest();
+        tokio::task::spawn_blocking(move || write_atomically(&path, text.as_bytes(), 0o644))
+            .await
+            .map_err(|join| DemoError::Setup {
+                what: "write the manifest".into(),
+                source: io::Error::other(join.to_string()),
+            })?
+            .map_err(|source| DemoError::Setup {
+                what: "write the manifest".into(),
+                source,
+            })?;
+        let doc = standalone::wait_for_status(self.manifests, MANIFEST, STEP_DEADLINE, |doc| {
+            settled_after(doc, last_rev)
+        })
+        .await
+        .map_err(|source| DemoError::Step {
+            step: title.to_string(),
+            source,
+        })?;
+        let took = started.elapsed();
+        let traffic = client.map(|c| c.tally() - before.unwrap_or_default());
+        let last = doc.last_attempt();
+        let row = Row {
+            step: title.to_string(),
+            cause: last.map_or_else(|| "-".into(), |l| format!("{:?}", l.cause).to_lowercase()),
+            mode: last.map_or(desired.mode, |l| l.mode),
+            outcome: last.map_or(Outcome::Abandoned, |l| l.outcome),
+            executed: last.is_some_and(|l| l.executed),
+            drain_ms: last.and_then(|l| l.drain_ms),
+            traffic,
+            serving: client
+                .and_then(Client::last_build)
+                .or_else(|| doc.status.nodes.first().and_then(|n| n.build.clone())),
+            took,
+        };
+        println!(
+            "    -> {} in {:.1} s; {}{}\n",
+            outcome_name(row.outcome),
+            took.as_secs_f64(),
+            conditions(&doc),
+            traffic.map_or_else(String::new, |t| format!(
+                "; {} requests, {} failed",
+                t.sent, t.failed
+            )),
+        );
+        Ok((row, doc))
+    }
+}
+
+/// The attempt after `last_rev` has an outcome, every attempt has ended,
+/// and the instance is not reconciling any more.
+fn settled_after(doc: &StatusDocument, last_rev: i64) -> bool {
+    doc.last_attempt().is_some_and(|l| l.sched_rev > last_rev)
+        && doc.attempts.iter().all(|a| a.status.outcome.is_some())
+        && doc
+            .condition(ConditionType::Reconciling)
+            .is_some_and(|c| c.status == "False")
+}
+
+fn newest_rev(doc: &StatusDocument) -> i64 {
+    doc.attempts.iter().map(|a| a.sched_rev).max().unwrap_or(0)
+}
+
+/// `Ready=True (AllNodesReady), Stalled=False`.
+fn conditions(doc: &StatusDocument) -> String {
+    [ConditionType::Ready, ConditionType::Stalled]
+        .iter()
+        .filter_map(|t| doc.condition(*t))
+        .map(|c| format!("{}={} ({})", c.type_, c.status, c.reason))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn mode_name(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Overlap => "overlap",
+        Mode::Hold => "hold",
+    }
+}
+
+fn outcome_name(outcome: Outcome) -> &'static str {
+    match outcome {
+        Outcome::Done => "done",
+        Outcome::Failed => "failed",
+        Outcome::Abandoned => "abandoned",
+        Outcome::Down => "down",
+    }
+}

@@ -1,0 +1,371 @@
+//! The host the agent runs on, from its flags: the paths, the cgroup v2
+//! subtree, the engine and the attempt gate that every mode (`run`,
+//! `standalone`, `demo`) builds the same way.
+//!
+//! [`HostArgs`] is flattened into each subcommand; [`HostSettings`] is the
+//! same in plain values (what the demo and the tests fill in);
+//! [`Host::build`] turns it into an [`Engine`] over real host parts and a
+//! [`NewestRevisionGate`]. [`join_host_namespaces`] is SPEC 5.9's setns into
+//! the host's mount and cgroup namespaces, for `run` inside a pod.
+
+use std::fs;
+use std::io;
+use std::net::SocketAddr;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use clap::ValueEnum;
+use nix::sched::CloneFlags;
+use thiserror::Error;
+use tracing_subscriber::EnvFilter;
+
+use crate::cgroup::{CgroupError, CgroupManager, discover_mount};
+use crate::engine::{Engine, EngineConfig, EngineParts};
+use crate::gate::NewestRevisionGate;
+use crate::journal::{Journal, JournalError};
+use crate::stage::{StageError, Stager, StagerConfig, Store, StoreError};
+use crate::switch::RunLayout;
+
+/// The cgroup subtree under the discovered v2 mount when `--cgroup-root` is
+/// not given.
+pub const DEFAULT_CGROUP_SUBDIR: &str = "genswap";
+/// Where instance sockets and `current.sock` live by default.
+pub const DEFAULT_RUN_DIR: &str = "/run/genswap";
+/// Where the intent journal (and standalone mode's state) live by default.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/genswap/state";
+/// Path artifacts must lie under by default.
+pub const DEFAULT_STAGING_ROOT: &str = "/var/lib/genswap/staging";
+/// The artifact store's directory under the state dir by default.
+pub const STORE_SUBDIR: &str = "store";
+
+/// The host flags every subcommand takes. Each has an environment variable,
+/// so a DaemonSet or a systemd unit can set them without a command line.
+#[derive(clap::Args, Debug, Clone, PartialEq)]
+pub struct HostArgs {
+    /// The cgroup v2 directory instances run under
+    /// (`<root>/<namespace>.<instance>/gen-<N>`). Default:
+    /// `<the cgroup v2 mount found in /proc/self/mountinfo>/genswap`.
+    #[arg(long, env = "GENSWAP_CGROUP_ROOT", value_name = "DIR")]
+    pub cgroup_root: Option<PathBuf>,
+    /// Where generation sockets and each instance's `current.sock` live.
+    #[arg(long, env = "GENSWAP_RUN_DIR", value_name = "DIR", default_value = DEFAULT_RUN_DIR)]
+    pub run_dir: PathBuf,
+    /// The intent journal and other state that must survive a restart.
+    #[arg(long, env = "GENSWAP_STATE_DIR", value_name = "DIR", default_value = DEFAULT_STATE_DIR)]
+    pub state_dir: PathBuf,
+    /// Path artifacts (`build.artifact.path`) must lie under.
+    #[arg(long, env = "GENSWAP_STAGING_ROOT", value_name = "DIR", default_value = DEFAULT_STAGING_ROOT)]
+    pub staging_root: PathBuf,
+    /// The content-addressed artifact store. Default: `<state-dir>/store`.
+    #[arg(long, env = "GENSWAP_STORE_DIR", value_name = "DIR")]
+    pub store_dir: Option<PathBuf>,
+    /// `off` refuses every attempt (`abandoned`, nothing is spawned).
+    #[arg(long, env = "GENSWAP_SWAP", value_enum, default_value_t = Swaps::On)]
+    pub swap: Swaps,
+    /// Let instances run as uid 0 (refused otherwise).
+    #[arg(long, env = "GENSWAP_ALLOW_ROOT_INSTANCES")]
+    pub allow_root_instances: bool,
+    /// Address for /metrics, /healthz and /readyz; none is served when unset.
+    #[arg(long, env = "GENSWAP_METRICS_ADDR", value_name = "ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
+    /// `run` only: do not join the host's mount and cgroup namespaces
+    /// (`/proc/1/ns/mnt`, `/proc/1/ns/cgroup`) at start. Set it when the
+    /// agent already runs on the host rather than in a pod. `standalone` and
+    /// `demo` never join them.
+    #[arg(long, env = "GENSWAP_NO_HOST_NAMESPACES")]
+    pub no_host_namespaces: bool,
+    /// Log line format (to stderr; the level comes from `RUST_LOG`, default
+    /// info).
+    #[arg(long, env = "GENSWAP_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// `--swap=on|off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Swaps {
+    /// Attempts run.
+    On,
+    /// Every attempt is refused (`abandoned`, reason: swaps are off).
+    Off,
+}
+
+/// How log lines are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// One JSON object per line, for log pipelines.
+    Json,
+    /// Human-readable lines.
+    Text,
+}
+
+impl HostArgs {
+    /// The flags as plain settings.
+    pub fn settings(&self) -> HostSettings {
+        HostSettings {
+            cgroup_root: self.cgroup_root.clone(),
+            run_dir: self.run_dir.clone(),
+            state_dir: self.state_dir.clone(),
+            staging_root: self.staging_root.clone(),
+            store_dir: self.store_dir.clone(),
+            engine: EngineConfig {
+                allow_root: self.allow_root_instances,
+                swaps_on: self.swap == Swaps::On,
+            },
+        }
+    }
+}
+
+/// Where the host parts live and how the engine behaves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostSettings {
+    /// `None`: `<discovered cgroup v2 mount>/genswap`.
+    pub cgroup_root: Option<PathBuf>,
+    /// Generation sockets and `current.sock`.
+    pub run_dir: PathBuf,
+    /// The journal (`<state>/journal`) and standalone state.
+    pub state_dir: PathBuf,
+    /// Path artifacts must lie under; created when missing.
+    pub staging_root: PathBuf,
+    /// `None`: `<state_dir>/store`.
+    pub store_dir: Option<PathBuf>,
+    /// Root instances and swaps on/off.
+    pub engine: EngineConfig,
+}
+
+impl HostSettings {
+    /// The store directory these settings resolve to.
+    pub fn store_dir(&self) -> PathBuf {
+        self.store_dir
+            .clone()
+            .unwrap_or_else(|| self.state_dir.join(STORE_SUBDIR))
+    }
+}
+
+/// Why the host parts could not be built. Each message names the path and
+/// what to do.
+#[derive(Debug, Error)]
+pub enum HostError {
+    /// No usable cgroup v2 hierarchy (none mounted, not writable, or the
+    /// given root is not in one).
+    #[error(
+        "no usable cgroup v2 hierarchy: {source} (genswap needs a writable cgroup v2 mount; pass --cgroup-root to choose a directory inside one)"
+    )]
+    Cgroup {
+        #[source]
+        source: CgroupError,
+    },
+    /// A directory the agent needs could not be created.
+    #[error("cannot create {what} {path}: {source}")]
+    CreateDir {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// The artifact store could not be opened.
+    #[error("cannot open the artifact store: {0}")]
+    Store(#[source] StoreError),
+    /// The stager could not be set up (staging root, HTTP client).
+    #[error("cannot set up staging: {0}")]
+    Stager(#[source] StageError),
+    /// The intent journal could not be opened.
+    #[error("cannot open the intent journal: {0}")]
+    Journal(#[source] JournalError),
+    /// A host namespace could not be inspected or joined.
+    #[error(
+        "cannot join the host's {namespace} namespace through {path}: {source} (the agent's pod needs hostPID and CAP_SYS_ADMIN; on a host, pass --no-host-namespaces)"
+    )]
+    Namespace {
+        namespace: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// The log subscriber could not be installed.
+    #[error("cannot set up logging: {0}")]
+    Logging(String),
+}
+
+/// The engine and gate of this host, shared by the intake and the tasks it
+/// starts.
+#[derive(Clone)]
+pub struct Host {
+    /// The swap engine over this host's parts.
+    pub engine: Arc<Engine>,
+    /// The attempt gate the intake observes revisions on.
+    pub gate: Arc<NewestRevisionGate>,
+    /// The settings it was built from, with the cgroup root resolved.
+    pub settings: HostSettings,
+}
+
+impl Host {
+    /// Builds the host parts: the cgroup manager (refusing to start without a
+    /// writable cgroup v2 hierarchy), the run dir, the staging root, the
+    /// store, the journal, the engine and a gate that does not own the node
+    /// yet (the caller sets that once it holds the node).
+    pub fn build(settings: &HostSettings) -> Result<Host, HostError> {
+        let cgroups = match &settings.cgroup_root {
+            Some(root) => CgroupManager::open(root),
+            None => discover_mount()
+                .and_then(|mount| CgroupManager::open(mount.join(DEFAULT_CGROUP_SUBDIR))),
+        }
+        .map_err(|source| HostError::Cgroup { source })?;
+        let mut resolved = settings.clone();
+        resolved.cgroup_root = Some(cgroups.root().to_path_buf());
+
+        create_dir(&settings.run_dir, 0o755, "the run dir")?;
+        // Traversable but not listable: instances run as their own uid and
+        // must reach the store entries beneath it (the store is 0711 too);
+        // the journal and standalone state below it are 0700.
+        create_dir(&settings.state_dir, 0o711, "the state dir")?;
+        create_dir(&settings.staging_root, 0o755, "the staging root")?;
+        let store = Store::open(settings.store_dir()).map_err(HostError::Store)?;
+        let stager = Stager::new(store, StagerConfig::new(&settings.staging_root))
+            .map_err(HostError::Stager)?;
+        let journal = Journal::open(&settings.state_dir).map_err(HostError::Journal)?;
+        let engine = Engine::new(
+            EngineParts {
+                cgroups,
+                layout: RunLayout::new(&settings.run_dir),
+                stager,
+                journal,
+            },
+            settings.engine.clone(),
+        );
+        Ok(Host {
+            engine: Arc::new(engine),
+            gate: Arc::new(NewestRevisionGate::new(settings.engine.swaps_on)),
+            settings: resolved,
+        })
+    }
+}
+
+/// Creates `path` and its parents with `mode` when missing; an existing
+/// directory is left as it is.
+fn create_dir(path: &Path, mode: u32, what: &'static str) -> Result<(), HostError> {
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(mode)
+        .create(path)
+        .map_err(|source| HostError::CreateDir {
+            what,
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+/// Which host namespaces [`join_host_namespaces`] entered.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct JoinedNamespaces {
+    /// The namespaces entered; the ones already shared with PID 1 are not
+    /// listed.
+    pub joined: Vec<&'static str>,
+}
+
+/// SPEC 5.9: joins PID 1's cgroup and mount namespaces, so the agent's
+/// paths are host paths and its cgroup tree lies outside the pod's.
+/// A namespace the agent already shares with PID 1 is left alone.
+///
+/// Call it before any thread starts (before the async runtime): the kernel
+/// refuses to move a multi-threaded process into another mount namespace.
+pub fn join_host_namespaces() -> Result<JoinedNamespaces, HostError> {
+    let mut joined = JoinedNamespaces::default();
+    // cgroup first: the cgroup namespace's root is resolved through the
+    // caller's mounts, which the second setns replaces.
+    for (namespace, flag) in [
+        ("cgroup", CloneFlags::CLONE_NEWCGROUP),
+        ("mnt", CloneFlags::CLONE_NEWNS),
+    ] {
+        let target = PathBuf::from(format!("/proc/1/ns/{namespace}"));
+        let own = PathBuf::from(format!("/proc/self/ns/{namespace}"));
+        let fail = |source: io::Error| HostError::Namespace {
+            namespace,
+            path: target.clone(),
+            source,
+        };
+        let target_meta = fs::metadata(&target).map_err(fail)?;
+        let own_meta = fs::metadata(&own).map_err(fail)?;
+        if (target_meta.dev(), target_meta.ino()) == (own_meta.dev(), own_meta.ino()) {
+            continue;
+        }
+        let file = fs::File::open(&target).map_err(fail)?;
+        nix::sched::setns(&file, flag).map_err(|errno| fail(io::Error::from(errno)))?;
+        joined.joined.push(namespace);
+    }
+    Ok(joined)
+}
+
+/// Installs the global log subscriber (stderr, level from `RUST_LOG`, else
+/// `default_level`, e.g. `info`).
+pub fn init_tracing(format: LogFormat, default_level: &str) -> Result<(), HostError> {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => builder.try_init(),
+    }
+    .map_err(|error| HostError::Logging(error.to_string()))
+}
+
+/// This machine's host name, the standalone node's default name.
+pub fn host_name() -> Option<String> {
+    fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|name| name.trim().to_string())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .filter(|name| !name.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        host: HostArgs,
+    }
+
+    #[test]
+    fn defaults_are_the_documented_host_paths() {
+        let cli = Cli::try_parse_from(["node-agent"]).expect("no flags parse");
+        let settings = cli.host.settings();
+        assert_eq!(settings.cgroup_root, None);
+        assert_eq!(settings.run_dir, PathBuf::from(DEFAULT_RUN_DIR));
+        assert_eq!(settings.state_dir, PathBuf::from(DEFAULT_STATE_DIR));
+        assert_eq!(settings.staging_root, PathBuf::from(DEFAULT_STAGING_ROOT));
+        assert_eq!(
+            settings.store_dir(),
+            PathBuf::from(DEFAULT_STATE_DIR).join(STORE_SUBDIR)
+        );
+        assert_eq!(settings.engine, EngineConfig::default());
+        assert!(!cli.host.no_host_namespaces);
+        assert_eq!(cli.host.metrics_addr, None);
+    }
+
+    #[test]
+    fn swap_off_and_root_instances_reach_the_engine_config() {
+        let cli = Cli::try_parse_from([
+            "node-agent",
+            "--swap=off",
+            "--allow-root-instances",
+            "--state-dir",
+            "/tmp/s",
+        ])
+        .expect("flags parse");
+        let settings = cli.host.settings();
+        assert!(!settings.engine.swaps_on);
+        assert!(settings.engine.allow_root);
+        assert_eq!(settings.store_dir(), PathBuf::from("/tmp/s/store"));
+    }
+
+    #[test]
+    fn an_unknown_swap_value_is_refused() {
+        assert!(Cli::try_parse_from(["node-agent", "--swap=maybe"]).is_err());
+    }
+}
