@@ -22,6 +22,7 @@ pub mod gate;
 pub mod health;
 pub mod host;
 pub mod journal;
+pub mod kube;
 pub mod metrics;
 pub mod ownership;
 pub mod spawn;

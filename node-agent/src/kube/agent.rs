@@ -1,0 +1,529 @@
+//! The agent's event loop: the watch, the node lock, the intake, one task per
+//! running attempt, one per outcome being written, and shutdown.
+//!
+//! All decisions are made on the loop by [`Intake`]; tasks only do I/O and
+//! tell the loop when an attempt has ended.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use futures::StreamExt;
+use genswap_crds::{Outcome, SwapAttempt};
+use kube::Client;
+use kube::api::Api;
+use kube::runtime::reflector::{self, Store, reflector};
+use kube::runtime::{WatchStreamExt, watcher};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::intake::{Decision, Intake};
+use super::report::{OutcomeReport, REQUEST_TIMEOUT, ReportTarget, Reporter, error_chain};
+use super::{KubeAgentConfig, KubeAgentError};
+use crate::engine::{Attempt, Cancel, Engine, effective_mode};
+use crate::gate::{InstanceKey, NewestRevisionGate};
+use crate::journal::unix_millis_now;
+use crate::metrics::{AgentMetrics, Readiness};
+use crate::ownership::NodeLock;
+
+/// Kubernetes mode over a given client: what [`super::run`] runs, and what
+/// tests run against a mocked API server.
+pub struct KubeAgent {
+    client: Client,
+    engine: Arc<Engine>,
+    gate: Arc<NewestRevisionGate>,
+    config: KubeAgentConfig,
+    metrics: Arc<AgentMetrics>,
+    readiness: Readiness,
+}
+
+/// A running attempt ended; sent by its task, also when the task panics.
+struct Ended {
+    instance: InstanceKey,
+    sched_rev: i64,
+    /// The outcome to write; `None` when nothing was decided (it was found
+    /// finished or deleted, or shutdown came before it ran).
+    report: Option<OutcomeReport>,
+}
+
+/// What an attempt's task shares with the loop.
+struct Shared {
+    client: Client,
+    engine: Arc<Engine>,
+    gate: Arc<NewestRevisionGate>,
+    reporter: Reporter,
+    metrics: Arc<AgentMetrics>,
+    config: KubeAgentConfig,
+    ended: mpsc::UnboundedSender<Ended>,
+}
+
+/// A running attempt's revision and its lifetime.
+struct InFlight {
+    sched_rev: i64,
+    cancel: Cancel,
+}
+
+/// The loop's state.
+struct Running {
+    shared: Arc<Shared>,
+    intake: Intake,
+    store: Store<SwapAttempt>,
+    in_flight: std::collections::HashMap<InstanceKey, InFlight>,
+    runners: JoinSet<()>,
+    reports: JoinSet<()>,
+}
+
+impl KubeAgent {
+    /// The agent over `client`. `readiness` and `metrics` are what the
+    /// operations endpoints serve.
+    pub fn new(
+        client: Client,
+        engine: Arc<Engine>,
+        gate: Arc<NewestRevisionGate>,
+        config: KubeAgentConfig,
+        metrics: Arc<AgentMetrics>,
+        readiness: Readiness,
+    ) -> Self {
+        Self {
+            client,
+            engine,
+            gate,
+            config,
+            metrics,
+            readiness,
+        }
+    }
+
+    /// Runs until `shutdown` resolves, then shuts down as the module docs
+    /// say. Returns an error when the node lock or the journal fails.
+    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> Result<(), KubeAgentError> {
+        let KubeAgent {
+            client,
+            engine,
+            gate,
+            config,
+            metrics,
+            readiness,
+        } = self;
+        config.validate()?;
+        let api: Api<SwapAttempt> = match &config.namespace {
+            Some(namespace) => Api::namespaced(client.clone(), namespace),
+            None => Api::all(client.clone()),
+        };
+        let selector = format!("spec.nodeName={}", config.node_name);
+        let (store, writer) = reflector::store();
+        let mut events = reflector(
+            writer,
+            watcher(api, watcher::Config::default().fields(&selector)),
+        )
+        .default_backoff()
+        .boxed();
+
+        let (ended_tx, mut ended_rx) = mpsc::unbounded_channel();
+        let reporter = Reporter::new(
+            client.clone(),
+            engine.clone(),
+            config.report_backoff,
+            metrics.clone(),
+        );
+        let mut state = Running {
+            shared: Arc::new(Shared {
+                client,
+                engine,
+                gate: gate.clone(),
+                reporter,
+                metrics,
+                config: config.clone(),
+                ended: ended_tx,
+            }),
+            intake: Intake::new(config.node_name.clone(), gate.clone()),
+            store,
+            in_flight: Default::default(),
+            runners: JoinSet::new(),
+            reports: JoinSet::new(),
+        };
+
+        let lock_path = config.lock_path.clone();
+        let lock_wait = NodeLock::acquire(&lock_path);
+        tokio::pin!(lock_wait);
+        tokio::pin!(shutdown);
+        let mut lock: Option<NodeLock> = None;
+        tracing::info!(lock = %lock_path.display(), "waiting for the node lock");
+
+        let ended_with = loop {
+            tokio::select! {
+                () = &mut shutdown => break Ok(()),
+                acquired = &mut lock_wait, if lock.is_none() => match acquired {
+                    Ok(held) => {
+                        lock = Some(held);
+                        tracing::info!(lock = %lock_path.display(), "this agent owns the node");
+                        if let Err(error) = state.take_ownership().await {
+                            break Err(error);
+                        }
+                        readiness.set_owner(true);
+                    }
+                    Err(error) => break Err(KubeAgentError::Ownership(error)),
+                },
+                event = events.next() => match event {
+                    Some(Ok(event)) => state.on_watch_event(event, &readiness),
+                    Some(Err(error)) => tracing::warn!(
+                        error = %error_chain(&error),
+                        "watching SwapAttempts failed; retrying with backoff"
+                    ),
+                    None => break Err(KubeAgentError::WatchEnded),
+                },
+                Some(ended) = ended_rx.recv() => state.on_ended(ended),
+                Some(_) = state.runners.join_next(), if !state.runners.is_empty() => {}
+                Some(_) = state.reports.join_next(), if !state.reports.is_empty() => {}
+            }
+        };
+
+        state.shut_down(&mut ended_rx).await;
+        readiness.set_owner(false);
+        gate.set_owner(false);
+        // Released last: the journal is not written after this.
+        drop(lock);
+        ended_with
+    }
+}
+
+impl Running {
+    /// The node lock is held: deliver what the journal holds, then decide
+    /// every attempt the watch has seen.
+    async fn take_ownership(&mut self) -> Result<(), KubeAgentError> {
+        self.shared.gate.set_owner(true);
+        let engine = self.shared.engine.clone();
+        let (entries, corrupt) = tokio::task::spawn_blocking(move || engine.journal().load_all())
+            .await
+            .map_err(KubeAgentError::JournalTask)?
+            .map_err(KubeAgentError::Journal)?;
+        for bad in &corrupt {
+            tracing::error!(
+                path = %bad.path.display(),
+                error = %bad.error,
+                "a journal file cannot be read; recovery must quarantine it"
+            );
+        }
+        for entry in &entries {
+            for record in entry.pending_reports() {
+                self.intake
+                    .mark_decided(&record.instance, record.attempt.sched_rev);
+                if let Some(report) = OutcomeReport::from_record(&record) {
+                    tracing::info!(
+                        attempt = %report.target,
+                        outcome = ?report.outcome.outcome,
+                        "delivering an outcome the journal still holds"
+                    );
+                    self.deliver(report);
+                }
+            }
+            if let Some(record) = entry.attempt.as_ref().filter(|r| r.outcome.is_none()) {
+                self.intake
+                    .mark_decided(&record.instance, record.attempt.sched_rev);
+                tracing::warn!(
+                    instance = %record.instance,
+                    attempt = %record.attempt.name,
+                    phase = record.phase.name(),
+                    "an attempt was left in flight by the previous agent; it is not run again, recovery finishes it"
+                );
+            }
+        }
+        self.intake.open();
+        self.offer_all();
+        self.shared
+            .metrics
+            .set_generations_running(self.shared.engine.instances().len());
+        Ok(())
+    }
+
+    fn on_watch_event(&mut self, event: watcher::Event<SwapAttempt>, readiness: &Readiness) {
+        match event {
+            watcher::Event::Apply(attempt) => {
+                let decisions = self.intake.offer(Arc::new(attempt));
+                self.execute(decisions);
+            }
+            watcher::Event::Delete(attempt) => {
+                let decisions = self.intake.delete(&attempt);
+                self.execute(decisions);
+            }
+            // Decided once the list is complete, so the newest revision of
+            // every instance is known before anything runs.
+            watcher::Event::InitApply(attempt) => self.intake.observe(&attempt),
+            watcher::Event::Init => {}
+            watcher::Event::InitDone => {
+                readiness.set_synced(true);
+                self.offer_all();
+            }
+        }
+    }
+
+    /// Offers every attempt in the watch cache, oldest revision first.
+    fn offer_all(&mut self) {
+        if !self.intake.is_open() {
+            return;
+        }
+        let mut attempts = self.store.state();
+        attempts.sort_by_key(|a| a.spec.sched_rev);
+        for attempt in attempts {
+            let decisions = self.intake.offer(attempt);
+            self.execute(decisions);
+        }
+    }
+
+    fn on_ended(&mut self, ended: Ended) {
+        if self
+            .in_flight
+            .get(&ended.instance)
+            .is_some_and(|f| f.sched_rev == ended.sched_rev)
+        {
+            self.in_flight.remove(&ended.instance);
+        }
+        if let Some(report) = ended.report {
+            self.deliver(report);
+        }
+        self.shared
+            .metrics
+            .set_generations_running(self.shared.engine.instances().len());
+        let decisions = self.intake.finished(&ended.instance, ended.sched_rev);
+        self.execute(decisions);
+    }
+
+    fn execute(&mut self, decisions: Vec<Decision>) {
+        for decision in decisions {
+            match decision {
+                Decision::Run { instance, attempt } => {
+                    let cancel = Cancel::new();
+                    self.in_flight.insert(
+                        instance.clone(),
+                        InFlight {
+                            sched_rev: attempt.spec.sched_rev,
+                            cancel: cancel.clone(),
+                        },
+                    );
+                    let shared = self.shared.clone();
+                    self.runners
+                        .spawn(run_attempt(shared, instance, attempt, cancel));
+                }
+                Decision::Abandon {
+                    instance,
+                    attempt,
+                    reason,
+                } => {
+                    let target = ReportTarget::of_attempt(&attempt, instance);
+                    tracing::info!(attempt = %target, %reason, "abandoned without running");
+                    self.shared
+                        .metrics
+                        .record_outcome(Outcome::Abandoned, effective_mode(&attempt.spec));
+                    self.deliver(OutcomeReport::abandoned_unrun(
+                        target,
+                        &attempt.spec,
+                        reason,
+                    ));
+                }
+                Decision::Cancel {
+                    instance,
+                    sched_rev,
+                    why,
+                } => {
+                    if let Some(running) = self
+                        .in_flight
+                        .get(&instance)
+                        .filter(|f| f.sched_rev == sched_rev)
+                    {
+                        tracing::info!(%instance, sched_rev, %why, "cancelling a running attempt");
+                        running.cancel.cancel(why);
+                    }
+                }
+            }
+        }
+    }
+
+    fn deliver(&mut self, report: OutcomeReport) {
+        let reporter = self.shared.reporter.clone();
+        self.reports.spawn(async move {
+            reporter.deliver(&report).await;
+        });
+    }
+
+    /// Stop taking attempts, cancel those in flight and wait for them, flush
+    /// outcomes for a while.
+    async fn shut_down(&mut self, ended_rx: &mut mpsc::UnboundedReceiver<Ended>) {
+        tracing::info!(
+            in_flight = self.in_flight.len(),
+            "shutting down: no new attempts; cancelling those in flight"
+        );
+        self.shared.gate.set_shutting_down();
+        self.intake.close();
+        for running in self.in_flight.values() {
+            running.cancel.cancel("the agent is shutting down");
+        }
+        let deadline = Instant::now() + self.shared.config.shutdown_timeout;
+        while !self.runners.is_empty() {
+            tokio::select! {
+                Some(ended) = ended_rx.recv() => self.on_ended(ended),
+                Some(_) = self.runners.join_next() => {}
+                () = tokio::time::sleep_until(deadline) => {
+                    tracing::warn!(
+                        left = self.runners.len(),
+                        "cancelled attempts did not end in time; recovery finishes them on the next start"
+                    );
+                    self.runners.abort_all();
+                    while self.runners.join_next().await.is_some() {}
+                }
+            }
+        }
+        while let Ok(ended) = ended_rx.try_recv() {
+            self.on_ended(ended);
+        }
+        let flush_until = Instant::now() + self.shared.config.report_flush;
+        while !self.reports.is_empty() {
+            tokio::select! {
+                Some(_) = self.reports.join_next() => {}
+                () = tokio::time::sleep_until(flush_until) => {
+                    tracing::warn!(
+                        left = self.reports.len(),
+                        "outcomes not yet accepted stay in the journal for the next start"
+                    );
+                    self.reports.abort_all();
+                    while self.reports.join_next().await.is_some() {}
+                }
+            }
+        }
+        tracing::info!("shut down; serving generations keep running");
+    }
+}
+
+/// Sends [`Ended`] when dropped, so the loop learns of every end, a panic
+/// included.
+struct EndGuard {
+    shared: Arc<Shared>,
+    instance: InstanceKey,
+    sched_rev: i64,
+    report: Option<OutcomeReport>,
+}
+
+impl Drop for EndGuard {
+    fn drop(&mut self) {
+        let _ = self.shared.ended.send(Ended {
+            instance: self.instance.clone(),
+            sched_rev: self.sched_rev,
+            report: self.report.take(),
+        });
+    }
+}
+
+/// One attempt's task: a fresh read, the running status, the swap, the
+/// outcome handed to the loop.
+async fn run_attempt(
+    shared: Arc<Shared>,
+    instance: InstanceKey,
+    attempt: Arc<SwapAttempt>,
+    cancel: Cancel,
+) {
+    let mut guard = EndGuard {
+        shared: shared.clone(),
+        instance: instance.clone(),
+        sched_rev: attempt.spec.sched_rev,
+        report: None,
+    };
+    guard.report = swap(&shared, instance, &attempt, &cancel).await;
+}
+
+async fn swap(
+    shared: &Shared,
+    instance: InstanceKey,
+    attempt: &SwapAttempt,
+    cancel: &Cancel,
+) -> Option<OutcomeReport> {
+    let namespace = attempt.metadata.namespace.clone().unwrap_or_default();
+    let name = attempt.metadata.name.clone().unwrap_or_default();
+    let fresh = match read_fresh(shared, &namespace, &name, cancel).await {
+        Fresh::Runnable(fresh) => fresh,
+        Fresh::Finished => {
+            tracing::info!(%namespace, %name, "the attempt already has an outcome; not run again");
+            return None;
+        }
+        Fresh::Gone => {
+            tracing::info!(%namespace, %name, "the attempt was deleted before it ran");
+            return None;
+        }
+        Fresh::Cancelled => return None,
+    };
+    let target = ReportTarget::of_attempt(&fresh, Some(instance.clone()));
+    let engine_attempt = Attempt {
+        instance,
+        name,
+        spec: fresh.spec.clone(),
+    };
+    let mode = engine_attempt.effective_mode();
+    tracing::info!(
+        attempt = %target,
+        build = %engine_attempt.spec.build.id,
+        ?mode,
+        cause = ?engine_attempt.spec.cause,
+        "running"
+    );
+    let swap_over = Cancel::new();
+    let run = async {
+        let result = shared
+            .engine
+            .swap(&engine_attempt, shared.gate.as_ref(), cancel)
+            .await;
+        swap_over.cancel("the attempt finished");
+        result
+    };
+    let started = shared
+        .reporter
+        .report_started(&target, mode, unix_millis_now(), &swap_over);
+    let (result, ()) = tokio::join!(run, started);
+    shared.metrics.record_result(&result);
+    tracing::info!(
+        attempt = %target,
+        outcome = ?result.outcome,
+        mode = ?result.effective_mode,
+        executed = result.executed,
+        generation = result.generation,
+        reason = %result.reason,
+        "attempt ended"
+    );
+    Some(OutcomeReport::from_result(target, &result))
+}
+
+/// What the API server says of an attempt right before it would run.
+enum Fresh {
+    Runnable(Box<SwapAttempt>),
+    Finished,
+    Gone,
+    Cancelled,
+}
+
+/// Reads the attempt from the API server (not the cache), retrying with
+/// backoff until it answers or the attempt's lifetime ends: an attempt is
+/// never run on a copy that may be older than its outcome.
+async fn read_fresh(shared: &Shared, namespace: &str, name: &str, cancel: &Cancel) -> Fresh {
+    let api: Api<SwapAttempt> = Api::namespaced(shared.client.clone(), namespace);
+    let mut retry = 0u32;
+    loop {
+        let read = tokio::select! {
+            biased;
+            () = cancel.cancelled() => return Fresh::Cancelled,
+            read = tokio::time::timeout(REQUEST_TIMEOUT, api.get(name)) => read,
+        };
+        let error = match read {
+            Ok(Ok(fresh)) if fresh.status.as_ref().is_some_and(|s| s.outcome.is_some()) => {
+                return Fresh::Finished;
+            }
+            Ok(Ok(fresh)) => return Fresh::Runnable(Box::new(fresh)),
+            Ok(Err(kube::Error::Api(status))) if status.is_not_found() => return Fresh::Gone,
+            Ok(Err(error)) => error_chain(&error),
+            Err(_) => format!("no answer within {REQUEST_TIMEOUT:?}"),
+        };
+        let delay = shared.config.report_backoff.delay(retry);
+        tracing::warn!(%namespace, %name, %error, retry_in_ms = delay.as_millis() as u64, "reading the attempt before running it failed");
+        tokio::select! {
+            () = cancel.cancelled() => return Fresh::Cancelled,
+            () = tokio::time::sleep(delay) => {}
+        }
+        retry = retry.saturating_add(1);
+    }
+}

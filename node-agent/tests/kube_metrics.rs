@@ -1,0 +1,143 @@
+//! The agent's operations endpoints over real HTTP on loopback: `/metrics`
+//! in the OpenMetrics format with the agent's metric names, `/healthz`, and
+//! `/readyz` following node ownership and the intake's first read.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use genswap_crds::{Mode, Outcome};
+use node_agent::classify::StepOutcome;
+use node_agent::engine::{Step, StepRecord, SwapResult};
+use node_agent::metrics::{self, AgentMetrics, CONTENT_TYPE, Readiness};
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// The endpoints on an ephemeral loopback port, stopped on drop.
+struct Endpoints {
+    base: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), metrics::MetricsError>>,
+}
+
+impl Endpoints {
+    async fn start(metrics: Arc<AgentMetrics>, readiness: Readiness) -> Endpoints {
+        let listener = metrics::bind("127.0.0.1:0".parse().expect("addr"))
+            .await
+            .expect("bind loopback");
+        let base = format!("http://{}", listener.local_addr().expect("local addr"));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(metrics::serve(listener, metrics, readiness, async move {
+            let _ = stopped.await;
+        }));
+        Endpoints {
+            base,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    async fn get(&self, path: &str) -> (u16, String, String) {
+        let response = tokio::time::timeout(DEADLINE, reqwest::get(format!("{}{path}", self.base)))
+            .await
+            .expect("answered in time")
+            .expect("a response");
+        let status = response.status().as_u16();
+        let content_type = response
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        (status, content_type, response.text().await.expect("a body"))
+    }
+}
+
+impl Drop for Endpoints {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        self.task.abort();
+    }
+}
+
+fn result(outcome: Outcome, mode: Mode) -> SwapResult {
+    SwapResult {
+        outcome,
+        effective_mode: mode,
+        generation: Some(3),
+        reason: String::new(),
+        executed: true,
+        clean_exit: false,
+        drain: Some(Duration::from_millis(20)),
+        steps: vec![
+            StepRecord {
+                step: Step::Health,
+                result: StepOutcome::Ok,
+                duration: Duration::from_millis(300),
+            },
+            StepRecord {
+                step: Step::Retire,
+                result: StepOutcome::Ok,
+                duration: Duration::from_millis(20),
+            },
+        ],
+        started_at: SystemTime::now(),
+        finished_at: SystemTime::now(),
+    }
+}
+
+#[tokio::test]
+async fn metrics_name_attempts_steps_generations_and_backlog() {
+    let metrics = Arc::new(AgentMetrics::new());
+    metrics.record_result(&result(Outcome::Done, Mode::Overlap));
+    metrics.record_result(&result(Outcome::Done, Mode::Overlap));
+    metrics.record_outcome(Outcome::Abandoned, Mode::Hold);
+    metrics.set_generations_running(2);
+    metrics.backlog_added();
+    let endpoints = Endpoints::start(metrics.clone(), Readiness::new()).await;
+
+    let (status, content_type, text) = endpoints.get("/metrics").await;
+    assert_eq!(status, 200);
+    assert_eq!(content_type, CONTENT_TYPE);
+    for line in [
+        r#"genswap_agent_attempts_total{outcome="done",mode="overlap"} 2"#,
+        r#"genswap_agent_attempts_total{outcome="abandoned",mode="hold"} 1"#,
+        r#"genswap_agent_step_duration_seconds_count{step="health"} 2"#,
+        r#"genswap_agent_step_duration_seconds_bucket{le="0.512",step="health"} 2"#,
+        r#"genswap_agent_step_duration_seconds_bucket{le="0.256",step="health"} 0"#,
+        "genswap_agent_generations_running 2",
+        "genswap_agent_journal_backlog 1",
+        "# EOF",
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line:?} not in:\n{text}");
+    }
+    metrics.backlog_removed();
+    let (_, _, text) = endpoints.get("/metrics").await;
+    assert!(
+        text.lines().any(|l| l == "genswap_agent_journal_backlog 0"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn healthz_answers_and_readyz_waits_for_the_node_and_the_first_read() {
+    let readiness = Readiness::new();
+    let endpoints = Endpoints::start(Arc::new(AgentMetrics::new()), readiness.clone()).await;
+    assert_eq!(endpoints.get("/healthz").await.0, 200);
+
+    let (status, _, body) = endpoints.get("/readyz").await;
+    assert_eq!(status, 503);
+    assert!(
+        body.contains("node lock") && body.contains("not read"),
+        "{body}"
+    );
+    readiness.set_synced(true);
+    let (status, _, body) = endpoints.get("/readyz").await;
+    assert_eq!(status, 503);
+    assert!(body.contains("another agent owns this node"), "{body}");
+    readiness.set_owner(true);
+    assert_eq!(endpoints.get("/readyz").await.0, 200);
+    readiness.set_owner(false);
+    assert_eq!(endpoints.get("/readyz").await.0, 503, "losing the node");
+}
