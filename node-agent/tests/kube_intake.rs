@@ -446,3 +446,53 @@ async fn shutdown_cancels_the_attempt_in_flight_and_leaves_the_serving_generatio
     assert_eq!(unexpected(server).await, Vec::<String>::new());
     node.tear_down(&["web"]).await;
 }
+
+#[tokio::test]
+async fn a_deleted_attempt_is_cancelled_and_its_outcome_dropped_on_404() {
+    let node = TestNode::new("kube-deleted");
+    let b1 = node.build("b1");
+    let mut never_healthy = node.spec("web", 1, &b1, "b1");
+    never_healthy.process.env.push(genswap_crds::EnvVar {
+        name: "TESTAPP_NEVER_BIND".into(),
+        value: "1".into(),
+    });
+    let web1 = object(&never_healthy);
+    let (client, mut server) = mock_client();
+    let agent = start_agent(
+        client,
+        node.engine.clone(),
+        node.gate.clone(),
+        test_config(&node.lock_path),
+    );
+    let feed = list_and_watch(&mut server, std::slice::from_ref(&web1)).await;
+    fresh_read(&mut server, &web1).await;
+    running_status(&mut server, &web1).await;
+    let successor = node.generation_cgroup("web", 1);
+    eventually("the successor spawned", || successor.exists()).await;
+
+    feed.deleted(&web1);
+    let write = server
+        .expect_outcome_patch(NAMESPACE, &name("web", 1))
+        .await;
+    let status = write.request.body["status"].clone();
+    assert_eq!(status["outcome"], "abandoned", "{status:#}");
+    let reason = status["reason"].as_str().expect("a reason");
+    assert!(reason.contains("deleted"), "{reason}");
+    write.respond_status(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        "swapattempts.genswap.dev \"web-node-a-1\" not found",
+    );
+    eventually("the outcome dropped from the journal", || {
+        node.pending().is_empty()
+    })
+    .await;
+    assert!(!successor.exists(), "the cancelled successor is gone");
+    assert_eq!(node.who_serves("web").await, None);
+    agent.stop().await.expect("clean stop");
+    assert_eq!(
+        unexpected(server).await,
+        Vec::<String>::new(),
+        "not retried"
+    );
+}
