@@ -10,8 +10,7 @@
 
 use std::fs;
 use std::io;
-use std::net::SocketAddr;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -66,9 +65,6 @@ pub struct HostArgs {
     /// Let instances run as uid 0 (refused otherwise).
     #[arg(long, env = "GENSWAP_ALLOW_ROOT_INSTANCES")]
     pub allow_root_instances: bool,
-    /// Address for /metrics, /healthz and /readyz; none is served when unset.
-    #[arg(long, env = "GENSWAP_METRICS_ADDR", value_name = "ADDR")]
-    pub metrics_addr: Option<SocketAddr>,
     /// `run` only: do not join the host's mount and cgroup namespaces
     /// (`/proc/1/ns/mnt`, `/proc/1/ns/cgroup`) at start. Set it when the
     /// agent already runs on the host rather than in a pod. `standalone` and
@@ -219,8 +215,14 @@ impl Host {
         // must reach the store entries beneath it (the store is 0711 too);
         // the journal and standalone state below it are 0700.
         create_dir(&settings.state_dir, 0o711, "the state dir")?;
+        let store_dir = settings.store_dir();
+        if store_dir.starts_with(&settings.state_dir) {
+            // It may exist already, made 0700 by whoever came first (the
+            // node lock lives there too).
+            allow_traversal(&settings.state_dir)?;
+        }
         create_dir(&settings.staging_root, 0o755, "the staging root")?;
-        let store = Store::open(settings.store_dir()).map_err(HostError::Store)?;
+        let store = Store::open(store_dir).map_err(HostError::Store)?;
         let stager = Stager::new(store, StagerConfig::new(&settings.staging_root))
             .map_err(HostError::Stager)?;
         let journal = Journal::open(&settings.state_dir).map_err(HostError::Journal)?;
@@ -253,6 +255,21 @@ fn create_dir(path: &Path, mode: u32, what: &'static str) -> Result<(), HostErro
             path: path.to_path_buf(),
             source,
         })
+}
+
+/// Adds search (not read) permission for group and others to `dir`, so
+/// instances running as their own uid can reach the store entries below it.
+fn allow_traversal(dir: &Path) -> Result<(), HostError> {
+    let fail = |source| HostError::CreateDir {
+        what: "open the state dir to instances (search permission)",
+        path: dir.to_path_buf(),
+        source,
+    };
+    let mode = fs::metadata(dir).map_err(fail)?.permissions().mode();
+    if mode & 0o011 != 0o011 {
+        fs::set_permissions(dir, fs::Permissions::from_mode(mode | 0o011)).map_err(fail)?;
+    }
+    Ok(())
 }
 
 /// Which host namespaces [`join_host_namespaces`] entered.
@@ -345,7 +362,6 @@ mod tests {
         );
         assert_eq!(settings.engine, EngineConfig::default());
         assert!(!cli.host.no_host_namespaces);
-        assert_eq!(cli.host.metrics_addr, None);
     }
 
     #[test]

@@ -9,6 +9,8 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use node_agent::demo::{self, DemoError, DemoOptions};
 use node_agent::host::{self, Host, HostArgs, HostError};
+use node_agent::kube::{self, KubeAgentError, KubeArgs};
+use node_agent::ownership::{self, NodeLock, OwnershipError};
 use node_agent::standalone::{self, NodeIdentity, StandaloneConfig, StandaloneError};
 use thiserror::Error;
 use tracing::{error, info};
@@ -40,6 +42,8 @@ enum Command {
 
 #[derive(Args, Debug)]
 struct RunArgs {
+    #[command(flatten)]
+    kube: KubeArgs,
     #[command(flatten)]
     host: HostArgs,
 }
@@ -123,12 +127,12 @@ enum MainError {
     Standalone(#[from] StandaloneError),
     #[error(transparent)]
     Demo(#[from] DemoError),
+    #[error("cannot take the node lock: {0}")]
+    Lock(#[from] OwnershipError),
     #[error("cannot start the async runtime: {0}")]
     Runtime(#[source] std::io::Error),
-    #[error(
-        "Kubernetes mode (`node-agent run`) is not built into this binary yet; use `node-agent standalone --dir DIR` or `node-agent demo`"
-    )]
-    KubeNotBuilt,
+    #[error(transparent)]
+    Kube(#[from] KubeAgentError),
     #[error("the demo did not go as its story says (see the table above)")]
     DemoUnexpected,
 }
@@ -170,7 +174,7 @@ fn run(command: Command) -> Result<(), MainError> {
         .map_err(MainError::Runtime)?;
     runtime.block_on(async move {
         match command {
-            Command::Run(_) => Err(MainError::KubeNotBuilt),
+            Command::Run(args) => run_kube(args).await,
             Command::Standalone(args) => run_standalone(args).await,
             Command::Demo(args) => {
                 let report = demo::run(DemoOptions {
@@ -187,8 +191,34 @@ fn run(command: Command) -> Result<(), MainError> {
     })
 }
 
+/// Kubernetes mode: the agent waits for the node lock itself, and stops
+/// on SIGTERM or SIGINT.
+async fn run_kube(args: RunArgs) -> Result<(), MainError> {
+    let settings = args.host.settings();
+    let config = args.kube.into_config(&settings.state_dir)?;
+    let host = Host::build(&settings)?;
+    info!(
+        cgroup_root = ?host.settings.cgroup_root,
+        run_dir = %settings.run_dir.display(),
+        state_dir = %settings.state_dir.display(),
+        "host parts ready"
+    );
+    kube::run(host.engine, host.gate, config).await?;
+    Ok(())
+}
+
 async fn run_standalone(args: StandaloneArgs) -> Result<(), MainError> {
     let settings = args.host.settings();
+    // One agent per node (state dir): a Kubernetes-mode agent or another
+    // standalone run holding it is waited for, as during a rolling update.
+    let lock_path = ownership::default_lock_path(&settings.state_dir);
+    let _node_lock = match NodeLock::try_acquire(&lock_path)? {
+        Some(lock) => lock,
+        None => {
+            info!(lock = %lock_path.display(), "another agent owns this node; waiting for it to exit");
+            NodeLock::acquire(&lock_path).await?
+        }
+    };
     let host = Host::build(&settings)?;
     let name = args
         .node_name
@@ -276,9 +306,25 @@ mod tests {
         );
         assert!(!args.host.settings().engine.swaps_on);
 
-        let cli = Cli::try_parse_from(["node-agent", "run", "--no-host-namespaces"])
-            .expect("run flags parse");
+        let cli = Cli::try_parse_from([
+            "node-agent",
+            "run",
+            "--node-name",
+            "node-a",
+            "--no-host-namespaces",
+            "--cgroup-root",
+            "/sys/fs/cgroup/genswap",
+        ])
+        .expect("run flags parse");
         assert!(cli.command.host().no_host_namespaces);
+        let Command::Run(args) = cli.command else {
+            panic!("not run");
+        };
+        assert_eq!(args.kube.node_name, "node-a");
+        assert_eq!(
+            args.host.cgroup_root,
+            Some(PathBuf::from("/sys/fs/cgroup/genswap"))
+        );
         Cli::try_parse_from(["node-agent", "demo"]).expect("demo parses");
     }
 

@@ -543,12 +543,14 @@ impl Runner {
         else {
             return;
         };
-        next.status = Some(report::status_running(SystemTime::now()));
         let attempt = Attempt {
             instance: key.clone(),
             name: next.metadata.name.clone().unwrap_or_default(),
             spec: next.spec.clone(),
         };
+        let mut running = report::status_running(SystemTime::now());
+        running.effective_mode = Some(attempt.effective_mode());
+        next.status = Some(running);
         let sched_rev = attempt.spec.sched_rev;
         let cancel = Cancel::new();
         instance.running = Some(InFlight {

@@ -1,0 +1,354 @@
+//! One standalone host per test: a manifest directory, a staging root, run
+//! and state dirs in one temp dir, a unique cgroup v2 subtree, and standalone
+//! mode running over them (stopping every instance on exit). Everything is
+//! removed on drop, after a panic too: the subtree is killed and removed by
+//! [`TestCgroupTree`], the temp dir deleted.
+//!
+//! Include it after the cgroup guard and the swap host:
+//! `#[path = "support/cgroup_guard.rs"] mod cgroup_guard;`
+//! `#[path = "support/swap_host.rs"] mod swap_host;`
+//! `#[path = "standalone_support/mod.rs"] mod standalone_support;`
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use genswap_crds::ConditionType;
+use node_agent::engine::EngineConfig;
+use node_agent::gate::InstanceKey;
+use node_agent::host::{Host, HostSettings};
+use node_agent::standalone::{
+    self, NodeIdentity, StandaloneConfig, StandaloneError, StatusDocument,
+};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::cgroup_guard::TestCgroupTree;
+use crate::swap_host::{DEADLINE, Identity, NOBODY, ask, testapp_build};
+
+/// The node name standalone mode runs as in the tests.
+pub const NODE: &str = "node-a";
+
+/// A standalone host.
+pub struct StandaloneHost {
+    /// The manifest directory.
+    pub dir: PathBuf,
+    /// Artifacts must be under it.
+    pub staging: PathBuf,
+    pub host: Host,
+    stop: Option<oneshot::Sender<()>>,
+    runner: Option<JoinHandle<Result<(), StandaloneError>>>,
+    tree: TestCgroupTree,
+    // Dropped after the tree: nothing runs from it by then.
+    temp: tempfile::TempDir,
+}
+
+impl StandaloneHost {
+    /// Starts standalone mode over a fresh temp dir and cgroup subtree.
+    pub fn start(tag: &str) -> StandaloneHost {
+        let temp = tempfile::Builder::new()
+            .prefix(&format!("genswap-standalone-{tag}-"))
+            .tempdir()
+            .expect("temp dir");
+        // Instances run as nobody: they must reach the store and the run dir.
+        fs::set_permissions(temp.path(), fs::Permissions::from_mode(0o755))
+            .expect("open the temp dir to the instance's uid");
+        let dir = temp.path().join("manifests");
+        let staging = temp.path().join("staging");
+        fs::create_dir(&dir).expect("manifest dir");
+        fs::create_dir(&staging).expect("staging root");
+        let tree = TestCgroupTree::new(tag);
+        let settings = HostSettings {
+            cgroup_root: Some(tree.path().join("genswap")),
+            run_dir: temp.path().join("run"),
+            state_dir: temp.path().join("state"),
+            staging_root: staging.clone(),
+            store_dir: None,
+            engine: EngineConfig::default(),
+        };
+        let host = Host::build(&settings).expect("the host parts");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let config = StandaloneConfig {
+            dir: dir.clone(),
+            node: NodeIdentity::new(NODE, BTreeMap::new()),
+            stop_on_exit: true,
+        };
+        let runner = tokio::spawn({
+            let host = host.clone();
+            async move {
+                standalone::run(&host, config, async {
+                    let _ = stopped.await;
+                })
+                .await
+            }
+        });
+        StandaloneHost {
+            dir,
+            staging,
+            host,
+            stop: Some(stop),
+            runner: Some(runner),
+            tree,
+            temp,
+        }
+    }
+
+    /// A distinct testapp build in the staging root.
+    pub fn build(&self, name: &str) -> testapp::Build {
+        testapp_build(&self.staging, name)
+    }
+
+    /// Writes `file` the way an operator should: a hidden temp file renamed
+    /// into place.
+    pub fn write(&self, file: &str, yaml: &str) {
+        let temp = self.dir.join(format!(".{file}.tmp"));
+        fs::write(&temp, yaml).expect("write the manifest");
+        fs::rename(&temp, self.dir.join(file)).expect("move the manifest into place");
+    }
+
+    /// Deletes `file`.
+    pub fn remove(&self, file: &str) {
+        fs::remove_file(self.dir.join(file)).expect("delete the manifest");
+    }
+
+    /// Waits until the status of `file` satisfies `accept`.
+    pub async fn status(
+        &self,
+        file: &str,
+        what: &str,
+        accept: impl FnMut(&StatusDocument) -> bool,
+    ) -> StatusDocument {
+        match standalone::wait_for_status(&self.dir, file, DEADLINE, accept).await {
+            Ok(doc) => doc,
+            Err(error) => panic!("waiting for {what}: {error}"),
+        }
+    }
+
+    /// Waits until `file` has a finished attempt above `rev` and nothing is
+    /// in flight any more.
+    pub async fn settled_after(&self, file: &str, rev: i64) -> StatusDocument {
+        self.status(file, &format!("an attempt after rev {rev} to end"), |doc| {
+            doc.last_attempt().is_some_and(|l| l.sched_rev > rev)
+                && doc.attempts.iter().all(|a| a.status.outcome.is_some())
+                && !doc.is_true(ConditionType::Reconciling)
+        })
+        .await
+    }
+
+    /// The instance's `current.sock`.
+    pub fn current_sock(&self, key: &InstanceKey) -> PathBuf {
+        self.host.engine.layout().current_socket(key)
+    }
+
+    /// Who answers through the instance's `current.sock`.
+    pub async fn who_serves(&self, key: &InstanceKey) -> Option<Identity> {
+        ask(&self.current_sock(key)).await
+    }
+
+    /// The instance's cgroup directory.
+    pub fn instance_cgroup(&self, key: &InstanceKey) -> PathBuf {
+        self.tree.path().join("genswap").join(key.to_string())
+    }
+
+    /// Every pid in the test's cgroup subtree.
+    pub fn pids_in_tree(&self) -> Vec<u32> {
+        let mut pids = Vec::new();
+        collect_pids(self.tree.path(), &mut pids);
+        pids
+    }
+
+    /// The `gen-<N>` cgroups of the instance.
+    pub fn generation_cgroups(&self, key: &InstanceKey) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(self.instance_cgroup(key))
+            .map(|entries| {
+                entries
+                    .filter_map(Result::ok)
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .filter_map(|e| e.file_name().to_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default();
+        names.sort();
+        names
+    }
+
+    /// The state dir.
+    pub fn state_dir(&self) -> &Path {
+        &self.host.settings.state_dir
+    }
+
+    /// Stops standalone mode (which stops every instance) and checks it
+    /// ended cleanly with nothing left in the subtree.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(runner) = self.runner.take() {
+            let ended = tokio::time::timeout(DEADLINE, runner)
+                .await
+                .expect("standalone mode stops within the deadline")
+                .expect("standalone mode did not panic");
+            ended.expect("standalone mode ended without an error");
+        }
+        assert_eq!(self.pids_in_tree(), Vec::<u32>::new(), "processes left");
+    }
+}
+
+impl Drop for StandaloneHost {
+    fn drop(&mut self) {
+        if let Some(runner) = self.runner.take() {
+            runner.abort();
+        }
+    }
+}
+
+fn collect_pids(dir: &Path, pids: &mut Vec<u32>) {
+    if let Ok(text) = fs::read_to_string(dir.join("cgroup.procs")) {
+        pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+    }
+    if let Ok(entries) = fs::read_dir(dir) {
+        for entry in entries.filter_map(Result::ok) {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                collect_pids(&entry.path(), pids);
+            }
+        }
+    }
+}
+
+/// An InstanceGeneration manifest for a testapp build.
+#[derive(Clone, Debug)]
+pub struct Manifest {
+    pub name: String,
+    pub namespace: Option<String>,
+    pub build_id: String,
+    pub path: PathBuf,
+    pub sha256: String,
+    pub mode: &'static str,
+    pub retry: String,
+    pub args: Vec<String>,
+    pub health_timeout_seconds: u32,
+}
+
+impl Manifest {
+    /// `name` running `build` as build `build_id`: overlap, no settle
+    /// window, run as nobody.
+    pub fn new(name: &str, build_id: &str, build: &testapp::Build) -> Manifest {
+        Manifest {
+            name: name.into(),
+            namespace: None,
+            build_id: build_id.into(),
+            path: build.path.clone(),
+            sha256: build.sha256.clone(),
+            mode: "overlap",
+            retry: String::new(),
+            args: Vec::new(),
+            health_timeout_seconds: 20,
+        }
+    }
+
+    /// The YAML text.
+    pub fn yaml(&self) -> String {
+        let namespace = self
+            .namespace
+            .as_ref()
+            .map_or_else(String::new, |ns| format!("\n  namespace: {ns}"));
+        let args = self
+            .args
+            .iter()
+            .map(|a| format!("\"{a}\""))
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!(
+            "apiVersion: genswap.dev/v1alpha1
+kind: InstanceGeneration
+metadata:
+  name: {name}{namespace}
+spec:
+  build:
+    id: {id}
+    artifact:
+      path: {path}
+    sha256: {sha}
+  mode: {mode}
+  retry: \"{retry}\"
+  process:
+    args: [{args}]
+    user: {NOBODY}
+    group: {NOBODY}
+  health:
+    timeoutSeconds: {health}
+  settle:
+    seconds: 0
+  stop:
+    timeoutSeconds: 10
+",
+            name = self.name,
+            id = self.build_id,
+            path = self.path.display(),
+            sha = self.sha256,
+            mode = self.mode,
+            retry = self.retry,
+            health = self.health_timeout_seconds,
+        )
+    }
+}
+
+/// The key of an instance in the default namespace.
+pub fn key(name: &str) -> InstanceKey {
+    InstanceKey::new("default", name).expect("an instance key")
+}
+
+/// Requests through a socket without a pause, one new connection each,
+/// counting what was sent and what failed.
+pub struct Client {
+    pub sent: Arc<AtomicU64>,
+    pub failed: Arc<AtomicU64>,
+    running: Arc<AtomicBool>,
+    task: JoinHandle<()>,
+}
+
+impl Client {
+    pub fn start(socket: PathBuf) -> Client {
+        let sent = Arc::new(AtomicU64::new(0));
+        let failed = Arc::new(AtomicU64::new(0));
+        let running = Arc::new(AtomicBool::new(true));
+        let task = tokio::spawn({
+            let (sent, failed, running) = (sent.clone(), failed.clone(), running.clone());
+            async move {
+                while running.load(Ordering::SeqCst) {
+                    sent.fetch_add(1, Ordering::SeqCst);
+                    match node_agent::health::get_within(&socket, "/", Duration::from_secs(5)).await
+                    {
+                        Ok((200, _)) => {}
+                        _ => {
+                            failed.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        });
+        Client {
+            sent,
+            failed,
+            running,
+            task,
+        }
+    }
+
+    /// Stops after the request in flight; returns (sent, failed).
+    pub async fn finish(self) -> (u64, u64) {
+        self.running.store(false, Ordering::SeqCst);
+        let task = self.task;
+        let _ = tokio::time::timeout(DEADLINE, task).await;
+        (
+            self.sent.load(Ordering::SeqCst),
+            self.failed.load(Ordering::SeqCst),
+        )
+    }
+}
