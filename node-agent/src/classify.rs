@@ -7,14 +7,16 @@
 //!
 //! | error | step outcome | attempt outcome |
 //! |---|---|---|
-//! | the attempt's lifetime ended (shutdown, intentional stop) | `cancelled` | `abandoned` |
+//! | the attempt's lifetime ended (shutdown, intentional stop), whatever the step met | `cancelled` | `abandoned` |
 //! | the gate refused (superseded, not the node's owner, shutting down, swaps off) | `stale` | `abandoned` |
-//! | the instance is mid-operation or cannot run this mode | `stale` | `abandoned` |
-//! | staging refused (missing, unreadable, not executable, digest mismatch, outside the root, escaping symlink) | `stale` | `abandoned` |
-//! | a requested limit whose controller is not enabled, a cgroup that could not be made fresh | `stale` | `abandoned` |
-//! | uid 0 refused, the intent journal not written before the exec | `stale` | `abandoned` |
-//! | `current.sock` could not move, the stop could not be proven | `stale` | `abandoned` |
-//! | spawn or exec error, not what the attempt chose, unhealthy, exited early | `failed` | `failed` (overlap), `down` (after the incumbent was stopped) |
+//! | the instance is mid-operation, or its serving generation cannot overlap | `stale` | `abandoned` |
+//! | staging refused (missing, unreadable, not executable, digest mismatch, outside the root, escaping symlink, too large, download failed) | `stale` | `abandoned` |
+//! | resources that do not parse, a requested limit whose controller is not enabled, a cgroup that could not be made fresh or written | `stale` | `abandoned` |
+//! | uid 0 refused, the run dir not usable, the intent journal not written before the exec | `stale` | `abandoned` |
+//! | a spawn refused or failed before the exec (cgroup placement, setsid, setuid, chdir, fork) | `stale` | `abandoned` |
+//! | `current.sock` could not move, a stop that could not be proven, the agent lost its child | `stale` | `abandoned` |
+//! | an unusable health path | `stale` | `abandoned` |
+//! | the exec failed, what started is not what the attempt chose, no healthy answer by the deadline, the process exited early | `failed` | `failed`; `down` once this attempt stopped the serving generation |
 //!
 //! Only `failed` is the build's fault. A stale step is a refusal or a fault
 //! of the host, never of the build.
@@ -216,5 +218,138 @@ pub fn classify<T>(result: &Result<T, StepError>, lifetime_ended: bool) -> StepO
         }
         // The build's own failures.
         StepError::Identity { .. } | StepError::Exited { .. } => StepOutcome::Failed,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+    use std::os::unix::process::ExitStatusExt;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::cgroup::Controller;
+    use crate::health::Observation;
+    use crate::spawn::SetupStep;
+
+    fn io_error() -> io::Error {
+        io::Error::other("boom")
+    }
+
+    fn outcome(error: StepError) -> StepOutcome {
+        classify(&Err::<(), _>(error), false)
+    }
+
+    #[test]
+    fn success_is_ok_whatever_the_lifetime() {
+        assert_eq!(classify(&Ok::<(), StepError>(()), false), StepOutcome::Ok);
+        assert_eq!(classify(&Ok::<(), StepError>(()), true), StepOutcome::Ok);
+    }
+
+    #[test]
+    fn an_ended_lifetime_makes_any_error_a_cancellation() {
+        let timeout = StepError::Unhealthy(HealthError::Timeout {
+            socket: "/run/a/gen-2.sock".into(),
+            path: "/".into(),
+            timeout: Duration::from_secs(1),
+            attempts: 3,
+            last: Observation::Refused,
+        });
+        assert_eq!(
+            classify(&Err::<(), _>(timeout), true),
+            StepOutcome::Cancelled
+        );
+        assert_eq!(
+            outcome(StepError::Cancelled("shutdown".into())),
+            StepOutcome::Cancelled
+        );
+        let cancelled_health = StepError::Unhealthy(HealthError::Cancelled {
+            socket: "/run/a/gen-2.sock".into(),
+            attempts: 1,
+            elapsed: Duration::ZERO,
+        });
+        assert_eq!(outcome(cancelled_health), StepOutcome::Cancelled);
+    }
+
+    #[test]
+    fn refusals_and_host_faults_are_stale() {
+        let stale = [
+            StepError::SwapsOff,
+            StepError::Gate {
+                point: GatePoint::Exec,
+                refusal: GateRefusal::Superseded { newest: 9 },
+            },
+            StepError::Admission(AdmissionRefusal::Busy),
+            StepError::Stage(StageError::DigestMismatch {
+                source_name: "/staging/b2".into(),
+                expected: "a".repeat(64),
+                actual: "b".repeat(64),
+            }),
+            StepError::Cgroup(CgroupError::LimitNotApplied {
+                controller: Controller::Memory,
+                path: "/sys/fs/cgroup/genswap/a.b/gen-2".into(),
+                reason: "not enabled".into(),
+                source: None,
+            }),
+            StepError::Cgroup(CgroupError::NotFresh {
+                path: "/sys/fs/cgroup/genswap/a.b/gen-2".into(),
+                reason: "still populated".into(),
+            }),
+            StepError::RootRefused { asked: true },
+            StepError::Journal(JournalError::Write {
+                path: "/state/journal/a.b.json".into(),
+                source: io_error(),
+            }),
+            StepError::Spawn(SpawnError::Setup {
+                generation: 2,
+                step: SetupStep::Uid,
+                source: io_error(),
+            }),
+            StepError::Switch(SwitchError::TargetMissing {
+                target: "/run/a.b/gen-2.sock".into(),
+            }),
+            StepError::Stop(CgroupError::NotProvenStopped {
+                path: "/sys/fs/cgroup/genswap/a.b/gen-1".into(),
+                waited: Duration::from_secs(30),
+                pids: vec![42],
+            }),
+            StepError::Unhealthy(HealthError::InvalidPath { path: "x".into() }),
+        ];
+        for error in stale {
+            let text = error.to_string();
+            assert_eq!(outcome(error), StepOutcome::Stale, "{text}");
+        }
+    }
+
+    #[test]
+    fn only_the_builds_own_failures_are_failed() {
+        let failed = [
+            StepError::Spawn(SpawnError::Exec {
+                generation: 2,
+                exe: "/store/sha256-ab".into(),
+                source: io_error(),
+            }),
+            StepError::Unhealthy(HealthError::Timeout {
+                socket: "/run/a.b/gen-2.sock".into(),
+                path: "/".into(),
+                timeout: Duration::from_secs(30),
+                attempts: 100,
+                last: Observation::Status(500),
+            }),
+            StepError::Exited {
+                generation: 2,
+                when: "inside the settle window",
+                status: ExitStatus::from_raw(256),
+            },
+            StepError::Identity {
+                what: "another executable".into(),
+            },
+        ];
+        for error in failed {
+            let text = error.to_string();
+            let class = outcome(error);
+            assert_eq!(class, StepOutcome::Failed, "{text}");
+            assert!(class.is_build_failure());
+        }
     }
 }

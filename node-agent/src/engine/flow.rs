@@ -252,9 +252,9 @@ impl<'a> Run<'a> {
     }
 
     /// Moves the record to `phase` and writes it, for a phase whose action
-    /// must go on even when
-    /// the journal cannot say so (a switch that happened, a retirement that
-    /// is owed): a failed write is logged, and recovery works from the host.
+    /// must go on even when the journal cannot say so (a switch that
+    /// happened, a retirement that is owed): a failed write is logged, and
+    /// recovery works from the host.
     pub(super) async fn advance_after_exec(&mut self, phase: Phase) {
         self.record.advance(phase);
         if let Err(error) = self.write_journal().await {

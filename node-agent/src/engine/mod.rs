@@ -14,7 +14,7 @@
 //! hold. The effective mode is the first thing written to the intent journal
 //! and is reported in [`SwapResult::effective_mode`].
 //!
-//! - **Overlap** ([SPEC 5.5]): stage → admit → raise → journal → spawn →
+//! - **Overlap** (SPEC 5.5): stage → admit → raise → journal → spawn →
 //!   health → settle → switch → retire. The successor starts beside the
 //!   incumbent in its own `gen-<N>` cgroup and socket, and takes over
 //!   `current.sock` only once healthy; any failure before the switch stops
@@ -45,7 +45,7 @@
 //! await. End an attempt early with its [`Cancel`] token, not by dropping the
 //! future: a dropped swap leaves whatever it had started to crash recovery.
 //!
-//! [SPEC 5.5]: ../../../../shared/SPEC.md
+//! The design, the step tables and the figures are in `docs/ENGINE.md`.
 mod cancel;
 mod flow;
 mod hold;

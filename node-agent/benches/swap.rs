@@ -1,0 +1,146 @@
+//! 100 overlap swaps of the testapp on real cgroup v2, and what they cost.
+//!
+//! Prints, per step, the median and 99th percentile of the time spent, the
+//! whole swap's, and the agent's own overhead: the swap's duration minus the
+//! successor's boot-to-first-healthy time (its health step: from the exec's
+//! return to the first answer below 500). It asserts nothing on time.
+//!
+//! `cargo bench -p node-agent --bench swap` (root, cgroup v2). `SWAPS=n`
+//! changes the count.
+
+#[path = "../tests/support/cgroup_guard.rs"]
+mod cgroup_guard;
+#[path = "../tests/support/swap_host.rs"]
+mod swap_host;
+
+use std::time::{Duration, Instant};
+
+use genswap_crds::Outcome;
+use node_agent::engine::{Step, SwapResult};
+use swap_host::SwapHost;
+
+const DEFAULT_SWAPS: usize = 100;
+const STEPS: [Step; 9] = [
+    Step::Stage,
+    Step::Admit,
+    Step::Raise,
+    Step::Journal,
+    Step::Spawn,
+    Step::Health,
+    Step::Settle,
+    Step::Switch,
+    Step::Retire,
+];
+
+fn main() {
+    let swaps = std::env::var("SWAPS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(DEFAULT_SWAPS);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    runtime.block_on(run(swaps));
+}
+
+async fn run(swaps: usize) {
+    let host = SwapHost::new("bench");
+    // Two builds alternate, so every swap changes the build.
+    let builds = [host.build("bench-even"), host.build("bench-odd")];
+    let names = ["bench-even", "bench-odd"];
+    let install = host.swap(&host.attempt(1, &builds[1], names[1])).await;
+    assert_eq!(install.outcome, Outcome::Done, "install: {install:?}");
+
+    let mut results: Vec<SwapResult> = Vec::with_capacity(swaps);
+    let wall = Instant::now();
+    for i in 0..swaps {
+        let rev = i64::try_from(i).expect("a small count") + 2;
+        let which = i % 2;
+        let result = host
+            .swap(&host.attempt(rev, &builds[which], names[which]))
+            .await;
+        assert_eq!(result.outcome, Outcome::Done, "swap {rev}: {result:?}");
+        results.push(result);
+    }
+    let wall = wall.elapsed();
+    host.tear_down().await;
+
+    println!(
+        "{swaps} overlap swaps of the testapp in {:.2?} ({}, cgroup {})",
+        wall,
+        if cfg!(debug_assertions) {
+            "debug build"
+        } else {
+            "release build"
+        },
+        node_agent::cgroup::discover_mount()
+            .map(|m| m.display().to_string())
+            .unwrap_or_default()
+    );
+    println!("{:<28} {:>10} {:>10} {:>10}", "step", "p50", "p99", "max");
+    for step in STEPS {
+        if !results
+            .iter()
+            .any(|r| r.steps.iter().any(|s| s.step == step))
+        {
+            continue;
+        }
+        print_row(
+            step.as_str(),
+            results.iter().map(|r| r.step_duration(step)).collect(),
+        );
+    }
+    let total: Vec<Duration> = results.iter().map(total_of).collect();
+    let overhead: Vec<Duration> = results
+        .iter()
+        .map(|r| total_of(r).saturating_sub(r.step_duration(Step::Health)))
+        .collect();
+    let overhead_without_drain: Vec<Duration> = results
+        .iter()
+        .map(|r| {
+            total_of(r)
+                .saturating_sub(r.step_duration(Step::Health))
+                .saturating_sub(r.drain.unwrap_or_default())
+        })
+        .collect();
+    print_row("whole swap", total);
+    print_row(
+        "drain (retiring gen)",
+        results.iter().filter_map(|r| r.drain).collect(),
+    );
+    print_row("agent overhead", overhead);
+    print_row("overhead without drain", overhead_without_drain);
+}
+
+fn total_of(result: &SwapResult) -> Duration {
+    result
+        .finished_at
+        .duration_since(result.started_at)
+        .unwrap_or_default()
+}
+
+fn print_row(name: &str, mut samples: Vec<Duration>) {
+    samples.sort_unstable();
+    println!(
+        "{:<28} {:>10} {:>10} {:>10}",
+        name,
+        millis(percentile(&samples, 50)),
+        millis(percentile(&samples, 99)),
+        millis(samples.last().copied().unwrap_or_default())
+    );
+}
+
+/// The nearest-rank percentile of sorted samples.
+fn percentile(sorted: &[Duration], p: usize) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = (p * sorted.len()).div_ceil(100).max(1);
+    sorted[rank.min(sorted.len()) - 1]
+}
+
+fn millis(duration: Duration) -> String {
+    format!("{:.2} ms", duration.as_secs_f64() * 1000.0)
+}
