@@ -725,8 +725,10 @@ impl Runner {
             }
         })
         .await;
-        // The file may now hold something else, whose status a rescan writes.
-        if !self.files.contains_key(&instance.file) {
+        // On stop-on-exit nothing serves any more, so no status may say it
+        // does; otherwise the file may now hold something else, whose status
+        // a rescan writes.
+        if self.shutting_down || !self.files.contains_key(&instance.file) {
             self.remove_status_file(&instance.file).await;
         }
     }

@@ -196,6 +196,23 @@ impl StandaloneHost {
             ended.expect("standalone mode ended without an error");
         }
         assert_eq!(self.pids_in_tree(), Vec::<u32>::new(), "processes left");
+        // Stop-on-exit forgets every instance: no state, and no status file
+        // that still claims something serves.
+        let state: Vec<_> = fs::read_dir(self.state_dir().join("standalone"))
+            .expect("the standalone state dir")
+            .filter_map(Result::ok)
+            .map(|e| e.file_name())
+            .collect();
+        assert!(state.is_empty(), "standalone state left: {state:?}");
+        for entry in fs::read_dir(self.dir.join("status")).expect("the status dir") {
+            let path = entry.expect("a status entry").path();
+            let doc = StatusDocument::read(&path).expect("a readable status file");
+            assert!(
+                doc.error.is_some() && doc.attempts.is_empty(),
+                "{} still describes an instance: {doc:?}",
+                path.display()
+            );
+        }
     }
 }
 
