@@ -84,7 +84,8 @@ async fn successor_exiting_inside_the_settle_window_fails() {
     let mut attempt = host.attempt(2, &b2, "b2");
     attempt.spec.canary = true;
     attempt.spec.settle.seconds = 20;
-    knob(&mut attempt, "TESTAPP_EXIT_AFTER_MS", "1500");
+    // Long enough to be healthy first, even on a loaded machine.
+    knob(&mut attempt, "TESTAPP_EXIT_AFTER_MS", "3000");
     knob(&mut attempt, "TESTAPP_EXIT_CODE", "3");
     let result = host.swap(&attempt).await;
 
@@ -205,5 +206,76 @@ async fn forked_grandchildren_die_with_the_retiring_cgroup() {
         assert!(!swap_host::alive(pid), "pid {pid} of generation 1 survived");
     }
     host.assert_only(result.generation);
+    host.tear_down().await;
+}
+
+#[tokio::test]
+async fn a_cancelled_attempt_is_abandoned_and_its_successor_stopped() {
+    let host = SwapHost::new("overlap-cancelled");
+    host.install(1, "b1").await;
+    let before = host.who_serves().await.expect("b1 serves");
+
+    let b2 = host.build("b2");
+    let mut attempt = host.attempt(2, &b2, "b2");
+    // Never healthy: the attempt waits in its health step until cancelled.
+    knob(&mut attempt, "TESTAPP_NEVER_BIND", "1");
+    let cancel = Cancel::new();
+    let canceller = {
+        let cancel = cancel.clone();
+        let gen2 = host.instance_cgroup().join("gen-2");
+        tokio::spawn(async move {
+            swap_host::eventually("generation 2 running", || {
+                std::fs::read_to_string(gen2.join("cgroup.procs")).is_ok_and(|p| !p.is_empty())
+            })
+            .await;
+            cancel.cancel("the agent is shutting down");
+        })
+    };
+    let result = host
+        .engine
+        .swap(&attempt, &swap_host::OpenGate, &cancel)
+        .await;
+    canceller.await.expect("the canceller");
+
+    assert_eq!(result.outcome, Outcome::Abandoned, "{result:?}");
+    assert!(result.executed, "b2 had started");
+    assert!(result.reason.contains("shutting down"), "{}", result.reason);
+    let health = result
+        .steps
+        .iter()
+        .find(|s| s.step == Step::Health)
+        .expect("a health step");
+    assert_eq!(health.result, StepOutcome::Cancelled);
+    assert_eq!(host.who_serves().await, Some(before.clone()));
+    host.assert_only(Some(before.generation));
+    host.tear_down().await;
+}
+
+#[tokio::test]
+async fn the_outcome_stays_in_the_journal_until_acknowledged() {
+    let host = SwapHost::new("overlap-journal");
+    host.install(1, "b1").await;
+    let b2 = host.build("b2");
+    let result = host.swap(&host.attempt(2, &b2, "b2")).await;
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+
+    let journal = host.engine.journal();
+    let pending = journal.pending_reports().expect("pending reports");
+    let revs: Vec<i64> = pending.iter().map(|r| r.attempt.sched_rev).collect();
+    assert_eq!(revs, vec![1, 2], "both outcomes wait for their report");
+    let kept = pending[1].outcome.as_ref().expect("an outcome");
+    assert_eq!(kept.outcome, Outcome::Done);
+    assert_eq!(kept.generation, result.generation);
+    assert_eq!(kept.executed, result.executed);
+    assert_eq!(kept.steps, result.step_timings());
+    let serving = journal
+        .serving(&host.instance)
+        .expect("journal")
+        .expect("a serving generation");
+    assert_eq!(Some(serving.n), result.generation);
+
+    assert!(journal.acknowledge(&host.instance, 1).expect("ack 1"));
+    assert!(journal.acknowledge(&host.instance, 2).expect("ack 2"));
+    assert!(journal.pending_reports().expect("pending").is_empty());
     host.tear_down().await;
 }
