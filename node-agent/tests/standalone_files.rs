@@ -175,3 +175,44 @@ async fn a_deleted_file_stops_its_generations_and_leaves_nothing() {
 
     host.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_deleted_while_its_attempt_runs_cancels_it_and_leaves_nothing() {
+    let host = StandaloneHost::start("midway");
+    let one = host.build("build-1");
+    let hello = key("hello");
+    // The process starts, then sleeps before binding: the attempt sits in
+    // its health step.
+    let mut slow = Manifest::new("hello", "build-1", &one);
+    slow.args = vec!["--boot-delay-ms=30000".into()];
+    slow.health_timeout_seconds = 60;
+    host.write("hello.yaml", &slow.yaml());
+    host.status("hello.yaml", "the install to be running", |doc| {
+        doc.attempts
+            .iter()
+            .any(|a| a.status.started_at.is_some() && a.status.outcome.is_none())
+    })
+    .await;
+    cgroup_guard::eventually(swap_host::DEADLINE, "the build's process to start", || {
+        !host.pids_in_tree().is_empty()
+    })
+    .await;
+
+    host.remove("hello.yaml");
+    node_agent::standalone::wait_for_no_status(&host.dir, "hello.yaml", swap_host::DEADLINE)
+        .await
+        .expect("the status file goes once the instance stopped");
+
+    assert_eq!(
+        host.pids_in_tree(),
+        Vec::<u32>::new(),
+        "the process is gone"
+    );
+    assert!(
+        !host.instance_cgroup(&hello).exists(),
+        "its cgroup is removed"
+    );
+    assert!(!host.current_sock(&hello).exists());
+
+    host.stop().await;
+}

@@ -42,15 +42,22 @@ pub struct StandaloneHost {
     pub staging: PathBuf,
     pub host: Host,
     stop: Option<oneshot::Sender<()>>,
-    runner: Option<JoinHandle<Result<(), StandaloneError>>>,
+    runner: Option<Runner>,
     tree: TestCgroupTree,
     // Dropped after the tree: nothing runs from it by then.
     temp: tempfile::TempDir,
 }
 
 impl StandaloneHost {
-    /// Starts standalone mode over a fresh temp dir and cgroup subtree.
+    /// Starts standalone mode over a fresh temp dir and cgroup subtree; it
+    /// stops every instance when it stops.
     pub fn start(tag: &str) -> StandaloneHost {
+        StandaloneHost::start_with(tag, true)
+    }
+
+    /// [`StandaloneHost::start`], choosing whether stopping standalone mode
+    /// stops the instances.
+    pub fn start_with(tag: &str, stop_on_exit: bool) -> StandaloneHost {
         let temp = tempfile::Builder::new()
             .prefix(&format!("genswap-standalone-{tag}-"))
             .tempdir()
@@ -71,22 +78,7 @@ impl StandaloneHost {
             store_dir: None,
             engine: EngineConfig::default(),
         };
-        let host = Host::build(&settings).expect("the host parts");
-        let (stop, stopped) = oneshot::channel::<()>();
-        let config = StandaloneConfig {
-            dir: dir.clone(),
-            node: NodeIdentity::new(NODE, BTreeMap::new()),
-            stop_on_exit: true,
-        };
-        let runner = tokio::spawn({
-            let host = host.clone();
-            async move {
-                standalone::run(&host, config, async {
-                    let _ = stopped.await;
-                })
-                .await
-            }
-        });
+        let (host, stop, runner) = launch(&settings, &dir, stop_on_exit);
         StandaloneHost {
             dir,
             staging,
@@ -95,6 +87,30 @@ impl StandaloneHost {
             runner: Some(runner),
             tree,
             temp,
+        }
+    }
+
+    /// Stops standalone mode and starts it again over the same directories,
+    /// with a new engine, as a restarted process would. The new run stops
+    /// every instance when it stops.
+    pub async fn restart(&mut self) {
+        self.end_runner().await;
+        let (host, stop, runner) = launch(&self.host.settings, &self.dir, true);
+        self.host = host;
+        self.stop = Some(stop);
+        self.runner = Some(runner);
+    }
+
+    async fn end_runner(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(runner) = self.runner.take() {
+            let ended = tokio::time::timeout(DEADLINE, runner)
+                .await
+                .expect("standalone mode stops within the deadline")
+                .expect("standalone mode did not panic");
+            ended.expect("standalone mode ended without an error");
         }
     }
 
@@ -185,16 +201,7 @@ impl StandaloneHost {
     /// Stops standalone mode (which stops every instance) and checks it
     /// ended cleanly with nothing left in the subtree.
     pub async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(runner) = self.runner.take() {
-            let ended = tokio::time::timeout(DEADLINE, runner)
-                .await
-                .expect("standalone mode stops within the deadline")
-                .expect("standalone mode did not panic");
-            ended.expect("standalone mode ended without an error");
-        }
+        self.end_runner().await;
         assert_eq!(self.pids_in_tree(), Vec::<u32>::new(), "processes left");
         // Stop-on-exit forgets every instance: no state, and no status file
         // that still claims something serves.
@@ -222,6 +229,34 @@ impl Drop for StandaloneHost {
             runner.abort();
         }
     }
+}
+
+type Runner = JoinHandle<Result<(), StandaloneError>>;
+
+/// Builds the host parts from `settings` and runs standalone mode over
+/// `dir` until the returned sender fires.
+fn launch(
+    settings: &HostSettings,
+    dir: &Path,
+    stop_on_exit: bool,
+) -> (Host, oneshot::Sender<()>, Runner) {
+    let host = Host::build(settings).expect("the host parts");
+    let (stop, stopped) = oneshot::channel::<()>();
+    let config = StandaloneConfig {
+        dir: dir.to_path_buf(),
+        node: NodeIdentity::new(NODE, BTreeMap::new()),
+        stop_on_exit,
+    };
+    let runner = tokio::spawn({
+        let host = host.clone();
+        async move {
+            standalone::run(&host, config, async {
+                let _ = stopped.await;
+            })
+            .await
+        }
+    });
+    (host, stop, runner)
 }
 
 fn collect_pids(dir: &Path, pids: &mut Vec<u32>) {
