@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 use genswap_controller::scheduler;
 use genswap_crds::{InstanceGeneration, SwapAttempt};
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -40,8 +40,9 @@ struct Instance {
     attempts: Vec<SwapAttempt>,
     running: Option<InFlight>,
     requeue_at: Option<Instant>,
-    /// Its file no longer validates; the last valid spec stays in force.
-    invalid: Option<String>,
+    /// Its file no longer validates (why, and since when); the last valid
+    /// spec stays in force.
+    invalid: Option<(String, Time)>,
     removal: Removal,
     /// The state last written, so an unchanged one is not written again.
     saved: Option<InstanceState>,
@@ -367,9 +368,9 @@ impl Runner {
                         .find(|(key, i)| i.file == *name && !gone.contains(key));
                     match owned {
                         Some((key, instance)) if instance.removal == Removal::No => {
-                            if instance.invalid.as_deref() != Some(error.as_str()) {
+                            if instance.invalid.as_ref().map(|(e, _)| e) != Some(error) {
                                 tracing::warn!(instance = %key, file = %name, %error, "the manifest no longer validates; its last valid spec stays in force");
-                                instance.invalid = Some(error.clone());
+                                instance.invalid = Some((error.clone(), now.clone()));
                                 touched.insert(key.clone());
                             }
                         }
@@ -783,8 +784,10 @@ impl Runner {
             instance.generation(),
             &instance.ig.status.clone().unwrap_or_default(),
             &instance.attempts,
-            instance.invalid.as_deref(),
-            &time_of(SystemTime::now()),
+            instance
+                .invalid
+                .as_ref()
+                .map(|(error, since)| (error.as_str(), since)),
         );
         let file = instance.file.clone();
         self.write_status_document(&file, document).await;
@@ -792,6 +795,16 @@ impl Runner {
 
     async fn write_status_document(&mut self, file: &str, document: StatusDocument) {
         if self.written.get(file) == Some(&document) {
+            return;
+        }
+        // A refusal that still holds keeps the status (and the time) it has.
+        if document.generation.is_none()
+            && self.written.get(file).is_some_and(|written| {
+                written.generation.is_none()
+                    && written.error == document.error
+                    && (&written.namespace, &written.name) == (&document.namespace, &document.name)
+            })
+        {
             return;
         }
         let text = match status::render(&document) {

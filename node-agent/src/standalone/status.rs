@@ -128,18 +128,18 @@ impl StatusDocument {
     }
 }
 
-/// The status of a file in force.
+/// The status of a file in force; `invalid` is the refusal of its current
+/// content and since when, if it is refused.
 pub(crate) fn for_instance(
     file: &str,
     key: &InstanceKey,
     generation: i64,
     status: &InstanceGenerationStatus,
     attempts: &[SwapAttempt],
-    invalid: Option<&str>,
-    now: &Time,
+    invalid: Option<(&str, &Time)>,
 ) -> StatusDocument {
     let mut status = status.clone();
-    if let Some(error) = invalid {
+    if let Some((error, since)) = invalid {
         set_condition(
             &mut status.conditions,
             ConditionType::Stalled,
@@ -149,7 +149,7 @@ pub(crate) fn for_instance(
                 "{file} no longer validates ({error}); the last valid spec (generation {generation}) stays in force until the file is fixed"
             ),
             Some(generation),
-            now,
+            since,
         );
     }
     StatusDocument {
@@ -157,7 +157,7 @@ pub(crate) fn for_instance(
         namespace: Some(key.namespace().to_string()),
         name: Some(key.name().to_string()),
         generation: Some(generation),
-        error: invalid.map(str::to_string),
+        error: invalid.map(|(error, _)| error.to_string()),
         status,
         attempts: attempts.iter().map(AttemptReport::of).collect(),
     }
