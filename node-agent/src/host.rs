@@ -381,6 +381,30 @@ mod tests {
     }
 
     #[test]
+    fn a_cgroup_root_outside_cgroup_v2_is_refused_with_what_to_do() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let settings = HostSettings {
+            cgroup_root: Some(dir.path().join("genswap")),
+            run_dir: dir.path().join("run"),
+            state_dir: dir.path().join("state"),
+            staging_root: dir.path().join("staging"),
+            store_dir: None,
+            engine: EngineConfig::default(),
+        };
+        let Err(error) = Host::build(&settings) else {
+            panic!("a root in a plain directory was accepted");
+        };
+        assert!(matches!(error, HostError::Cgroup { .. }), "{error:?}");
+        let message = error.to_string();
+        assert!(message.contains("cgroup v2"), "{message}");
+        assert!(message.contains("--cgroup-root"), "{message}");
+        assert!(
+            !dir.path().join("run").exists(),
+            "nothing was created before the refusal"
+        );
+    }
+
+    #[test]
     fn an_unknown_swap_value_is_refused() {
         assert!(Cli::try_parse_from(["node-agent", "--swap=maybe"]).is_err());
     }

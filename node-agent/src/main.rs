@@ -149,11 +149,15 @@ fn main() -> ExitCode {
         eprintln!("node-agent: {error}");
         return ExitCode::FAILURE;
     }
+    let talks_to_a_human = matches!(cli.command, Command::Demo(_));
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(error) if talks_to_a_human => {
+            eprintln!("node-agent: {}", chain(&error));
+            ExitCode::FAILURE
+        }
         Err(error) => {
             error!(error = %chain(&error), "node-agent failed");
-            eprintln!("node-agent: {}", chain(&error));
             ExitCode::FAILURE
         }
     }
