@@ -11,9 +11,15 @@ pub const BUILD_COMMAND: &str = "cargo build -p testapp --bin genswap-testapp";
 
 /// The built `genswap-testapp` beside this executable, building it with
 /// cargo first when it is missing (as after `cargo run -p node-agent`,
-/// which builds only the agent).
+/// which builds only the agent). Under `cargo run` it is always handed to
+/// cargo, which does nothing when it is fresh: a binary left by an older
+/// checkout would otherwise run a story the source no longer tells.
 pub fn ensure_built() -> Result<PathBuf, DemoError> {
     match testapp::binary() {
+        Ok(path) if std::env::var_os("CARGO").is_some() => {
+            build(&path)?;
+            Ok(path)
+        }
         Ok(path) => Ok(path),
         Err(testapp::Error::NotBuilt { path }) => {
             build(&path)?;
@@ -53,7 +59,7 @@ fn build(missing: &Path) -> Result<(), DemoError> {
         )));
     }
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    println!("Building the test app once: {command_text}");
+    println!("Building the test app if it is not up to date: {command_text}");
     let mut command = Command::new(&cargo);
     command
         .args([
