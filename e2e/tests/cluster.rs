@@ -1,0 +1,508 @@
+//! genswap end to end against the cluster `KUBECONFIG` names.
+//!
+//! Without a reachable cluster the suite prints one line,
+//! `e2e: skipped: no reachable cluster in KUBECONFIG (<why>)`, and passes.
+//! With one it needs, on the machine running it: root, a cgroup v2 mount and
+//! kubectl (docs/INSTALL.md, "End-to-end tests"). It then:
+//!
+//! 1. applies the CRDs (`kubectl apply --server-side -f crds/`);
+//! 2. builds and starts `genswap-controller` and one `node-agent run` as
+//!    local processes, both limited to a fresh namespace; the agent acts as
+//!    a real Node of the cluster (`--node-name`), runs its instances here in
+//!    a fresh cgroup subtree, and stages test-app builds from a temp dir;
+//! 3. walks one InstanceGeneration through install, an overlap release, a
+//!    failing build held down (Stalled=True), a retry that succeeds, a bad
+//!    digest abandoned without running anything, and a release waited for
+//!    with `kubectl wait --for=condition=Ready`, checking after each step
+//!    who answers on the instance's `current.sock`.
+//!
+//! Do not point it at a cluster where the genswap chart runs agents: they
+//! would take the suite's attempts for their node too.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use genswap_crds::{InstanceGeneration, Mode, Outcome, SwapAttempt};
+use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::Client;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+use support::{
+    CgroupGuard, ChildGuard, NamespaceGuard, SKIP_LINE, build_binaries, get_over, host_dir,
+    host_requirements, kubectl, reachable_cluster, single_kubeconfig, tail, workspace,
+};
+use testapp::Build;
+
+const IG: &str = "hello";
+const FIELD_MANAGER: &str = "genswap-e2e";
+/// Longest wait for one step of the story.
+const STEP_DEADLINE: Duration = Duration::from_secs(180);
+/// The uid/gid instances run as (nobody).
+const INSTANCE_ID: i64 = 65534;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn genswap_end_to_end_on_the_cluster_in_kubeconfig() {
+    let client = match reachable_cluster().await {
+        Ok(client) => client,
+        Err(why) => {
+            println!("{SKIP_LINE} ({why})");
+            return;
+        }
+    };
+    let cgroup_mount = host_requirements();
+    let node = pick_node(&client).await;
+    let hostname = node
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|labels| labels.get("kubernetes.io/hostname"))
+        .cloned()
+        .expect("the node has a kubernetes.io/hostname label");
+    let node_name = node.metadata.name.clone().expect("a node name");
+
+    // 1. The API.
+    let crds = workspace().join("crds");
+    kubectl(&[
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "-f",
+        &path_str(&crds),
+    ]);
+    kubectl(&[
+        "wait",
+        "--for=condition=Established",
+        "crd/instancegenerations.genswap.dev",
+        "crd/swapattempts.genswap.dev",
+        "--timeout=60s",
+    ]);
+
+    // 2. Host dirs, a cgroup subtree, a namespace, the two processes. Drops
+    // run in reverse order: agent, controller, namespace, cgroups, dirs.
+    let binaries = build_binaries();
+    let unique = format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or_default()
+    );
+    let dir = host_dir();
+    let run_dir = dir.path().join("run");
+    let state_dir = dir.path().join("state");
+    let staging = dir.path().join("staging");
+    std::fs::create_dir_all(&staging).expect("create the staging root");
+    let cgroups = CgroupGuard::create(&cgroup_mount, &format!("genswap-e2e-{unique}"));
+    let namespace = NamespaceGuard {
+        name: format!("genswap-e2e-{unique}"),
+    };
+    create_namespace(&client, &namespace.name).await;
+
+    let mut controller_cmd = Command::new(&binaries.controller);
+    controller_cmd.args([
+        "--namespace",
+        &namespace.name,
+        "--lease-namespace",
+        &namespace.name,
+        "--identity",
+        "genswap-e2e-controller",
+        "--metrics-addr",
+        "127.0.0.1:0",
+    ]);
+    let mut agent_cmd = Command::new(&binaries.agent);
+    agent_cmd.args([
+        "run",
+        "--node-name",
+        &node_name,
+        "--namespace",
+        &namespace.name,
+        "--no-host-namespaces",
+        "--metrics-addr",
+        "127.0.0.1:0",
+        "--shutdown-timeout-seconds",
+        "20",
+    ]);
+    if let Some(kubeconfig) = single_kubeconfig() {
+        controller_cmd.arg("--kubeconfig").arg(&kubeconfig);
+        agent_cmd.arg("--kubeconfig").arg(&kubeconfig);
+    }
+    agent_cmd
+        .arg("--cgroup-root")
+        .arg(&cgroups.root)
+        .arg("--run-dir")
+        .arg(&run_dir)
+        .arg("--state-dir")
+        .arg(&state_dir)
+        .arg("--staging-root")
+        .arg(&staging);
+    let controller = ChildGuard::spawn(
+        "genswap-controller",
+        controller_cmd,
+        dir.path().join("controller.log"),
+    );
+    let agent = ChildGuard::spawn("node-agent", agent_cmd, dir.path().join("agent.log"));
+
+    let mut e2e = E2e {
+        igs: Api::namespaced(client.clone(), &namespace.name),
+        attempts: Api::namespaced(client.clone(), &namespace.name),
+        namespace: namespace.name.clone(),
+        hostname,
+        staging: staging.clone(),
+        current_sock: run_dir
+            .join(format!("{}.{IG}", namespace.name))
+            .join("current.sock"),
+        controller,
+        agent,
+    };
+
+    // 3a. Install: the first generation, Ready, serving.
+    let v1 = e2e.build("hello-1");
+    e2e.apply(&v1, json!({})).await;
+    e2e.wait_ig("install to Ready", |ig| {
+        is_true(ig, "Ready") && serves(ig, "hello-1")
+    })
+    .await;
+    e2e.expect_attempt("hello-1", Outcome::Done, |a| {
+        a.spec.cause == genswap_crds::Cause::Install
+    })
+    .await;
+    e2e.expect_serving("hello-1").await;
+
+    // 3b. An overlap release: the successor beside the incumbent, then the
+    // switch.
+    let v2 = e2e.build("hello-2");
+    e2e.apply(&v2, json!({})).await;
+    e2e.wait_ig("the overlap release to Ready", |ig| {
+        is_true(ig, "Ready") && serves(ig, "hello-2")
+    })
+    .await;
+    let release = e2e.expect_attempt("hello-2", Outcome::Done, |_| true).await;
+    assert_eq!(
+        release.status.as_ref().and_then(|s| s.effective_mode),
+        Some(Mode::Overlap)
+    );
+    e2e.expect_serving("hello-2").await;
+
+    // 3c. A failing build: unhealthy (every answer a 500). Held down, the
+    // incumbent still serves.
+    let v3 = e2e.build("hello-3");
+    e2e.apply(
+        &v3,
+        json!({"env": [{"name": "TESTAPP_STATUS", "value": "500"}]}),
+    )
+    .await;
+    let stalled = e2e
+        .wait_ig("the failing build to be held down (Stalled=True)", |ig| {
+            is_true(ig, "Stalled")
+        })
+        .await;
+    assert_eq!(
+        condition(&stalled, "Stalled").map(|c| c.reason.as_str()),
+        Some("BuildFailed")
+    );
+    let held = stalled
+        .status
+        .as_ref()
+        .map(|s| s.held_down.clone())
+        .unwrap_or_default();
+    assert!(held.iter().any(|h| h.build == "hello-3"), "{held:?}");
+    e2e.expect_attempt("hello-3", Outcome::Failed, |_| true)
+        .await;
+    e2e.expect_serving("hello-2").await;
+
+    // 3d. A retry: the cause fixed (no forced 500s) and spec.retry changed
+    // arm one more attempt of the held-down build, which now succeeds.
+    e2e.apply(&v3, json!({"retry": "e2e-retry-1"})).await;
+    let retried = e2e
+        .wait_ig("the retried build to Ready", |ig| {
+            is_true(ig, "Ready") && serves(ig, "hello-3")
+        })
+        .await;
+    assert_eq!(
+        retried
+            .status
+            .as_ref()
+            .and_then(|s| s.last_retry.as_deref()),
+        Some("e2e-retry-1")
+    );
+    e2e.expect_attempt("hello-3", Outcome::Done, |a| {
+        a.spec.cause == genswap_crds::Cause::Retry
+    })
+    .await;
+    e2e.expect_serving("hello-3").await;
+
+    // 3e. A bad digest: refused at staging, abandoned with nothing run, never
+    // the build's fault (no Stalled); the incumbent still serves.
+    let mut v4 = e2e.build("hello-4");
+    v4.sha256 = "0".repeat(64);
+    e2e.apply(&v4, json!({})).await;
+    let abandoned = e2e
+        .expect_attempt("hello-4", Outcome::Abandoned, |_| true)
+        .await;
+    let status = abandoned.status.clone().unwrap_or_default();
+    assert_eq!(status.executed, Some(false), "{status:?}");
+    let reason = status.reason.clone().unwrap_or_default();
+    assert!(
+        reason.contains("sha256") || reason.contains("digest"),
+        "the reason names the digest: {reason}"
+    );
+    let ig = e2e.igs.get(IG).await.expect("get the IG");
+    assert!(
+        !is_true(&ig, "Ready"),
+        "a build that never ran is not Ready"
+    );
+    assert!(
+        !is_true(&ig, "Stalled"),
+        "an abandoned attempt holds nothing down"
+    );
+    e2e.expect_serving("hello-3").await;
+
+    // 3f. kubectl wait on the object: a good release after the bad one.
+    let v5 = e2e.build("hello-5");
+    e2e.apply(&v5, json!({})).await;
+    let waited = Command::new("kubectl")
+        .args([
+            "wait",
+            "--for=condition=Ready",
+            &format!("ig/{IG}"),
+            "-n",
+            &e2e.namespace,
+            &format!("--timeout={}s", STEP_DEADLINE.as_secs()),
+        ])
+        .output()
+        .expect("run kubectl wait");
+    assert!(
+        waited.status.success(),
+        "kubectl wait --for=condition=Ready failed: {}{}",
+        String::from_utf8_lossy(&waited.stderr),
+        e2e.diagnosis()
+    );
+    let ig = e2e.igs.get(IG).await.expect("get the IG");
+    assert!(serves(&ig, "hello-5"), "{:?}", ig.status);
+    e2e.expect_serving("hello-5").await;
+
+    e2e.controller.assert_running();
+    e2e.agent.assert_running();
+    // Guards stop the agent and the controller, delete the namespace, kill
+    // and remove the instances' cgroups, and remove the temp dir.
+    drop(e2e);
+    drop(namespace);
+    drop(cgroups);
+}
+
+struct E2e {
+    igs: Api<InstanceGeneration>,
+    attempts: Api<SwapAttempt>,
+    namespace: String,
+    hostname: String,
+    staging: PathBuf,
+    current_sock: PathBuf,
+    controller: ChildGuard,
+    agent: ChildGuard,
+}
+
+impl E2e {
+    /// A test-app build with distinct bytes, staged under the staging root.
+    fn build(&self, id: &str) -> Build {
+        testapp::make_build(&self.staging, id)
+            .unwrap_or_else(|e| panic!("stage the test-app build {id}: {e}"))
+    }
+
+    /// Server-side applies the IG with this build; `extra` adds `env` (to
+    /// `process`) and `retry`. Fields left out are removed (one manager owns
+    /// the whole spec).
+    async fn apply(&self, build: &Build, extra: Value) {
+        let mut process = json!({"user": INSTANCE_ID, "group": INSTANCE_ID});
+        if let Some(env) = extra.get("env") {
+            process["env"] = env.clone();
+        }
+        let mut spec = json!({
+            "nodeSelector": {"kubernetes.io/hostname": self.hostname},
+            "build": {
+                "id": build.path.file_name().and_then(|n| n.to_str()).unwrap_or_default(),
+                "artifact": {"path": path_str(&build.path)},
+                "sha256": build.sha256,
+            },
+            "process": process,
+            "health": {"path": "/", "timeoutSeconds": 5},
+            "settle": {"seconds": 1},
+            "stop": {"timeoutSeconds": 5},
+        });
+        if let Some(retry) = extra.get("retry") {
+            spec["retry"] = retry.clone();
+        }
+        let object = json!({
+            "apiVersion": "genswap.dev/v1alpha1",
+            "kind": "InstanceGeneration",
+            "metadata": {"name": IG, "namespace": self.namespace},
+            "spec": spec,
+        });
+        self.igs
+            .patch(
+                IG,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&object),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("apply the InstanceGeneration: {e}"));
+    }
+
+    /// Polls the IG until `done` holds, returning it.
+    async fn wait_ig(
+        &mut self,
+        what: &str,
+        done: impl Fn(&InstanceGeneration) -> bool,
+    ) -> InstanceGeneration {
+        let deadline = Instant::now() + STEP_DEADLINE;
+        let mut last = None;
+        while Instant::now() < deadline {
+            self.controller.assert_running();
+            self.agent.assert_running();
+            if let Ok(ig) = self.igs.get(IG).await {
+                if done(&ig) {
+                    return ig;
+                }
+                last = Some(ig);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        panic!(
+            "{what}: not within {STEP_DEADLINE:?}; last status: {}{}",
+            last.and_then(|ig| serde_json::to_string_pretty(&ig.status).ok())
+                .unwrap_or_else(|| "none".into()),
+            self.diagnosis()
+        );
+    }
+
+    /// Polls until an attempt of `build` ends with `outcome` and passes
+    /// `check`, returning it.
+    async fn expect_attempt(
+        &mut self,
+        build: &str,
+        outcome: Outcome,
+        check: impl Fn(&SwapAttempt) -> bool,
+    ) -> SwapAttempt {
+        let deadline = Instant::now() + STEP_DEADLINE;
+        while Instant::now() < deadline {
+            self.controller.assert_running();
+            self.agent.assert_running();
+            if let Ok(list) = self.attempts.list(&ListParams::default()).await {
+                let found = list.items.into_iter().find(|attempt| {
+                    attempt.spec.build.id == build
+                        && attempt.status.as_ref().and_then(|s| s.outcome) == Some(outcome)
+                        && check(attempt)
+                });
+                if let Some(attempt) = found {
+                    return attempt;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        panic!(
+            "no attempt of {build} ended {outcome:?} within {STEP_DEADLINE:?}{}",
+            self.diagnosis()
+        );
+    }
+
+    /// Polls `current.sock` until the instance answers as `build`.
+    async fn expect_serving(&self, build: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut last = String::new();
+        while Instant::now() < deadline {
+            match get_over(&self.current_sock) {
+                Ok(body) if body.contains(&format!("build={build} ")) => return,
+                Ok(body) => last = body,
+                Err(error) => last = error,
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        panic!(
+            "{} does not answer as {build}: {last}{}",
+            self.current_sock.display(),
+            self.diagnosis()
+        );
+    }
+
+    /// The processes' last log lines, for a failure message.
+    fn diagnosis(&self) -> String {
+        format!(
+            "\n--- controller log (tail) ---\n{}\n--- agent log (tail) ---\n{}",
+            tail(&self.controller.log, 40),
+            tail(&self.agent.log, 40)
+        )
+    }
+}
+
+fn condition<'a>(ig: &'a InstanceGeneration, kind: &str) -> Option<&'a Condition> {
+    ig.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == kind)
+}
+
+fn is_true(ig: &InstanceGeneration, kind: &str) -> bool {
+    condition(ig, kind).is_some_and(|c| c.status == "True")
+}
+
+/// Every node in status serves `build` (and there is one).
+fn serves(ig: &InstanceGeneration, build: &str) -> bool {
+    ig.status.as_ref().is_some_and(|status| {
+        !status.nodes.is_empty()
+            && status
+                .nodes
+                .iter()
+                .all(|node| node.build.as_deref() == Some(build))
+    })
+}
+
+/// `GENSWAP_E2E_NODE`, else the first Ready node.
+async fn pick_node(client: &Client) -> Node {
+    let nodes: Api<Node> = Api::all(client.clone());
+    if let Ok(name) = std::env::var("GENSWAP_E2E_NODE") {
+        return nodes
+            .get(&name)
+            .await
+            .unwrap_or_else(|e| panic!("GENSWAP_E2E_NODE={name}: {e}"));
+    }
+    let list = nodes
+        .list(&ListParams::default())
+        .await
+        .expect("list the cluster's nodes");
+    list.items
+        .into_iter()
+        .find(|node| {
+            node.status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|conditions| {
+                    conditions
+                        .iter()
+                        .any(|c| c.type_ == "Ready" && c.status == "True")
+                })
+        })
+        .expect("the cluster has a Ready node")
+}
+
+async fn create_namespace(client: &Client, name: &str) {
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let namespace: Namespace = serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": {"genswap.dev/e2e": "true"}}
+    }))
+    .expect("a Namespace");
+    namespaces
+        .create(&PostParams::default(), &namespace)
+        .await
+        .unwrap_or_else(|e| panic!("create the namespace {name}: {e}"));
+}
+
+fn path_str(path: &Path) -> String {
+    path.to_str()
+        .unwrap_or_else(|| panic!("{} is not UTF-8", path.display()))
+        .to_string()
+}
