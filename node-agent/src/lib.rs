@@ -18,6 +18,7 @@ pub mod cgroup;
 pub mod classify;
 pub mod demo;
 pub mod engine;
+pub mod failpoint;
 pub mod gate;
 pub mod health;
 pub mod host;
