@@ -43,7 +43,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use genswap_crds::{Cause, InstanceKind, Mode, Outcome, StepTiming};
+use genswap_crds::{Cause, InstanceKind, Mode, Outcome, StepTiming, StopSpec};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -222,6 +222,10 @@ pub struct Record {
     /// The successor's pid once [`Phase::Spawned`] was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub successor_pid: Option<i32>,
+    /// How the attempt stops a generation (signal, timeout): crash recovery
+    /// stops what the attempt left behind the same way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<StopSpec>,
     pub started_at_ms: i64,
     pub updated_at_ms: i64,
     /// Set with [`Phase::Finished`].
@@ -254,6 +258,7 @@ impl Record {
             raised_parent: None,
             exec_may_have_run: false,
             successor_pid: None,
+            stop: None,
             started_at_ms: now,
             updated_at_ms: now,
             outcome: None,

@@ -12,7 +12,7 @@ use genswap_crds::{InstanceKind, Mode, Outcome};
 
 use super::parts::{self, Staged};
 use super::types::{Attempt, Step, StepRecord, SwapResult};
-use super::{Cancel, Engine, Running, hold, overlap};
+use super::{Cancel, Engine, Process, Running, hold, overlap};
 use crate::cgroup::Tier;
 use crate::classify::{AdmissionRefusal, StepError, StepOutcome, classify};
 use crate::gate::{AttemptGate, GatePoint};
@@ -116,6 +116,9 @@ pub(super) async fn run(
         mode,
     );
     record.incumbent = claim.serving.as_ref().map(|running| running.record.clone());
+    // Recovery stops what this attempt leaves behind the way the attempt
+    // would have.
+    record.stop = Some(attempt.spec.stop.clone());
     let mut run = Run {
         engine,
         attempt,
@@ -135,6 +138,7 @@ pub(super) async fn run(
     if let Err(ended) = run.step(Step::Journal, false, run.write_journal()).await {
         return run.end(ended, false).await;
     }
+    crate::failpoint!(run.crash_scope(), "admitted");
     let flow = match mode {
         Mode::Overlap => overlap::run(&mut run, &mut claim).await,
         Mode::Hold => hold::run(&mut run, &mut claim).await,
@@ -364,10 +368,12 @@ impl<'a> Run<'a> {
                 return Err(ended);
             }
         };
+        crate::failpoint!(self.crash_scope(), "after_spawn");
         self.advance_after_exec(Phase::Spawned {
-            pid: i32::try_from(running.child.pid()).unwrap_or(i32::MAX),
+            pid: i32::try_from(running.process.pid()).unwrap_or(i32::MAX),
         })
         .await;
+        crate::failpoint!(self.crash_scope(), "before_health");
 
         let health = &self.attempt.spec.health;
         let timeout = Duration::from_secs(u64::try_from(health.timeout_seconds).unwrap_or(0));
@@ -392,6 +398,7 @@ impl<'a> Run<'a> {
             }
         }
         self.advance_after_exec(Phase::Healthy).await;
+        crate::failpoint!(self.crash_scope(), "after_health");
 
         if self.attempt.settles() {
             let window =
@@ -410,6 +417,7 @@ impl<'a> Run<'a> {
                     return Err(ended);
                 }
             }
+            crate::failpoint!(self.crash_scope(), "after_settle");
         }
         Ok(Started::Serving(Box::new(running)))
     }
@@ -486,6 +494,14 @@ impl<'a> Run<'a> {
         result
     }
 
+    /// The crash points' scope: the effective mode's name.
+    pub(super) fn crash_scope(&self) -> &'static str {
+        match self.mode {
+            Mode::Overlap => "overlap",
+            Mode::Hold => "hold",
+        }
+    }
+
     fn last_step_name(&self) -> &'static str {
         self.steps
             .last()
@@ -495,6 +511,7 @@ impl<'a> Run<'a> {
     /// Writes the outcome into the record, where it stays until the adapter
     /// acknowledges it.
     async fn finish_record(&mut self, result: &SwapResult) {
+        crate::failpoint!(self.crash_scope(), "before_finish");
         self.record.finish(OutcomeRecord {
             outcome: result.outcome,
             effective_mode: result.effective_mode,
@@ -515,6 +532,7 @@ impl<'a> Run<'a> {
                 "the attempt's outcome could not be journaled; it is reported, but not kept for a retry of the report"
             );
         }
+        crate::failpoint!(self.crash_scope(), "after_finish");
     }
 }
 
@@ -566,7 +584,7 @@ async fn spawn_successor(
         cgroup,
         tier: *tier,
         kind: ctx.attempt.spec.kind,
-        child,
+        process: Process::Spawned(Box::new(child)),
     };
     if let Err(error) = parts::verify_identity(&mut running, staged) {
         if let Err((_, stop_error)) = parts::stop_generation(running, &ctx.attempt.spec.stop).await
@@ -601,7 +619,7 @@ async fn healthy_or_exit(
     let n = running.record.n;
     tokio::select! {
         result = parts::wait_healthy(socket, path, timeout) => result.map(|()| HealthEnd::Healthy),
-        status = parts::exited(&mut running.child) => exit_verdict(n, status, worker, "before it was healthy")
+        status = parts::exited(running) => exit_verdict(n, status, worker, "before it was healthy")
             .map(|()| HealthEnd::CleanExit),
     }
 }
@@ -622,7 +640,7 @@ async fn settle(
     let n = running.record.n;
     tokio::select! {
         () = tokio::time::sleep(window) => Ok(SettleEnd::Survived),
-        status = parts::exited(&mut running.child) => exit_verdict(n, status, worker, "inside the settle window")
+        status = parts::exited(running) => exit_verdict(n, status, worker, "inside the settle window")
             .map(|()| SettleEnd::CleanExit),
     }
 }

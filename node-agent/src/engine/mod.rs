@@ -51,6 +51,7 @@ mod flow;
 mod hold;
 mod overlap;
 mod parts;
+mod recover;
 mod types;
 
 use std::collections::HashMap;
@@ -62,6 +63,10 @@ use genswap_crds::{InstanceKind, StopSpec};
 use thiserror::Error;
 
 pub use cancel::Cancel;
+pub use recover::{
+    InstanceRecovery, RecoveredAttempt, RecoveryError, RecoveryReport, StoppedGeneration,
+    UntrackedCgroup,
+};
 pub use types::{Attempt, Step, StepRecord, SwapResult, effective_mode};
 
 use crate::cgroup::{Cgroup, CgroupError, CgroupManager, Tier};
@@ -150,7 +155,8 @@ pub enum EngineError {
     },
 }
 
-/// One running generation that the engine started and supervises.
+/// One running generation that the engine supervises: started by it, or
+/// adopted by crash recovery.
 #[derive(Debug)]
 pub(crate) struct Running {
     /// N, build, digest, store path, cgroup and socket, as journaled.
@@ -158,7 +164,32 @@ pub(crate) struct Running {
     pub(crate) cgroup: Cgroup,
     pub(crate) tier: Tier,
     pub(crate) kind: InstanceKind,
-    pub(crate) child: Spawned,
+    pub(crate) process: Process,
+}
+
+/// A generation's main process.
+#[derive(Debug)]
+pub(crate) enum Process {
+    /// Started by this agent: its exit is awaited through the child handle
+    /// and its exit status is known.
+    Spawned(Box<Spawned>),
+    /// Found running after an agent restart. It is not this agent's child,
+    /// so its exit shows only as its cgroup emptying (`populated 0`), and
+    /// its exit status is unknown.
+    Adopted {
+        /// The main process as found in the cgroup.
+        pid: u32,
+    },
+}
+
+impl Process {
+    /// The main process's pid.
+    pub(crate) fn pid(&self) -> u32 {
+        match self {
+            Process::Spawned(child) => child.pid(),
+            Process::Adopted { pid } => *pid,
+        }
+    }
 }
 
 impl Running {
@@ -170,7 +201,7 @@ impl Running {
             store_path: self.record.store_path.clone().unwrap_or_default(),
             socket: self.record.socket.clone(),
             cgroup: self.record.cgroup.clone(),
-            pid: self.child.pid(),
+            pid: self.process.pid(),
         }
     }
 }

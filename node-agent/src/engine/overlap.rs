@@ -26,9 +26,11 @@ pub(super) async fn run(run: &mut Run<'_>, claim: &mut Claim<'_>) -> Result<Fini
             parts::stage(&ctx.engine.stager, &ctx.attempt.spec.build),
         )
         .await?;
+    crate::failpoint!("overlap.staged");
     let started = Instant::now();
     let admitted = run.admit(claim.serving.as_ref(), &staged).await;
     let tier = run.note(Step::Admit, started, admitted)?;
+    crate::failpoint!("overlap.after_admit");
 
     let mut raise = None;
     let result = after_admission(run, claim, &staged, &tier, &mut raise).await;
@@ -65,10 +67,12 @@ async fn after_admission(
         None => set_instance_tier(run, tier),
     };
     run.note(Step::Raise, started, raised)?;
+    crate::failpoint!("overlap.after_raise");
 
     run.record.advance(Phase::Spawning);
     let write = run.write_journal();
     run.step(Step::Journal, false, write).await?;
+    crate::failpoint!("overlap.after_journal");
 
     let mut successor = match run.start_successor(staged, tier).await? {
         Started::Serving(running) => *running,
@@ -95,12 +99,14 @@ async fn after_admission(
     let mut finished = Finished::default();
     if let Some(retiring) = retiring {
         run.advance_after_exec(Phase::IncumbentStopped).await;
+        crate::failpoint!("overlap.before_retire");
         let started = Instant::now();
         let stop = run.attempt.spec.stop.clone();
         let n = retiring.record.n;
         let stopped = parts::stop_generation(retiring, &stop).await;
         match stopped {
             Ok(report) => {
+                crate::failpoint!("overlap.after_retire");
                 run.drain = Some(report.drain);
                 if report.killed {
                     append(
@@ -183,7 +189,7 @@ fn restore_parent(run: &mut Run<'_>, raise: Option<ParentRaise>) -> Option<Strin
 /// `current.sock` repointed. If the link cannot move, nothing switched.
 async fn switch(run: &mut Run<'_>, successor: &mut Running) -> Result<(), StepError> {
     run.ctx().check_gate(GatePoint::Switch)?;
-    if let Some(status) = parts::has_exited(&mut successor.child) {
+    if let Some(status) = parts::has_exited(successor) {
         return Err(StepError::Exited {
             generation: successor.record.n,
             when: "before the switch",
@@ -192,8 +198,10 @@ async fn switch(run: &mut Run<'_>, successor: &mut Running) -> Result<(), StepEr
     }
     run.record.advance(Phase::Switched);
     run.write_journal().await?;
+    crate::failpoint!("overlap.before_switch");
     let instance_dir = run.engine.layout.instance_dir(&run.attempt.instance);
     point_current(&instance_dir, &successor.record.socket)?;
+    crate::failpoint!("overlap.after_switch");
     successor.record.serving_since_ms = Some(unix_millis_now());
     parts::journal_serving(run, Some(successor.record.clone())).await;
     Ok(())

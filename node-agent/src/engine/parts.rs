@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use genswap_crds::{BuildSpec, ProcessSpec, StopSpec};
 
-use super::Running;
 use super::flow::{Run, reason_of};
+use super::{Process, Running};
 use crate::cgroup::{Cgroup, CgroupError, Controller, RaiseRecord, StopReport, stop_signal};
 use crate::classify::StepError;
 use crate::gate::InstanceKey;
@@ -140,8 +140,11 @@ pub(super) async fn stop_generation(
         Ok(report) => report,
         Err(error) => return Err((running, error)),
     };
-    // Proven empty, so the main process has exited: this only reaps it.
-    let _ = exited(&mut running.child).await;
+    // Proven empty, so the main process has exited: this only reaps it (an
+    // adopted one is not this agent's child to reap).
+    if let Process::Spawned(child) = &mut running.process {
+        let _ = child.wait().await;
+    }
     remove_cgroup(&running.cgroup);
     remove_socket(&running.record.socket);
     Ok(report)
@@ -160,7 +163,7 @@ pub(super) fn remove_cgroup(cgroup: &Cgroup) {
 }
 
 /// Removes a stopped generation's socket file (only a socket).
-fn remove_socket(socket: &Path) {
+pub(super) fn remove_socket(socket: &Path) {
     match fs::symlink_metadata(socket) {
         Ok(meta) if meta.file_type().is_socket() => {
             if let Err(error) = fs::remove_file(socket) {
@@ -200,14 +203,36 @@ pub(super) fn may_have_run(error: &StepError) -> bool {
     }
 }
 
-/// Resolves with the generation's main process's exit status.
-pub(super) async fn exited(child: &mut Spawned) -> Result<ExitStatus, StepError> {
-    child.wait().await.map_err(StepError::Spawn)
+/// Resolves with the generation's main process's exit status. An adopted
+/// generation's status is unknown: it resolves once its cgroup is empty,
+/// with an error that says so.
+pub(super) async fn exited(running: &mut Running) -> Result<ExitStatus, StepError> {
+    match &mut running.process {
+        Process::Spawned(child) => child.wait().await.map_err(StepError::Spawn),
+        Process::Adopted { .. } => {
+            // No deadline: a long one, renewed.
+            loop {
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(3600);
+                match running.cgroup.wait_empty(deadline).await {
+                    Ok(true) => break,
+                    Ok(false) => {}
+                    Err(error) => return Err(StepError::Stop(error)),
+                }
+            }
+            Err(StepError::Internal(
+                "an adopted generation exited; its exit status is unknown",
+            ))
+        }
+    }
 }
 
-/// The exit status, when the main process has already exited.
-pub(super) fn has_exited(child: &mut Spawned) -> Option<ExitStatus> {
-    child.try_wait().ok().flatten()
+/// The exit status, when the main process has already exited (never known
+/// for an adopted generation).
+pub(super) fn has_exited(running: &mut Running) -> Option<ExitStatus> {
+    match &mut running.process {
+        Process::Spawned(child) => child.try_wait().ok().flatten(),
+        Process::Adopted { .. } => None,
+    }
 }
 
 /// SPEC 5.5 step 5: starts the successor inside its fresh cgroup, with its
@@ -253,7 +278,11 @@ pub(super) fn spawn(
 /// already exited cannot be inspected; its exit is the health step's to
 /// report.
 pub(super) fn verify_identity(running: &mut Running, staged: &Staged) -> Result<(), StepError> {
-    let child = &running.child;
+    let Process::Spawned(child) = &running.process else {
+        return Err(StepError::Internal(
+            "only a generation this agent started can be checked against its start",
+        ));
+    };
     let chosen = &running.record;
     let mismatch = |what: String| Err(StepError::Identity { what });
     if child.exe() != staged.path || chosen.store_path.as_deref() != Some(staged.path.as_path()) {
@@ -286,7 +315,7 @@ pub(super) fn verify_identity(running: &mut Running, staged: &Staged) -> Result<
         Ok(_) => Ok(()),
         Err(error @ VerifyError::Mismatch { .. }) => mismatch(error.to_string()),
         Err(error @ VerifyError::Unreadable { .. }) => {
-            if has_exited(&mut running.child).is_some() {
+            if has_exited(running).is_some() {
                 Ok(())
             } else {
                 mismatch(format!("it cannot be inspected: {error}"))
