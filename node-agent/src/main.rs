@@ -224,6 +224,9 @@ async fn run_standalone(args: StandaloneArgs) -> Result<(), MainError> {
         }
     };
     let host = Host::build(&settings)?;
+    // Holding the node: adopt what serves and finish what a killed agent
+    // left in flight (SPEC 5.7) before standalone mode reads the journal.
+    host.engine.recover().await;
     let name = args
         .node_name
         .clone()

@@ -191,6 +191,10 @@ impl Running {
     /// The node lock is held: deliver what the journal holds, then decide
     /// every attempt the watch has seen.
     async fn take_ownership(&mut self) -> Result<(), KubeAgentError> {
+        // Before anything runs: adopt what serves and finish what a killed
+        // agent left in flight (SPEC 5.7); the outcomes it decides are among
+        // the pending ones read below.
+        self.shared.engine.recover().await;
         self.shared.gate.set_owner(true);
         let engine = self.shared.engine.clone();
         let (entries, corrupt) = tokio::task::spawn_blocking(move || engine.journal().load_all())
