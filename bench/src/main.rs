@@ -1,0 +1,243 @@
+//! `genswap-bench`: genswap's benchmarks on this machine (root, cgroup v2).
+//!
+//! ```sh
+//! cargo run --release -p genswap-bench -- all            # everything, N = 200 swaps per run
+//! cargo run --release -p genswap-bench -- all --quick    # the same in under ~3 minutes
+//! cargo run --release -p genswap-bench -- zero-downtime  # one part
+//! cargo run --release -p genswap-bench -- scale
+//! ```
+//!
+//! It builds the release `node-agent` and `genswap-testapp` beside itself
+//! when needed, installs nginx from Debian packages when absent, runs in a
+//! temp dir and a cgroup subtree of its own (both removed at the end), and
+//! writes `results.md`, `results.json` and `latency.png` to `--out`
+//! (default `docs/bench/` of the workspace). See `docs/BENCHMARKS.md`.
+
+mod agent;
+mod clock;
+mod http1;
+mod loadgen;
+mod nginx;
+mod plot;
+mod prepare;
+mod report;
+mod sandbox;
+mod scale;
+mod stats;
+mod watch;
+mod zero;
+
+use std::io;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use thiserror::Error;
+
+/// What can stop a benchmark.
+#[derive(Debug, Error)]
+pub enum BenchError {
+    /// Something on this machine could not be set up.
+    #[error("cannot {what}: {source}")]
+    Setup {
+        /// What was being done.
+        what: String,
+        /// Why it failed.
+        #[source]
+        source: io::Error,
+    },
+    /// A tool the benchmark needs is missing.
+    #[error("missing: {0}")]
+    Missing(String),
+    /// The agent did not do what was asked.
+    #[error("agent: {0}")]
+    Agent(String),
+    /// nginx did not start.
+    #[error("nginx: {0}")]
+    Nginx(String),
+    /// The load generator failed.
+    #[error("load generator: {0}")]
+    Load(String),
+    /// A test-app build could not be made.
+    #[error("making a test-app build: {0}")]
+    Build(#[source] testapp::Error),
+    /// The plot could not be drawn.
+    #[error("plot: {0}")]
+    Plot(String),
+    /// No cgroup v2 hierarchy.
+    #[error("needs a writable cgroup v2 hierarchy (root, Linux): {0}")]
+    Cgroup(String),
+}
+
+/// The programs a run starts.
+#[derive(Clone, Debug)]
+pub struct Binaries {
+    /// `node-agent`, release build.
+    pub agent: PathBuf,
+    /// `genswap-testapp`, release build.
+    pub testapp: PathBuf,
+    /// This program, for the load generator process.
+    pub bench: PathBuf,
+    /// nginx.
+    pub nginx: PathBuf,
+}
+
+#[derive(Parser)]
+#[command(
+    name = "genswap-bench",
+    about = "genswap's benchmarks: zero downtime under load, and scale"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Zero downtime under load, then scale; writes the report files.
+    All(RunArgs),
+    /// Zero downtime under load only.
+    ZeroDowntime(RunArgs),
+    /// Scale only: the controller's scheduler bench and the agent with many instances.
+    Scale(RunArgs),
+    /// The load generator (started by the benchmark as its own process).
+    Loadgen(loadgen::LoadArgs),
+}
+
+#[derive(Clone, Debug, clap::Args)]
+struct RunArgs {
+    /// Fewer swaps, shorter windows, fewer instances: under ~3 minutes.
+    #[arg(long)]
+    quick: bool,
+    /// Swaps per run (default 200, quick 10).
+    #[arg(long)]
+    swaps: Option<usize>,
+    /// Instances for the agent's scale figures (default 200, quick 40).
+    #[arg(long)]
+    instances: Option<usize>,
+    /// Seconds the agent's idle CPU and RSS are watched (default 30, quick 5).
+    #[arg(long)]
+    idle_seconds: Option<u64>,
+    /// Requests per second per client group at the fixed rate.
+    #[arg(long, default_value_t = 200.0)]
+    rate: f64,
+    /// Where results.md, results.json and latency.png go.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Command::Loadgen(args) = &cli.command {
+        return match loadgen::run(args) {
+            Ok(summary) => {
+                println!("{}", serde_json::to_string(&summary).unwrap_or_default());
+                ExitCode::SUCCESS
+            }
+            Err(error) => {
+                eprintln!("genswap-bench loadgen: {error}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("genswap-bench: cannot start a runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli.command)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("genswap-bench: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(command: Command) -> Result<(), BenchError> {
+    let (args, zero_on, scale_on) = match command {
+        Command::All(args) => (args, true, true),
+        Command::ZeroDowntime(args) => (args, true, false),
+        Command::Scale(args) => (args, false, true),
+        Command::Loadgen(_) => return Ok(()),
+    };
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/bench"));
+    std::fs::create_dir_all(&out).map_err(|source| BenchError::Setup {
+        what: format!("create {}", out.display()),
+        source,
+    })?;
+    let binaries = prepare::ensure(zero_on)?;
+    let mount =
+        node_agent::cgroup::discover_mount().map_err(|e| BenchError::Cgroup(e.to_string()))?;
+    let machine = report::Machine::read(&mount);
+    println!("{}", machine.text());
+
+    let zero = if zero_on {
+        let options = zero::ZeroOptions {
+            swaps: args.swaps.unwrap_or(if args.quick { 10 } else { 200 }),
+            steady: Duration::from_secs(if args.quick { 1 } else { 5 }),
+            loads: vec![zero::Load::Fixed(args.rate), zero::Load::Saturation],
+            vias: vec![
+                zero::Via::Direct,
+                zero::Via::NginxPooled,
+                zero::Via::NginxPerRequest,
+            ],
+            kinds: vec![zero::Kind::Overlap, zero::Kind::Hold, zero::Kind::Naive],
+            clients: (4, 4),
+            builds: 8,
+            plot: Some(out.join("latency.png")),
+        };
+        println!(
+            "\nZero downtime under load: {} swaps per run, {} and {} ...",
+            options.swaps,
+            zero::Load::Fixed(args.rate).name(),
+            zero::Load::Saturation.name()
+        );
+        Some(zero::run(&binaries, &mount, &options).await?)
+    } else {
+        None
+    };
+    let scale = if scale_on {
+        let options = scale::ScaleOptions {
+            instances: args.instances.unwrap_or(if args.quick { 40 } else { 200 }),
+            idle: Duration::from_secs(args.idle_seconds.unwrap_or(if args.quick { 5 } else { 30 })),
+            concurrent: if args.quick { 10 } else { 20 },
+            scheduler_smoke: args.quick,
+        };
+        Some(scale::run(&binaries, &mount, &options).await?)
+    } else {
+        None
+    };
+    let results = report::Results {
+        machine,
+        quick: args.quick,
+        zero,
+        scale,
+    };
+    let markdown = results.markdown();
+    println!("\n{markdown}");
+    let write = |name: &str, text: String| {
+        let path = out.join(name);
+        std::fs::write(&path, text).map_err(|source| BenchError::Setup {
+            what: format!("write {}", path.display()),
+            source,
+        })
+    };
+    write("results.md", markdown)?;
+    write(
+        "results.json",
+        serde_json::to_string_pretty(&results).unwrap_or_default(),
+    )?;
+    println!("wrote {}/results.md and results.json", out.display());
+    Ok(())
+}

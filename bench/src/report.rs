@@ -1,0 +1,339 @@
+//! The machine, and the figures as Markdown tables (`results.md`) and JSON.
+
+use std::fmt::Write as _;
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+
+use serde::{Deserialize, Serialize};
+
+use crate::scale::ScaleReport;
+use crate::stats::{Spread, ms, ratio};
+use crate::zero::{Kind, RunFigures, ZeroReport};
+
+/// What the figures were measured on.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Machine {
+    /// CPUs available.
+    pub nproc: usize,
+    /// The CPU model.
+    pub cpu: String,
+    /// MemTotal, MiB.
+    pub memory_mib: u64,
+    /// The kernel release.
+    pub kernel: String,
+    /// The cgroup v2 mount.
+    pub cgroup_mount: String,
+    /// `nginx -v`.
+    pub nginx: String,
+    /// release or debug.
+    pub profile: String,
+}
+
+impl Machine {
+    /// Reads this machine.
+    pub fn read(mount: &Path) -> Machine {
+        let read = |path: &str| fs::read_to_string(path).unwrap_or_default();
+        let meminfo = read("/proc/meminfo");
+        let memory_kib: u64 = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0);
+        let cpu = read("/proc/cpuinfo")
+            .lines()
+            .find_map(|l| l.strip_prefix("model name"))
+            .map(|v| v.trim_start_matches([' ', '\t', ':']).trim().to_string())
+            .unwrap_or_default();
+        let nginx = crate::nginx::binary()
+            .and_then(|b| Command::new(b).arg("-v").output().ok())
+            .map(|o| String::from_utf8_lossy(&o.stderr).trim().to_string())
+            .unwrap_or_else(|| "not installed".into());
+        Machine {
+            nproc: std::thread::available_parallelism().map_or(0, usize::from),
+            cpu,
+            memory_mib: memory_kib / 1024,
+            kernel: read("/proc/sys/kernel/osrelease").trim().to_string(),
+            cgroup_mount: mount.display().to_string(),
+            nginx,
+            profile: if cfg!(debug_assertions) {
+                "debug"
+            } else {
+                "release"
+            }
+            .into(),
+        }
+    }
+
+    /// One line.
+    pub fn text(&self) -> String {
+        format!(
+            "machine: {} CPUs ({}), {} MiB, kernel {}, cgroup v2 at {}, {}, {} build",
+            self.nproc,
+            self.cpu,
+            self.memory_mib,
+            self.kernel,
+            self.cgroup_mount,
+            self.nginx,
+            self.profile
+        )
+    }
+}
+
+/// Everything one run of the benchmark measured.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Results {
+    /// The machine.
+    pub machine: Machine,
+    /// `--quick`.
+    pub quick: bool,
+    /// Zero downtime under load.
+    pub zero: Option<ZeroReport>,
+    /// Scale.
+    pub scale: Option<ScaleReport>,
+}
+
+impl Results {
+    /// The tables, in Markdown.
+    pub fn markdown(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "<!-- written by genswap-bench; {} -->",
+            if self.quick { "--quick" } else { "full run" }
+        );
+        let _ = writeln!(out, "Machine: {}\n", self.machine.text());
+        if let Some(zero) = &self.zero {
+            zero_tables(&mut out, zero);
+        }
+        if let Some(scale) = &self.scale {
+            scale_tables(&mut out, scale);
+        }
+        out
+    }
+}
+
+fn zero_tables(out: &mut String, zero: &ZeroReport) {
+    let _ = writeln!(out, "### Zero downtime under load\n");
+    let _ = writeln!(
+        out,
+        "Latencies in ms as p50 / p99 / max of answered requests. *gap*: the switch instant to the first response from the new generation. *silence*: per swap, the longest time without any answered request. *overhead*: the engine's steps summed minus the successor's boot-to-healthy (its health step). *drain*: the retiring generation's SIGTERM to proven exit (drainMs).\n"
+    );
+    let mut loads: Vec<String> = zero.runs.iter().map(|r| r.load.name()).collect();
+    loads.dedup();
+    for load in &loads {
+        let _ = writeln!(out, "#### {load}\n");
+        let _ = writeln!(
+            out,
+            "| path | swap | swaps (not done) | sent | failed | reconnects | steady | during swaps | gap p50 / p99 | silence p50 / max | swap p50 / p99 | overhead p50 / p99 | drain p50 / p99 |"
+        );
+        let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+        for run in zero.runs.iter().filter(|r| &r.load.name() == load) {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} / {} | {} | {} | {} |",
+                run.via.name(),
+                run.kind.name(),
+                run.swaps,
+                run.swaps_not_done,
+                run.sent,
+                failed_text(run),
+                run.reconnects,
+                run.steady.text(),
+                run.during.text(),
+                run.gap.text2(),
+                ms(run.silence.p50),
+                ms(run.silence.max),
+                run.swap_wall.text2(),
+                run.overhead.text2(),
+                run.drain.text2(),
+            );
+        }
+        let _ = writeln!(out);
+    }
+    let _ = writeln!(
+        out,
+        "#### Side by side: hold and naive restart against overlap\n"
+    );
+    let _ = writeln!(
+        out,
+        "| load | path | failed: overlap / hold / naive | p99 during swaps: overlap / hold (ratio) / naive (ratio) | gap p50: overlap / hold / naive | silence max: overlap / hold (ratio) / naive (ratio) |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|");
+    for load in &loads {
+        let mut vias: Vec<_> = zero
+            .runs
+            .iter()
+            .filter(|r| &r.load.name() == load)
+            .map(|r| r.via)
+            .collect();
+        vias.dedup();
+        for via in vias {
+            let find = |kind: Kind| {
+                zero.runs
+                    .iter()
+                    .find(|r| &r.load.name() == load && r.via == via && r.kind == kind)
+            };
+            let (Some(o), Some(h), Some(n)) =
+                (find(Kind::Overlap), find(Kind::Hold), find(Kind::Naive))
+            else {
+                continue;
+            };
+            let _ = writeln!(
+                out,
+                "| {load} | {} | {} / {} / {} | {} / {} ({}) / {} ({}) | {} / {} / {} | {} / {} ({}) / {} ({}) |",
+                via.name(),
+                o.failed,
+                h.failed,
+                n.failed,
+                ms(o.during.p99),
+                ms(h.during.p99),
+                ratio(h.during.p99, o.during.p99),
+                ms(n.during.p99),
+                ratio(n.during.p99, o.during.p99),
+                spread_p50(&o.gap),
+                spread_p50(&h.gap),
+                spread_p50(&n.gap),
+                ms(o.silence.max),
+                ms(h.silence.max),
+                ratio(h.silence.max, o.silence.max),
+                ms(n.silence.max),
+                ratio(n.silence.max, o.silence.max),
+            );
+        }
+    }
+    let _ = writeln!(out);
+    if !zero.nginx_upstream_errors.is_empty() {
+        let _ = writeln!(
+            out,
+            "nginx's error log, upstream lines by message (count):\n"
+        );
+        for (message, count) in &zero.nginx_upstream_errors {
+            let _ = writeln!(out, "- {count} × `{message}`");
+        }
+        let _ = writeln!(out);
+    }
+}
+
+fn spread_p50(spread: &Spread) -> String {
+    if spread.count == 0 {
+        "-".into()
+    } else {
+        ms(spread.p50)
+    }
+}
+
+fn failed_text(run: &RunFigures) -> String {
+    if run.failed == 0 {
+        return "0".into();
+    }
+    let causes: Vec<String> = run
+        .failures
+        .iter()
+        .map(|(c, n)| format!("{c} {n}"))
+        .collect();
+    format!(
+        "{} ({}; keep-alive {}, per-request {})",
+        run.failed,
+        causes.join(", "),
+        run.failed_by_group.0,
+        run.failed_by_group.1
+    )
+}
+
+fn scale_tables(out: &mut String, scale: &ScaleReport) {
+    let _ = writeln!(out, "### Scale\n");
+    let _ = writeln!(
+        out,
+        "Controller: `cargo bench -p controller --bench scheduler`, as it printed:\n"
+    );
+    let _ = writeln!(out, "```text\n{}\n```\n", scale.scheduler);
+    let r = &scale.restart;
+    let _ = writeln!(
+        out,
+        "Agent: {} instances under one `node-agent standalone` on this node:\n",
+        scale.instances
+    );
+    let _ = writeln!(out, "| figure | value |");
+    let _ = writeln!(out, "|---|---|");
+    let rows = [
+        (
+            "install all (manifests written to every status Ready)",
+            format!("{} ms", ms(scale.install_all_ms)),
+        ),
+        (
+            "agent idle: CPU",
+            format!(
+                "{} ms over {:.0} s ({:.3} % of a core)",
+                ms(scale.idle.cpu_ms),
+                scale.idle.seconds,
+                scale.idle.cpu_percent
+            ),
+        ),
+        (
+            "agent idle: wake-ups (voluntary context switches, all threads)",
+            format!("{} over {:.0} s", scale.idle.wakeups, scale.idle.seconds),
+        ),
+        (
+            "agent idle: RSS (VmRSS) / peak (VmHWM)",
+            format!(
+                "{:.1} MiB / {:.1} MiB",
+                scale.idle.rss_kib as f64 / 1024.0,
+                scale.idle.hwm_kib as f64 / 1024.0
+            ),
+        ),
+        ("agent threads", scale.idle.threads.to_string()),
+        (
+            "instance RSS (mean, test app)",
+            format!("{:.1} MiB", scale.instance_rss_kib as f64 / 1024.0),
+        ),
+        (
+            "concurrent overlap swaps of different instances",
+            format!(
+                "{} ({} done), wall {} ms, per swap p50 / p99 {} ms, overhead p50 / p99 {} ms",
+                scale.concurrent.swaps,
+                scale.concurrent.done,
+                ms(scale.concurrent.wall_ms),
+                scale.concurrent.per_swap.text2(),
+                scale.concurrent.overhead.text2()
+            ),
+        ),
+        (
+            "restart: new agent start to every status file rewritten",
+            format!("{} ms ({} Ready)", ms(r.all_status_ms), r.ready),
+        ),
+        (
+            "restart: instances answering through current.sock afterwards",
+            format!("{} of {}", r.answering, scale.instances),
+        ),
+        (
+            "restart: processes in the subtree before / after",
+            format!("{} / {}", r.processes_before, r.processes_after),
+        ),
+        (
+            "after the restart: concurrent swaps",
+            format!(
+                "{} ({} done), wall {} ms, per swap p50 / p99 {} ms",
+                r.swaps_after.swaps,
+                r.swaps_after.done,
+                ms(r.swaps_after.wall_ms),
+                r.swaps_after.per_swap.text2()
+            ),
+        ),
+        (
+            "after those swaps: processes in the subtree",
+            format!(
+                "{} (one per instance when every generation was adopted)",
+                r.processes_after_swaps
+            ),
+        ),
+        (
+            "engine crash recovery present in this checkout",
+            r.engine_recovers.to_string(),
+        ),
+    ];
+    for (name, value) in rows {
+        let _ = writeln!(out, "| {name} | {value} |");
+    }
+    let _ = writeln!(out);
+}

@@ -1,0 +1,751 @@
+//! Zero downtime under load: one instance under a real `node-agent
+//! standalone`, a real nginx in front of its `current.sock`, the load
+//! generator as its own process, and N back-to-back swaps of each kind
+//! (overlap, hold, and the naive restart a recreate deployment does: stop,
+//! then start, with no agent), through each path (direct to the socket,
+//! nginx with an upstream keepalive pool, nginx with a connection per
+//! request), at a fixed rate and at saturation.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Read;
+use std::os::unix::fs::chown;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use genswap_crds::{Mode, Outcome};
+use nix::sys::signal::Signal;
+use serde::{Deserialize, Serialize};
+
+use crate::agent::{Agent, AgentDirs, NOBODY, manifest, outcome_word};
+use crate::clock::mono_ns;
+use crate::http1::Target;
+use crate::loadgen::{LoadSummary, Sample, read_samples};
+use crate::nginx::Nginx;
+use crate::sandbox::{Guarded, Sandbox};
+use crate::stats::Spread;
+use crate::watch::SwitchWatch;
+use crate::{BenchError, Binaries};
+
+/// The benchmark instance's name.
+const APP: &str = "app";
+/// How long one swap may take before the run gives up.
+const SWAP_DEADLINE: Duration = Duration::from_secs(120);
+
+/// How an instance moves to the next build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Kind {
+    /// genswap overlap: the successor starts beside, then takes over.
+    Overlap,
+    /// genswap hold: stop, then start, under the agent.
+    Hold,
+    /// No agent: SIGTERM the process, wait for its exit, start the next
+    /// build on the same socket path.
+    Naive,
+}
+
+impl Kind {
+    /// Its name in tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Overlap => "overlap",
+            Kind::Hold => "hold",
+            Kind::Naive => "naive restart",
+        }
+    }
+}
+
+/// How the load reaches the instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Via {
+    /// The load generator connects to the socket itself.
+    Direct,
+    /// nginx with an upstream keepalive pool.
+    NginxPooled,
+    /// nginx with a new upstream connection per request.
+    NginxPerRequest,
+}
+
+impl Via {
+    /// Its name in tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Via::Direct => "direct",
+            Via::NginxPooled => "nginx, upstream keepalive",
+            Via::NginxPerRequest => "nginx, connection per request",
+        }
+    }
+
+    fn file_name(self) -> &'static str {
+        match self {
+            Via::Direct => "direct",
+            Via::NginxPooled => "nginx-pooled",
+            Via::NginxPerRequest => "nginx-per-request",
+        }
+    }
+}
+
+/// The shape of the load.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Load {
+    /// Each client group at this many requests per second.
+    Fixed(f64),
+    /// Every client as fast as it can.
+    Saturation,
+}
+
+impl Load {
+    /// Its name in tables.
+    pub fn name(&self) -> String {
+        match self {
+            Load::Fixed(rate) => format!("fixed {rate:.0} rps per group"),
+            Load::Saturation => "saturation".into(),
+        }
+    }
+
+    fn file_name(&self) -> &'static str {
+        match self {
+            Load::Fixed(_) => "fixed",
+            Load::Saturation => "saturation",
+        }
+    }
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct ZeroOptions {
+    /// Swaps per run.
+    pub swaps: usize,
+    /// Steady load before the first swap and after the last.
+    pub steady: Duration,
+    /// The loads.
+    pub loads: Vec<Load>,
+    /// The paths.
+    pub vias: Vec<Via>,
+    /// The kinds.
+    pub kinds: Vec<Kind>,
+    /// Keep-alive clients and per-request clients in the load generator.
+    pub clients: (usize, usize),
+    /// Distinct builds cycled through (consecutive swaps always differ).
+    pub builds: usize,
+    /// Where the plot goes.
+    pub plot: Option<PathBuf>,
+}
+
+/// What one swap did.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct SwapRecord {
+    /// When the benchmark asked for it (manifest written / SIGTERM sent).
+    pub begin_ns: u64,
+    /// When the status said it ended (naive: the new process answered).
+    pub end_ns: u64,
+    /// When `current.sock` moved (naive: the new socket was bound).
+    pub switch_ns: Option<u64>,
+    /// The attempt's outcome.
+    pub outcome: String,
+    /// The new generation.
+    pub generation: u64,
+    /// Step timings (ms) from the status.
+    pub steps: Vec<(String, i64)>,
+    /// drainMs: the retiring generation's SIGTERM to proven exit.
+    pub drain_ms: Option<f64>,
+    /// The successor's boot-to-healthy time (the health step).
+    pub health_ms: Option<f64>,
+}
+
+impl SwapRecord {
+    /// The agent's own time for the swap: its steps summed.
+    fn engine_ms(&self) -> Option<f64> {
+        (!self.steps.is_empty()).then(|| self.steps.iter().map(|(_, ms)| *ms as f64).sum())
+    }
+}
+
+/// The figures of one run.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunFigures {
+    /// The kind of swap.
+    pub kind: Kind,
+    /// The path.
+    pub via: Via,
+    /// The load.
+    pub load: Load,
+    /// Swaps done, and those not `done`.
+    pub swaps: usize,
+    /// Swaps whose outcome was not `done`.
+    pub swaps_not_done: usize,
+    /// Requests sent.
+    pub sent: u64,
+    /// Requests failed (non-2xx, reset, timeout, refused...).
+    pub failed: u64,
+    /// Failed requests by cause.
+    pub failures: BTreeMap<String, u64>,
+    /// Failed requests by client group (keep-alive, per-request).
+    pub failed_by_group: (u64, u64),
+    /// Keep-alive reconnects (server closed between requests).
+    pub reconnects: u64,
+    /// Latency of answered requests outside swaps.
+    pub steady: Spread,
+    /// Latency of answered requests that started during a swap.
+    pub during: Spread,
+    /// Switch instant to the first response from the new generation.
+    pub gap: Spread,
+    /// Per swap, the longest time without any answered request.
+    pub silence: Spread,
+    /// Request to end, as the benchmark saw it.
+    pub swap_wall: Spread,
+    /// The engine's steps summed.
+    pub swap_engine: Spread,
+    /// The successor's boot-to-healthy (health step).
+    pub boot_to_healthy: Spread,
+    /// Engine time minus boot-to-healthy.
+    pub overhead: Spread,
+    /// The retiring generation's SIGTERM to proven exit.
+    pub drain: Spread,
+}
+
+/// Everything the zero-downtime benchmark measured.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ZeroReport {
+    /// One per run.
+    pub runs: Vec<RunFigures>,
+    /// nginx's error-log lines about the upstream, counted by message.
+    pub nginx_upstream_errors: BTreeMap<String, u64>,
+}
+
+/// Runs the benchmark and returns its figures.
+pub async fn run(
+    binaries: &Binaries,
+    cgroup_parent: &Path,
+    options: &ZeroOptions,
+) -> Result<ZeroReport, BenchError> {
+    let sandbox = Sandbox::create(cgroup_parent, "zero")?;
+    let dirs = AgentDirs::create(&sandbox)?;
+    let builds = make_builds(&dirs.staging, options.builds.max(2))?;
+    let mut agent = Agent::start(&binaries.agent, &dirs, true)?;
+    let result = run_with(&sandbox, &mut agent, &builds, binaries, options).await;
+    let stopped = agent.stop();
+    let report = result?;
+    stopped?;
+    Ok(report)
+}
+
+struct Setup<'a> {
+    agent: &'a Agent,
+    builds: &'a [testapp::Build],
+    naive: NaiveApp,
+    nginx: Nginx,
+    /// The build index serving now, per instance (agent, naive).
+    serving: (usize, usize),
+    last_rev: i64,
+    binaries: &'a Binaries,
+    samples_dir: PathBuf,
+}
+
+async fn run_with(
+    sandbox: &Sandbox,
+    agent: &mut Agent,
+    builds: &[testapp::Build],
+    binaries: &Binaries,
+    options: &ZeroOptions,
+) -> Result<ZeroReport, BenchError> {
+    // Install.
+    agent.write_manifest(APP, &manifest(APP, &build_id(0), &builds[0], Mode::Overlap))?;
+    let doc = agent.wait_attempt_after(APP, 0, SWAP_DEADLINE).await?;
+    let installed = doc.last_attempt().map(|a| (a.sched_rev, a.outcome));
+    let Some((last_rev, Outcome::Done)) = installed else {
+        return Err(BenchError::Agent(format!(
+            "the install did not succeed: {doc:?}"
+        )));
+    };
+    agent.check_alive()?;
+
+    let naive_dir = sandbox.dir().join("naive");
+    fs::create_dir(&naive_dir)
+        .and_then(|()| chown(&naive_dir, Some(NOBODY), Some(NOBODY)))
+        .map_err(|source| BenchError::Setup {
+            what: format!("create {}", naive_dir.display()),
+            source,
+        })?;
+    let naive = NaiveApp::start(&naive_dir, &builds[0], &build_id(0), 1, sandbox.cgroup())?;
+    let nginx = Nginx::start(
+        &binaries.nginx,
+        &sandbox.dir().join("nginx"),
+        &[agent.dirs.current_sock(APP), naive.socket.clone()],
+    )?;
+    let samples_dir = sandbox.dir().join("samples");
+    fs::create_dir(&samples_dir).map_err(|source| BenchError::Setup {
+        what: "create the samples dir".into(),
+        source,
+    })?;
+    let mut setup = Setup {
+        agent,
+        builds,
+        naive,
+        nginx,
+        serving: (0, 0),
+        last_rev,
+        binaries,
+        samples_dir,
+    };
+    let agent_switches =
+        SwitchWatch::start(&setup.agent.dirs.instance_run_dir(APP), "current.sock")?;
+    let naive_switches = SwitchWatch::start(&naive_dir, "app.sock")?;
+
+    let mut report = ZeroReport::default();
+    let mut plotted: Vec<(Kind, Via, Vec<Sample>, Vec<SwapRecord>)> = Vec::new();
+    for load in &options.loads {
+        for via in &options.vias {
+            for kind in &options.kinds {
+                let switches = if *kind == Kind::Naive {
+                    &naive_switches
+                } else {
+                    &agent_switches
+                };
+                let (figures, samples, records) =
+                    run_one(&mut setup, *kind, *via, *load, switches, options).await?;
+                print_run(&figures);
+                if matches!(load, Load::Fixed(_)) && matches!(via, Via::Direct | Via::NginxPooled) {
+                    plotted.push((*kind, *via, samples, records));
+                }
+                report.runs.push(figures);
+            }
+        }
+    }
+    for line in setup.nginx.upstream_errors() {
+        *report
+            .nginx_upstream_errors
+            .entry(nginx_message(&line))
+            .or_default() += 1;
+    }
+    if let Some(plot) = &options.plot {
+        crate::plot::render(plot, &plotted)?;
+        println!("plot: {}", plot.display());
+    }
+    let Setup { naive, nginx, .. } = setup;
+    nginx.stop();
+    naive.stop();
+    Ok(report)
+}
+
+async fn run_one(
+    setup: &mut Setup<'_>,
+    kind: Kind,
+    via: Via,
+    load: Load,
+    switches: &SwitchWatch,
+    options: &ZeroOptions,
+) -> Result<(RunFigures, Vec<Sample>, Vec<SwapRecord>), BenchError> {
+    let front = &setup.nginx.fronts[usize::from(kind == Kind::Naive)];
+    let target = match via {
+        Via::Direct if kind == Kind::Naive => Target::Unix(setup.naive.socket.clone()),
+        Via::Direct => Target::Unix(setup.agent.dirs.current_sock(APP)),
+        Via::NginxPooled => Target::Tcp(format!("127.0.0.1:{}", front.pooled)),
+        Via::NginxPerRequest => Target::Tcp(format!("127.0.0.1:{}", front.per_request)),
+    };
+    let samples_path = setup.samples_dir.join(format!(
+        "{}-{}-{}.csv",
+        load.file_name(),
+        via.file_name(),
+        kind.name().replace(' ', "-")
+    ));
+    let rate = match load {
+        Load::Fixed(rate) => rate,
+        Load::Saturation => 0.0,
+    };
+    let mut loadgen = Guarded::new(
+        Command::new(&setup.binaries.bench)
+            .arg("loadgen")
+            .arg("--target")
+            .arg(target.to_string())
+            .arg("--keepalive")
+            .arg(options.clients.0.to_string())
+            .arg("--per-request")
+            .arg(options.clients.1.to_string())
+            .arg("--rate")
+            .arg(rate.to_string())
+            .arg("--out")
+            .arg(&samples_path)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|source| BenchError::Setup {
+                what: "start the load generator".into(),
+                source,
+            })?,
+        Signal::SIGTERM,
+    );
+    tokio::time::sleep(options.steady).await;
+    let mut records = Vec::with_capacity(options.swaps);
+    for _ in 0..options.swaps {
+        let record = match kind {
+            Kind::Overlap => agent_swap(setup, Mode::Overlap, switches).await?,
+            Kind::Hold => agent_swap(setup, Mode::Hold, switches).await?,
+            Kind::Naive => naive_swap(setup, switches).await?,
+        };
+        records.push(record);
+    }
+    tokio::time::sleep(options.steady).await;
+    // Closing stdin ends the load; it then writes its samples.
+    let mut stdout = String::new();
+    if let Some(child) = loadgen.child_mut() {
+        drop(child.stdin.take());
+        if let Some(mut out) = child.stdout.take() {
+            let _ = out.read_to_string(&mut stdout);
+        }
+    }
+    let status = loadgen.wait().map_err(|source| BenchError::Setup {
+        what: "wait for the load generator".into(),
+        source,
+    })?;
+    if !status.success() {
+        return Err(BenchError::Load(format!(
+            "the load generator exited with {status}"
+        )));
+    }
+    let summary: LoadSummary = serde_json::from_str(stdout.trim())
+        .map_err(|e| BenchError::Load(format!("its summary {stdout:?}: {e}")))?;
+    let samples = read_samples(&samples_path).map_err(|e| BenchError::Load(e.to_string()))?;
+    let _ = fs::remove_file(&samples_path);
+    let figures = analyse(kind, via, load, &samples, &records, summary.reconnects);
+    Ok((figures, samples, records))
+}
+
+/// The next build after `current`, cycling through the pool.
+fn next_build(current: usize, pool: usize) -> usize {
+    (current + 1) % pool
+}
+
+fn build_id(index: usize) -> String {
+    format!("bench-{index}")
+}
+
+async fn agent_swap(
+    setup: &mut Setup<'_>,
+    mode: Mode,
+    switches: &SwitchWatch,
+) -> Result<SwapRecord, BenchError> {
+    let next = next_build(setup.serving.0, setup.builds.len());
+    let begin_ns = mono_ns();
+    setup.agent.write_manifest(
+        APP,
+        &manifest(APP, &build_id(next), &setup.builds[next], mode),
+    )?;
+    let doc = setup
+        .agent
+        .wait_attempt_after(APP, setup.last_rev, SWAP_DEADLINE)
+        .await?;
+    let end_ns = mono_ns();
+    let last = doc
+        .last_attempt()
+        .ok_or_else(|| BenchError::Agent("no last attempt in the status".into()))?;
+    setup.last_rev = last.sched_rev;
+    if last.outcome == Outcome::Done {
+        setup.serving.0 = next;
+    }
+    let status = doc
+        .attempt(last.sched_rev)
+        .map(|a| a.status.clone())
+        .unwrap_or_default();
+    let steps: Vec<(String, i64)> = status
+        .steps
+        .iter()
+        .map(|s| (s.step.clone(), s.millis))
+        .collect();
+    let health_ms = steps
+        .iter()
+        .filter(|(step, _)| step == "health")
+        .map(|(_, ms)| *ms as f64)
+        .reduce(|a, b| a + b);
+    Ok(SwapRecord {
+        begin_ns,
+        end_ns,
+        switch_ns: switches.last_between(begin_ns, end_ns),
+        outcome: outcome_word(Some(last.outcome)).into(),
+        generation: status
+            .generation
+            .and_then(|g| u64::try_from(g).ok())
+            .unwrap_or(0),
+        steps,
+        drain_ms: last.drain_ms.map(|d| d as f64),
+        health_ms,
+    })
+}
+
+async fn naive_swap(
+    setup: &mut Setup<'_>,
+    switches: &SwitchWatch,
+) -> Result<SwapRecord, BenchError> {
+    let next = next_build(setup.serving.1, setup.builds.len());
+    let generation = setup.naive.generation + 1;
+    let begin_ns = mono_ns();
+    let exit_ns = setup.naive.stop_current()?;
+    setup
+        .naive
+        .spawn(&setup.builds[next], &build_id(next), generation)?;
+    let healthy_ns = setup.naive.wait_healthy().await?;
+    setup.serving.1 = next;
+    Ok(SwapRecord {
+        begin_ns,
+        end_ns: healthy_ns,
+        switch_ns: switches.last_between(begin_ns, healthy_ns),
+        outcome: "done".into(),
+        generation,
+        steps: Vec::new(),
+        drain_ms: Some((exit_ns - begin_ns) as f64 / 1e6),
+        health_ms: Some((healthy_ns - exit_ns) as f64 / 1e6),
+    })
+}
+
+/// The test app run by hand on one socket path, the way a recreate
+/// deployment runs it: no agent, no second socket.
+struct NaiveApp {
+    socket: PathBuf,
+    cgroup: PathBuf,
+    log: PathBuf,
+    current: Option<Guarded>,
+    generation: u64,
+}
+
+impl NaiveApp {
+    fn start(
+        dir: &Path,
+        build: &testapp::Build,
+        id: &str,
+        generation: u64,
+        cgroup_parent: &Path,
+    ) -> Result<NaiveApp, BenchError> {
+        let cgroup = cgroup_parent.join("naive");
+        fs::create_dir(&cgroup).map_err(|source| BenchError::Setup {
+            what: format!("create {}", cgroup.display()),
+            source,
+        })?;
+        let mut app = NaiveApp {
+            socket: dir.join("app.sock"),
+            cgroup,
+            log: dir.join("app.log"),
+            current: None,
+            generation: 0,
+        };
+        app.spawn(build, id, generation)?;
+        let deadline = mono_ns() + 10_000_000_000;
+        while UnixStream::connect(&app.socket).is_err() {
+            if mono_ns() > deadline {
+                return Err(BenchError::Load("the naive app did not bind".into()));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(app)
+    }
+
+    fn spawn(
+        &mut self,
+        build: &testapp::Build,
+        id: &str,
+        generation: u64,
+    ) -> Result<(), BenchError> {
+        let setup = |what: &str| {
+            let what = what.to_string();
+            move |source| BenchError::Setup { what, source }
+        };
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .map_err(setup("open the naive app's log"))?;
+        let child = Command::new(&build.path)
+            .env(testapp::env::SOCKET, &self.socket)
+            .env(testapp::env::BUILD, id)
+            .env(testapp::env::GENERATION, generation.to_string())
+            .uid(NOBODY)
+            .gid(NOBODY)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(setup("start the naive app"))?;
+        // In the sandbox's cgroup too, so cleanup by path finds it.
+        let _ = fs::write(self.cgroup.join("cgroup.procs"), child.id().to_string());
+        self.current = Some(Guarded::new(child, Signal::SIGTERM));
+        self.generation = generation;
+        Ok(())
+    }
+
+    /// SIGTERM, wait for the exit; the instant it was seen.
+    fn stop_current(&mut self) -> Result<u64, BenchError> {
+        if let Some(mut current) = self.current.take() {
+            current.stop().map_err(|source| BenchError::Setup {
+                what: "stop the naive app".into(),
+                source,
+            })?;
+        }
+        Ok(mono_ns())
+    }
+
+    /// Until `GET /healthz` is answered below 500, as the agent's check.
+    async fn wait_healthy(&self) -> Result<u64, BenchError> {
+        let deadline = mono_ns() + 10_000_000_000;
+        let target = Target::Unix(self.socket.clone());
+        loop {
+            let answered = crate::http1::Connection::open(&target, Duration::from_secs(1))
+                .and_then(|mut c| c.get(true))
+                .is_ok_and(|r| r.status < 500);
+            if answered {
+                return Ok(mono_ns());
+            }
+            if mono_ns() > deadline {
+                return Err(BenchError::Load(
+                    "the naive app did not become healthy".into(),
+                ));
+            }
+            // The agent's health check retries on a backoff too; 1 ms keeps
+            // the naive baseline at its best.
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    fn stop(mut self) {
+        let _ = self.stop_current();
+    }
+}
+
+fn make_builds(staging: &Path, count: usize) -> Result<Vec<testapp::Build>, BenchError> {
+    (0..count)
+        .map(|i| testapp::make_build(staging, &build_id(i)).map_err(BenchError::Build))
+        .collect()
+}
+
+/// An nginx error-log line without its timestamp, pid and request details.
+fn nginx_message(line: &str) -> String {
+    let text = line.split_once("*").map_or(line, |(_, rest)| rest);
+    let text = text.split_once(' ').map_or(text, |(_, rest)| rest);
+    text.split(", client:")
+        .next()
+        .unwrap_or(text)
+        .trim()
+        .to_string()
+}
+
+/// The figures of one run from its samples and swap records.
+pub fn analyse(
+    kind: Kind,
+    via: Via,
+    load: Load,
+    samples: &[Sample],
+    records: &[SwapRecord],
+    reconnects: u64,
+) -> RunFigures {
+    let windows: Vec<(u64, u64)> = records.iter().map(|r| (r.begin_ns, r.end_ns)).collect();
+    let in_swap = |t: u64| {
+        let index = windows.partition_point(|(begin, _)| *begin <= t);
+        index > 0 && t <= windows[index - 1].1
+    };
+    let mut failures = BTreeMap::new();
+    let mut failed_by_group = (0, 0);
+    let mut steady = Vec::new();
+    let mut during = Vec::new();
+    for s in samples {
+        if s.ok() {
+            let latency = s.latency_ns as f64 / 1e6;
+            if in_swap(s.start_ns) {
+                during.push(latency);
+            } else {
+                steady.push(latency);
+            }
+        } else {
+            let cause = if s.status > 0 {
+                format!("http {}", s.status)
+            } else {
+                s.error.to_string()
+            };
+            *failures.entry(cause).or_insert(0) += 1;
+            match s.group {
+                crate::loadgen::Group::KeepAlive => failed_by_group.0 += 1,
+                crate::loadgen::Group::PerRequest => failed_by_group.1 += 1,
+            }
+        }
+    }
+    let mut ok_ends: Vec<u64> = samples
+        .iter()
+        .filter(|s| s.ok())
+        .map(Sample::end_ns)
+        .collect();
+    ok_ends.sort_unstable();
+    let mut gaps = Vec::new();
+    let mut silences = Vec::new();
+    for record in records {
+        if let Some(switch) = record.switch_ns {
+            let first = samples
+                .iter()
+                .filter(|s| s.ok() && s.generation == record.generation)
+                .map(Sample::end_ns)
+                .min();
+            if let Some(first) = first {
+                gaps.push(first.saturating_sub(switch) as f64 / 1e6);
+            }
+        }
+        // The longest span without an answer that overlaps the swap.
+        let from = ok_ends
+            .partition_point(|t| *t < record.begin_ns)
+            .saturating_sub(1);
+        let to = (ok_ends.partition_point(|t| *t <= record.end_ns) + 1).min(ok_ends.len());
+        let longest = ok_ends[from..to]
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .max()
+            .unwrap_or(0);
+        silences.push(longest as f64 / 1e6);
+    }
+    let engine: Vec<f64> = records.iter().filter_map(SwapRecord::engine_ms).collect();
+    RunFigures {
+        kind,
+        via,
+        load,
+        swaps: records.len(),
+        swaps_not_done: records.iter().filter(|r| r.outcome != "done").count(),
+        sent: samples.len() as u64,
+        failed: failures.values().sum(),
+        failures,
+        failed_by_group,
+        reconnects,
+        steady: Spread::of(steady),
+        during: Spread::of(during),
+        gap: Spread::of(gaps),
+        silence: Spread::of(silences),
+        swap_wall: Spread::of(
+            records
+                .iter()
+                .map(|r| (r.end_ns - r.begin_ns) as f64 / 1e6)
+                .collect(),
+        ),
+        swap_engine: Spread::of(engine),
+        boot_to_healthy: Spread::of(records.iter().filter_map(|r| r.health_ms).collect()),
+        overhead: Spread::of(
+            records
+                .iter()
+                .filter_map(|r| Some(r.engine_ms()? - r.health_ms.unwrap_or(0.0)))
+                .collect(),
+        ),
+        drain: Spread::of(records.iter().filter_map(|r| r.drain_ms).collect()),
+    }
+}
+
+fn print_run(f: &RunFigures) {
+    println!(
+        "  {:<14} {:<30} {:<22} swaps {:>4} ({} not done)  sent {:>8}  failed {:>6} {:?}  reconnects {:>6}  during p50/p99/max {} ms  gap p50/p99 {} ms  silence max {} ms",
+        f.kind.name(),
+        f.via.name(),
+        f.load.name(),
+        f.swaps,
+        f.swaps_not_done,
+        f.sent,
+        f.failed,
+        f.failures,
+        f.reconnects,
+        f.during.text(),
+        f.gap.text2(),
+        crate::stats::ms(f.silence.max),
+    );
+}
