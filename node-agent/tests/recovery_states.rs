@@ -555,6 +555,16 @@ async fn strays_are_stopped_and_removed_and_the_serving_generation_is_untouched(
             .is_ok_and(|procs| procs.contains(&sleeper_pid.to_string()))
     })
     .await;
+    // A child cgroup of the instance that is no generation, with a process.
+    let extra = instance_cgroup.join("extra");
+    fs::create_dir(&extra).expect("extra");
+    let mut extra_sleeper = cgroup_guard::start_in(&extra, "sleep 600");
+    let extra_pid = extra_sleeper.id().expect("pid");
+    cgroup_guard::eventually(swap_host::DEADLINE, "the sleeper in extra", || {
+        fs::read_to_string(extra.join("cgroup.procs"))
+            .is_ok_and(|procs| procs.contains(&extra_pid.to_string()))
+    })
+    .await;
     // An empty generation cgroup and a leftover socket and link.
     fs::create_dir(instance_cgroup.join("gen-7")).expect("gen-7");
     let run_dir = host.engine.layout().instance_dir(&host.instance);
@@ -593,10 +603,21 @@ async fn strays_are_stopped_and_removed_and_the_serving_generation_is_untouched(
         untracked_paths.contains(&junk.as_path()),
         "{untracked_paths:?}"
     );
+    assert!(
+        untracked_paths.contains(&extra.as_path()),
+        "{untracked_paths:?}"
+    );
     assert!(report.untracked.iter().all(|u| u.stopped));
     let _ = sleeper.wait().await;
     let _ = junk_sleeper.wait().await;
-    for gone in [&untracked, &instance_cgroup.join("gen-7"), &ghost, &junk] {
+    let _ = extra_sleeper.wait().await;
+    for gone in [
+        &untracked,
+        &extra,
+        &instance_cgroup.join("gen-7"),
+        &ghost,
+        &junk,
+    ] {
         assert!(!gone.exists(), "{} was removed", gone.display());
     }
     assert!(!leftover_socket.exists());

@@ -1,0 +1,297 @@
+//! The kill matrix (SPEC 5.7, issue 7): for every crash point of overlap
+//! and hold (`node_agent::failpoint::POINTS`), a real `node-agent standalone`
+//! process installs build v1, a second one starts the release to v2 and is
+//! stopped dead at the point (the point pauses the engine's thread, the
+//! test waits until standalone mode's state lists the attempt, then
+//! SIGKILLs the process), and a third one, started without the crash
+//! point, recovers. Each case asserts:
+//!
+//! - the release's outcome in the status file is the one SPEC 5.7 gives
+//!   that point, with `executed` as proven, and the third agent logged the
+//!   recovery of that attempt exactly once (none when the outcome was
+//!   journaled before the kill);
+//! - the end state: exactly one generation (v2) answering through
+//!   `current.sock`, or none after `down`; only its cgroup, socket and
+//!   processes left; the journal with no pending outcome, no attempt in
+//!   flight and no temp or quarantined file (the outcome was delivered, so
+//!   it is recorded once);
+//! - for overlap, a client sending requests through `current.sock` from
+//!   before the release to the end saw every one answered.
+//!
+//! An abandoned release is re-issued by the scheduler (after its 5 s
+//! backoff) and runs to `done`: the end state is the same as for a release
+//! that was never cut.
+//!
+//! A bounded subset runs in `cargo test`; the whole matrix is
+//! `cargo test -p node-agent --test crash_matrix -- --ignored`.
+
+#[path = "support/cgroup_guard.rs"]
+mod cgroup_guard;
+#[path = "crash_support/mod.rs"]
+mod crash_support;
+#[path = "support/swap_host.rs"]
+mod swap_host;
+
+use std::os::unix::process::ExitStatusExt;
+
+use crash_support::{Agent, Client, Crash, Manifest, Node, quiet};
+use genswap_crds::Outcome;
+use node_agent::failpoint::POINTS;
+
+/// What SPEC 5.7 makes of a release cut at a point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Expected {
+    outcome: Outcome,
+    executed: bool,
+    /// The build serving in the end (an abandoned release is retried).
+    serving: Option<&'static str>,
+    /// Recovery (rather than the engine before the kill) decided it.
+    recovered: bool,
+}
+
+fn expected(point: &str) -> Expected {
+    let (outcome, executed, recovered) = match point {
+        // Nothing of the build ran; the incumbent never stopped serving.
+        "overlap.admitted" | "overlap.staged" | "overlap.after_admit" | "overlap.after_raise" => {
+            (Outcome::Abandoned, false, true)
+        }
+        // The journal reached spawning: the successor may have run, and is
+        // stopped; the switch never happened.
+        "overlap.after_journal"
+        | "overlap.after_spawn"
+        | "overlap.before_health"
+        | "overlap.after_health"
+        | "overlap.after_settle"
+        | "overlap.before_switch" => (Outcome::Abandoned, true, true),
+        // The switch happened: the retirement is completed.
+        "overlap.after_switch"
+        | "overlap.before_retire"
+        | "overlap.after_retire"
+        | "overlap.before_finish" => (Outcome::Done, true, true),
+        // Before the hold's stop began, or during it (the new build never
+        // ran): the stop is completed and the attempt retried.
+        "hold.admitted" | "hold.staged" | "hold.after_admit" | "hold.before_stop"
+        | "hold.after_stop" | "hold.after_raise" => (Outcome::Abandoned, false, true),
+        // The old generation is gone and the new one may have run without
+        // being proven healthy.
+        "hold.after_journal" | "hold.after_spawn" | "hold.before_health" => {
+            (Outcome::Down, true, true)
+        }
+        // Proven healthy and still running.
+        "hold.after_health" | "hold.after_settle" | "hold.before_switch" | "hold.after_switch"
+        | "hold.before_finish" => (Outcome::Done, true, true),
+        // The outcome was journaled before the kill and is delivered from
+        // the journal.
+        "overlap.after_finish" | "hold.after_finish" => (Outcome::Done, true, false),
+        other => panic!("no expectation for crash point {other}"),
+    };
+    Expected {
+        outcome,
+        executed,
+        serving: (outcome != Outcome::Down).then_some("v2"),
+        recovered,
+    }
+}
+
+/// Installs v1 with a first agent and stops it gracefully.
+async fn installed(node: &Node, mode: &'static str) -> (testapp::Build, testapp::Build) {
+    let v1 = node.build("v1");
+    let v2 = node.build("v2");
+    node.write(&Manifest::new("v1", &v1, mode));
+    let mut agent = node.start(Crash::No);
+    let doc = node
+        .status("the install to end", |doc| {
+            quiet(doc) && doc.attempt(1).is_some()
+        })
+        .await;
+    let install = doc.attempt(1).expect("the install");
+    assert_eq!(install.status.outcome, Some(Outcome::Done), "{install:?}");
+    agent.terminate().await;
+    (v1, v2)
+}
+
+/// Runs the release v1 → v2, cut at `point` by `crash`, then recovers with
+/// a third agent and checks everything the module docs list.
+async fn cut_at(point: &'static str, abort: bool) {
+    let expect = expected(point);
+    let mode = if point.starts_with("overlap.") {
+        "overlap"
+    } else {
+        "hold"
+    };
+    let node = Node::new(&point.replace(['.', '_'], "-"));
+    let (_, v2) = installed(&node, mode).await;
+    let client = (mode == "overlap").then(|| Client::start(node.current_sock()));
+
+    // The release, stopped dead at the point.
+    let mut agent = node.start(if abort {
+        Crash::AbortAt(point)
+    } else {
+        Crash::PauseAt(point)
+    });
+    node.write(&Manifest::new("v2", &v2, mode));
+    if abort {
+        let status = agent.exited().await;
+        assert_eq!(
+            status.signal(),
+            Some(libc_sigabrt()),
+            "the agent aborted at {point}: {status}; its log:\n{}",
+            agent.log_text()
+        );
+    } else {
+        agent.wait_paused(point).await;
+        node.wait_state_lists(2).await;
+        let status = agent.kill();
+        assert_eq!(status.signal(), Some(9), "SIGKILL ended it");
+    }
+
+    // A new agent recovers.
+    let mut agent = node.start(Crash::No);
+    agent.wait_recovered().await;
+    let doc = node
+        .status(
+            &format!("the release cut at {point} to be settled"),
+            |doc| {
+                quiet(doc)
+                    && doc.attempt(2).is_some()
+                    && (expect.outcome != Outcome::Abandoned
+                        || doc
+                            .attempts
+                            .iter()
+                            .any(|a| a.sched_rev > 2 && a.status.outcome == Some(Outcome::Done)))
+            },
+        )
+        .await;
+    let release = doc.attempt(2).expect("the release");
+    assert_eq!(
+        (release.status.outcome, release.status.executed),
+        (Some(expect.outcome), Some(expect.executed)),
+        "cut at {point}: {release:?}\nthe agent's log:\n{}",
+        agent.log_text()
+    );
+    assert_recovered_once(&agent, &release.name, point, expect);
+    node.assert_clean(expect.serving).await;
+    if let Some(client) = client {
+        let (sent, failures) = client.finish().await;
+        assert!(sent > 0, "the client sent requests");
+        assert!(
+            failures.is_empty(),
+            "cut at {point}: {} of {sent} requests through current.sock failed: {failures:?}",
+            failures.len()
+        );
+    }
+    agent.terminate().await;
+}
+
+/// The recovering agent decided the attempt once (or not at all when the
+/// outcome was journaled before the kill), with the outcome the status
+/// file shows.
+fn assert_recovered_once(agent: &Agent, attempt: &str, point: &str, expect: Expected) {
+    let lines = agent.logged("recovered an attempt left in flight");
+    let mine: Vec<_> = lines
+        .iter()
+        .filter(|line| line["fields"]["attempt"] == attempt)
+        .collect();
+    if expect.recovered {
+        assert_eq!(mine.len(), 1, "cut at {point}: recovery lines {lines:?}");
+        assert_eq!(
+            mine[0]["fields"]["outcome"],
+            format!("{:?}", expect.outcome),
+            "cut at {point}: {:?}",
+            mine[0]
+        );
+    } else {
+        assert!(
+            mine.is_empty(),
+            "cut at {point}: nothing to recover, yet {mine:?}"
+        );
+    }
+}
+
+fn libc_sigabrt() -> i32 {
+    nix::sys::signal::Signal::SIGABRT as i32
+}
+
+/// One test per crash point; `ignore`d ones run with `-- --ignored`.
+macro_rules! kill_matrix {
+    ($($(#[$attr:meta])* $name:ident => $point:literal,)*) => {
+        $(
+            $(#[$attr])*
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                cut_at($point, false).await;
+            }
+        )*
+
+        /// Every crash point has its case, and every case a point.
+        #[test]
+        fn the_matrix_covers_every_crash_point() {
+            let mut listed = vec![$($point),*];
+            listed.sort_unstable();
+            let mut points = POINTS.to_vec();
+            points.sort_unstable();
+            assert_eq!(listed, points);
+        }
+    };
+}
+
+kill_matrix! {
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    overlap_admitted => "overlap.admitted",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    overlap_staged => "overlap.staged",
+    overlap_after_admit => "overlap.after_admit",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    overlap_after_raise => "overlap.after_raise",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    overlap_after_journal => "overlap.after_journal",
+    overlap_after_spawn => "overlap.after_spawn",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    overlap_before_health => "overlap.before_health",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    overlap_after_health => "overlap.after_health",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    overlap_after_settle => "overlap.after_settle",
+    overlap_before_switch => "overlap.before_switch",
+    overlap_after_switch => "overlap.after_switch",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    overlap_before_retire => "overlap.before_retire",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    overlap_after_retire => "overlap.after_retire",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    overlap_before_finish => "overlap.before_finish",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    overlap_after_finish => "overlap.after_finish",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    hold_admitted => "hold.admitted",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    hold_staged => "hold.staged",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    hold_after_admit => "hold.after_admit",
+    hold_before_stop => "hold.before_stop",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    hold_after_stop => "hold.after_stop",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    hold_after_raise => "hold.after_raise",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    hold_after_journal => "hold.after_journal",
+    hold_after_spawn => "hold.after_spawn",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    hold_before_health => "hold.before_health",
+    hold_after_health => "hold.after_health",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    hold_after_settle => "hold.after_settle",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    hold_before_switch => "hold.before_switch",
+    hold_after_switch => "hold.after_switch",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    hold_before_finish => "hold.before_finish",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    hold_after_finish => "hold.after_finish",
+}
+
+/// The documented default: the crash point aborts the process by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborting_crash_point_after_the_switch_is_recovered_done() {
+    cut_at("overlap.before_retire", true).await;
+}
