@@ -66,12 +66,15 @@ pub mod intake;
 pub mod report;
 
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use kube::Client;
-use kube::config::{Config, InferConfigError, KubeConfigOptions, Kubeconfig, KubeconfigError};
+use kube::config::{
+    Config, InClusterError, InferConfigError, KubeConfigOptions, Kubeconfig, KubeconfigError,
+};
 use thiserror::Error;
 
 pub use agent::KubeAgent;
@@ -234,6 +237,14 @@ pub enum KubeAgentError {
     InferConfig(#[source] InferConfigError),
     #[error("cannot build the Kubernetes client: {0}")]
     Client(#[source] kube::Error),
+    #[error("cannot read the pod's service account in {path}: {source}")]
+    ServiceAccount {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot load the in-cluster client configuration: {0}")]
+    InCluster(#[source] InClusterError),
     #[error("taking the node lock failed: {0}")]
     Ownership(#[source] OwnershipError),
     #[error("reading the intent journal's pending outcomes failed: {0}")]
@@ -293,7 +304,49 @@ pub async fn run(
     result
 }
 
-/// The client for `config`: an explicit kubeconfig, else inferred.
+/// Where the kubelet projects the pod's service account token and CA.
+pub const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+
+/// The in-cluster configuration pinned by [`pin_in_cluster_config`], with
+/// the open service-account directory its paths go through.
+static PINNED_IN_CLUSTER: OnceLock<(std::fs::File, Config)> = OnceLock::new();
+
+/// Pins the pod's in-cluster client configuration before the agent joins the
+/// host's mount namespace (SPEC 5.9). After the join,
+/// [`SERVICE_ACCOUNT_DIR`] names a host path, not the pod's projected token:
+/// the directory is kept open and the token and CA are read through
+/// `/proc/self/fd/<n>/`, so kube's periodic reload of a rotated token keeps
+/// working. Does nothing outside a cluster (no `KUBERNETES_SERVICE_HOST`).
+/// Returns whether a configuration was pinned.
+pub fn pin_in_cluster_config() -> Result<bool, KubeAgentError> {
+    if std::env::var_os("KUBERNETES_SERVICE_HOST").is_none() {
+        return Ok(false);
+    }
+    let config = Config::incluster().map_err(KubeAgentError::InCluster)?;
+    let (dir, config) = pinned_through_fd(Path::new(SERVICE_ACCOUNT_DIR), config)?;
+    // A second call keeps the first pin; both name the same directory.
+    let _ = PINNED_IN_CLUSTER.set((dir, config));
+    Ok(true)
+}
+
+/// Opens `dir` and points `config`'s token and CA files through the open
+/// descriptor, so they stay readable when `dir`'s path stops naming it.
+pub fn pinned_through_fd(
+    dir: &Path,
+    mut config: Config,
+) -> Result<(std::fs::File, Config), KubeAgentError> {
+    let file = std::fs::File::open(dir).map_err(|source| KubeAgentError::ServiceAccount {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let through = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+    config.auth_info.token_file = Some(through.join("token").to_string_lossy().into_owned());
+    config.root_cert_file = Some(through.join("ca.crt"));
+    Ok((file, config))
+}
+
+/// The client for `config`: an explicit kubeconfig, else the in-cluster
+/// configuration pinned before the namespace join, else inferred.
 pub async fn client_for(config: &KubeAgentConfig) -> Result<Client, KubeAgentError> {
     let client_config = match &config.kubeconfig {
         Some(path) => {
@@ -309,7 +362,10 @@ pub async fn client_for(config: &KubeAgentConfig) -> Result<Client, KubeAgentErr
                     source,
                 })?
         }
-        None => Config::infer().await.map_err(KubeAgentError::InferConfig)?,
+        None => match PINNED_IN_CLUSTER.get() {
+            Some((_, pinned)) => pinned.clone(),
+            None => Config::infer().await.map_err(KubeAgentError::InferConfig)?,
+        },
     };
     Client::try_from(client_config).map_err(KubeAgentError::Client)
 }
