@@ -747,3 +747,37 @@ async fn stop_by_hand(host: &SwapHost, n: u64) {
     cgroup.remove().expect("remove its cgroup");
     let _ = fs::remove_file(host.engine.layout().generation_socket(&host.instance, n));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_leaves_alone_what_this_engine_already_runs() {
+    let host = SwapHost::new("rec-twice");
+    installed(&host).await;
+    let before = host.who_serves().await.expect("v1 answers");
+    // Recovery called while this engine's own swap is in its health step
+    // must not take that attempt for a crashed one.
+    let v2 = host.build("v2");
+    let mut attempt = host.attempt(2, &v2, "v2");
+    swap_host::knob(&mut attempt, "TESTAPP_BOOT_DELAY_MS", "1500");
+    let recover = async {
+        eventually("the successor to be spawned", || {
+            host.engine
+                .journal()
+                .load(&host.instance)
+                .is_ok_and(|r| r.is_some_and(|r| matches!(r.phase, Phase::Spawned { .. })))
+        })
+        .await;
+        host.engine.recover().await
+    };
+    let (result, report) = tokio::join!(host.swap(&attempt), recover);
+    assert!(report.is_clean(), "{:?}", report.errors);
+    let recovery = report.instance(&host.instance).expect("listed");
+    assert!(
+        recovery.stopped.is_empty() && recovery.attempt.is_none(),
+        "{recovery:?}"
+    );
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    assert!(!alive(before.pid));
+    assert_eq!(serving(&host).await, Some(("v2".into(), 2)));
+    host.assert_only(Some(2));
+    host.tear_down().await;
+}

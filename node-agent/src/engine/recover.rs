@@ -606,6 +606,16 @@ impl Engine {
             removed: Vec::new(),
             errors: Vec::new(),
         };
+        // Recovery is for what a previous process left. An instance this
+        // engine already runs or swaps (recovery called late, or twice) is
+        // its own, and is left alone.
+        if let Some(state) = self.lock_instances().get(&key)
+            && (state.busy || state.serving.is_some())
+        {
+            tracing::warn!(instance = %key, "recovery skips an instance this engine already runs");
+            work.recovery.serving = state.info.clone();
+            return work;
+        }
         let run_dir = self.layout.instance_dir(&key);
         match remove_temp_links(&run_dir) {
             Ok(0) => {}
