@@ -41,7 +41,8 @@
 //!
 //! ## SIGTERM
 //!
-//! Unless ignored, SIGTERM starts a graceful drain: the listener is closed
+//! Unless ignored, SIGTERM starts a graceful drain: the connections already
+//! queued on the listener are accepted and served, the listener is closed
 //! (new connections are refused; the socket file stays, the agent owns it),
 //! every response from then on carries `connection: close` (a request in
 //! flight finishes), a connection idle between requests is closed once it

@@ -405,12 +405,49 @@ async fn run(config: Config, responder: Responder, started: Instant) -> Result<(
         }
     }
 
-    drop(listener);
+    // A connection already queued on the listener was made before SIGTERM
+    // (the agent signals only after current.sock has moved on): serve it
+    // rather than let the kernel reset it when the listener closes.
+    for stream in queued_connections(listener) {
+        tokio::spawn(serve(stream, Arc::clone(&responder), shutdown.subscribe()));
+    }
     event!("draining drain_ms={}", config.drain.as_millis());
     shutdown.send_replace(());
     let drained = timeout(config.drain, shutdown.closed()).await.is_ok();
     event!("drain finished timed_out={}", !drained);
     Ok(())
+}
+
+/// Accepts every connection waiting on the listener without waiting for
+/// more, then closes the listener.
+fn queued_connections(listener: UnixListener) -> Vec<UnixStream> {
+    let mut queued = Vec::new();
+    // into_std keeps the listener non-blocking, so accept stops at WouldBlock.
+    let listener = match listener.into_std() {
+        Ok(listener) => listener,
+        Err(err) => {
+            event!("error taking the queued connections: {err}");
+            return queued;
+        }
+    };
+    loop {
+        match listener.accept() {
+            Ok((stream, _)) => match stream
+                .set_nonblocking(true)
+                .and_then(|()| UnixStream::from_std(stream))
+            {
+                Ok(stream) => queued.push(stream),
+                Err(err) => event!("error accepting: {err}"),
+            },
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            Err(err) => {
+                if err.kind() != io::ErrorKind::WouldBlock {
+                    event!("error accepting: {err}");
+                }
+                return queued;
+            }
+        }
+    }
 }
 
 fn bind(path: &Path) -> Result<UnixListener, RunError> {
