@@ -19,7 +19,11 @@
 //! most a `*.tmp-*` file that readers ignore and
 //! [`Journal::remove_temp_files`] deletes.
 //!
-//! A file that cannot be read back (truncated by a disk fault, garbage,
+//! Each file carries a `checksum`, the sha256 of the entry's compact JSON,
+//! so damage that still leaves well-formed JSON (a flipped digit, a letter
+//! changed inside a string) is found too; a file without one (written before
+//! checksums) is read as it stands. A file that cannot be read back
+//! (truncated by a disk fault, garbage, a checksum that does not match,
 //! another format version) is reported as a [`CorruptEntry`] by
 //! [`Journal::load_all`] and never hides other instances. Writes to that
 //! instance are refused until recovery quarantines the file
@@ -759,16 +763,31 @@ impl Journal {
                 entry.instance
             )));
         }
+        let stored: StoredChecksum = serde_json::from_slice(&bytes)
+            .map_err(|e| corrupt(format!("unreadable checksum: {e}")))?;
+        if let Some(stored) = stored.checksum {
+            let actual = checksum(&entry).map_err(|e| corrupt(format!("cannot re-encode: {e}")))?;
+            if actual != stored {
+                return Err(corrupt(format!(
+                    "its content does not match its checksum (sha256 {actual}, recorded {stored}): damaged on disk"
+                )));
+            }
+        }
         Ok(Some(entry))
     }
 
     /// Temp file, write, fsync, rename, fsync the directory.
     fn write_entry(&self, entry: &InstanceEntry) -> Result<(), JournalError> {
         let path = self.path_of(&entry.instance);
-        let bytes = serde_json::to_vec_pretty(entry).map_err(|source| JournalError::Encode {
+        let encode_err = |source| JournalError::Encode {
             instance: entry.instance.clone(),
             source,
-        })?;
+        };
+        let on_disk = OnDisk {
+            entry,
+            checksum: checksum(entry).map_err(encode_err)?,
+        };
+        let bytes = serde_json::to_vec_pretty(&on_disk).map_err(encode_err)?;
         let file_name = format!("{}.json", entry.instance);
         let temp = self.dir.join(temp_name(&file_name));
         let write_err = |source| JournalError::Write {
@@ -805,6 +824,29 @@ impl Journal {
         let _guard = lock.lock().unwrap_or_else(PoisonError::into_inner);
         f()
     }
+}
+
+/// A journal file: the entry and the checksum of its content.
+#[derive(Serialize)]
+struct OnDisk<'a> {
+    #[serde(flatten)]
+    entry: &'a InstanceEntry,
+    checksum: String,
+}
+
+/// The checksum a journal file records, if any.
+#[derive(Deserialize)]
+struct StoredChecksum {
+    #[serde(default)]
+    checksum: Option<String>,
+}
+
+/// The sha256 of the entry's compact JSON: the same for the entry however
+/// the file around it is laid out.
+fn checksum(entry: &InstanceEntry) -> Result<String, serde_json::Error> {
+    use sha2::Digest;
+    let canonical = serde_json::to_vec(entry)?;
+    Ok(hex::encode(sha2::Sha256::digest(&canonical)))
 }
 
 fn is_temp_name(name: &str) -> bool {
