@@ -763,16 +763,7 @@ impl Journal {
                 entry.instance
             )));
         }
-        let stored: StoredChecksum = serde_json::from_slice(&bytes)
-            .map_err(|e| corrupt(format!("unreadable checksum: {e}")))?;
-        if let Some(stored) = stored.checksum {
-            let actual = checksum(&entry).map_err(|e| corrupt(format!("cannot re-encode: {e}")))?;
-            if actual != stored {
-                return Err(corrupt(format!(
-                    "its content does not match its checksum (sha256 {actual}, recorded {stored}): damaged on disk"
-                )));
-            }
-        }
+        verify_checksum(&bytes, &entry).map_err(corrupt)?;
         Ok(Some(entry))
     }
 
@@ -834,11 +825,38 @@ struct OnDisk<'a> {
     checksum: String,
 }
 
-/// The checksum a journal file records, if any.
-#[derive(Deserialize)]
-struct StoredChecksum {
-    #[serde(default)]
-    checksum: Option<String>,
+/// The name of the checksum member of a journal file.
+const CHECKSUM_FIELD: &str = "checksum";
+
+/// Checks the file's checksum against the entry read from it. A file
+/// without one (written before checksums) is accepted only when it holds
+/// nothing but the entry's own members: a checksum member whose name was
+/// damaged shows up as an unknown member, and so cannot pass for one.
+fn verify_checksum(bytes: &[u8], entry: &InstanceEntry) -> Result<(), String> {
+    let file: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(bytes).map_err(|e| format!("not a journal entry: {e}"))?;
+    match file.get(CHECKSUM_FIELD) {
+        Some(serde_json::Value::String(recorded)) => {
+            let actual = checksum(entry).map_err(|e| format!("cannot re-encode it: {e}"))?;
+            if actual != *recorded {
+                return Err(format!(
+                    "its content does not match its checksum (sha256 {actual}, recorded {recorded}): damaged on disk"
+                ));
+            }
+            Ok(())
+        }
+        Some(other) => Err(format!("its checksum is not a string: {other}")),
+        None => {
+            let own =
+                serde_json::to_value(entry).map_err(|e| format!("cannot re-encode it: {e}"))?;
+            match file.keys().find(|key| own.get(key.as_str()).is_none()) {
+                Some(unknown) => Err(format!(
+                    "it has no checksum and an unknown member {unknown:?}: damaged on disk"
+                )),
+                None => Ok(()),
+            }
+        }
+    }
 }
 
 /// The sha256 of the entry's compact JSON: the same for the entry however

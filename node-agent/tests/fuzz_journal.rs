@@ -466,3 +466,43 @@ fn every_single_bit_flip_is_reported_or_read_as_this_instance() {
     assert_eq!(corrupt + changed + same, original.len() * 8);
     assert_eq!(changed, 0, "flips read as a different entry");
 }
+
+/// The case the property found once the checksum was in: two flips, one in
+/// the content and one in the checksum's name, made the file look like one
+/// written before checksums. Such a file has an unknown member, and is
+/// refused; a real file from before checksums (nothing but the entry) is
+/// still read.
+#[test]
+fn a_file_without_a_checksum_is_read_only_when_it_holds_nothing_else() {
+    let template = template();
+    let (_dir, journal) = fresh();
+    let (name, original) = &template.files[0];
+    let instance: InstanceKey = name
+        .strip_suffix(".json")
+        .expect("a .json name")
+        .parse()
+        .expect("an instance key");
+    let expected = entry_of(&template.entries, &instance).expect("its entry");
+    let path = journal.dir().join(name);
+
+    let text = String::from_utf8(original.clone()).expect("utf-8");
+    assert!(text.contains("\"checksum\""), "{text}");
+    let damaged = text
+        .replacen("\"checksum\"", "\"checksul\"", 1)
+        .replacen("\"b1\"", "\"b0\"", 1);
+    fs::write(&path, damaged).expect("write");
+    match journal.load_entry(&instance) {
+        Err(JournalError::Corrupt { error, .. }) => {
+            assert!(error.contains("unknown member \"checksul\""), "{error}")
+        }
+        other => panic!("a damaged file passed as one without a checksum: {other:?}"),
+    }
+
+    let before_checksums = serde_json::to_vec_pretty(expected).expect("json");
+    fs::write(&path, before_checksums).expect("write");
+    let read = journal
+        .load_entry(&instance)
+        .expect("a file from before checksums is read")
+        .expect("an entry");
+    assert_eq!(read, *expected);
+}
