@@ -25,6 +25,18 @@ impl Drop for Running {
             let _ = self.0.kill();
             let _ = self.0.wait();
         }
+        // A failed wait says nothing of why the binary did not answer: its
+        // own log does.
+        if std::thread::panicking()
+            && let Some(mut stderr) = self.0.stderr.take()
+        {
+            let mut log = String::new();
+            let _ = std::io::Read::read_to_string(&mut stderr, &mut log);
+            eprintln!(
+                "genswap-controller's stderr ({:?}):\n{log}",
+                self.0.try_wait()
+            );
+        }
     }
 }
 
