@@ -443,6 +443,9 @@ impl Stager {
                 root: config.staging_root.clone(),
                 source,
             })?;
+        // reqwest is built without a crypto provider of its own (kube's ring
+        // is the process's one); install it unless something already did.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let http = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
             .timeout(config.download_timeout)
