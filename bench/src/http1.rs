@@ -299,3 +299,129 @@ fn readable_now(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<bool> {
     let ready = poll(&mut fds, PollTimeout::ZERO).map_err(io::Error::from)?;
     Ok(ready > 0)
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+    use std::thread::JoinHandle;
+    use std::time::Instant;
+
+    /// Reads one request head from `stream`.
+    pub(crate) fn read_request(stream: &mut UnixStream) -> bool {
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            match stream.read(&mut byte) {
+                Ok(1) => head.push(byte[0]),
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    /// A unix socket server in `dir` that runs `handle` on each of
+    /// `connections` accepted connections, in turn.
+    pub(crate) fn serve(
+        dir: &std::path::Path,
+        connections: usize,
+        handle: impl Fn(UnixStream) + Send + 'static,
+    ) -> (Target, JoinHandle<()>) {
+        let path = dir.join("server.sock");
+        let listener = UnixListener::bind(&path).expect("bind the test server");
+        let server = std::thread::spawn(move || {
+            for stream in listener.incoming().take(connections) {
+                handle(stream.expect("accept"));
+            }
+        });
+        (Target::Unix(path), server)
+    }
+
+    const OK_KEEP_ALIVE: &[u8] =
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-genswap-generation: 7\r\n\r\nok";
+
+    #[test]
+    fn a_keep_alive_connection_the_server_closed_is_seen_before_the_next_request() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (target, server) = serve(dir.path(), 1, |mut stream| {
+            assert!(read_request(&mut stream), "a request");
+            stream.write_all(OK_KEEP_ALIVE).expect("answer");
+            // Dropped: closed between requests.
+        });
+        let mut connection = Connection::open(&target, Duration::from_secs(10)).expect("open");
+        let response = connection.get(false).expect("answered");
+        assert_eq!(
+            response,
+            Response {
+                status: 200,
+                generation: Some(7),
+                close: false
+            }
+        );
+        server.join().expect("server thread");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !connection.closed_by_peer() {
+            assert!(Instant::now() < deadline, "the close was never seen");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn a_live_idle_connection_is_not_taken_for_closed() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (target, server) = serve(dir.path(), 1, |mut stream| {
+            assert!(read_request(&mut stream), "a request");
+            stream.write_all(OK_KEEP_ALIVE).expect("answer");
+            // Held open until the client goes.
+            let _ = read_request(&mut stream);
+        });
+        let mut connection = Connection::open(&target, Duration::from_secs(10)).expect("open");
+        connection.get(false).expect("answered");
+        assert!(!connection.closed_by_peer());
+        drop(connection);
+        server.join().expect("server thread");
+    }
+
+    #[test]
+    fn a_request_written_and_never_answered_is_a_failure() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (target, server) = serve(dir.path(), 1, |mut stream| {
+            assert!(read_request(&mut stream), "a request");
+        });
+        let mut connection = Connection::open(&target, Duration::from_secs(10)).expect("open");
+        let error = connection.get(false).expect_err("no answer came");
+        assert_eq!(error.label(), "eof", "{error}");
+        server.join().expect("server thread");
+    }
+
+    #[test]
+    fn connection_close_and_a_status_are_read() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (target, server) = serve(dir.path(), 1, |mut stream| {
+            assert!(read_request(&mut stream), "a request");
+            stream
+                .write_all(b"HTTP/1.1 502 Bad Gateway\r\nconnection: close\r\ntransfer-encoding: chunked\r\n\r\n2\r\nno\r\n0\r\n\r\n")
+                .expect("answer");
+        });
+        let mut connection = Connection::open(&target, Duration::from_secs(10)).expect("open");
+        let response = connection.get(false).expect("answered");
+        assert_eq!((response.status, response.close), (502, true));
+        server.join().expect("server thread");
+    }
+
+    #[test]
+    fn nothing_listening_is_refused_or_missing() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let missing = Target::Unix(dir.path().join("none.sock"));
+        let error = Connection::open(&missing, Duration::from_secs(1))
+            .err()
+            .expect("no socket");
+        assert_eq!(error.label(), "nosocket");
+        let path = dir.path().join("closed.sock");
+        drop(UnixListener::bind(&path).expect("bind"));
+        let error = Connection::open(&Target::Unix(path), Duration::from_secs(1))
+            .err()
+            .expect("nothing listens");
+        assert_eq!(error.label(), "refused");
+    }
+}

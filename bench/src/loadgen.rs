@@ -431,3 +431,42 @@ mod tests {
         assert_eq!(read_samples(&path).expect("read"), samples);
     }
 }
+
+#[cfg(test)]
+mod client_tests {
+    use std::io::Write;
+
+    use super::*;
+    use crate::http1::tests::{read_request, serve};
+
+    #[test]
+    fn a_server_closing_between_requests_costs_reconnects_not_failures() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        // Each connection: one keep-alive answer, then closed.
+        let (target, server) = serve(dir.path(), 4, |mut stream| {
+            assert!(read_request(&mut stream), "a request");
+            stream
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                .expect("answer");
+        });
+        let mut connection = None;
+        let mut reconnects = 0;
+        for request in 0..4 {
+            let sample = one_keepalive(&target, &mut connection, &mut reconnects);
+            assert!(sample.ok(), "request {request}: {sample:?}");
+            // Let the server's close arrive before the next request.
+            if let Some(conn) = &connection {
+                let deadline = std::time::Instant::now() + Duration::from_secs(10);
+                while !conn.closed_by_peer() {
+                    assert!(std::time::Instant::now() < deadline, "close not seen");
+                    thread::sleep(Duration::from_millis(2));
+                }
+            }
+        }
+        assert_eq!(
+            reconnects, 3,
+            "one per connection the server closed, before the next request"
+        );
+        server.join().expect("server thread");
+    }
+}

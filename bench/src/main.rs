@@ -125,6 +125,24 @@ struct RunArgs {
     /// Where results.md, results.json and latency.png go.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Only these swap kinds.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [zero::Kind::Overlap, zero::Kind::Hold, zero::Kind::Naive])]
+    kinds: Vec<zero::Kind>,
+    /// Only these paths.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [zero::Via::Direct, zero::Via::NginxPooled, zero::Via::NginxPerRequest])]
+    vias: Vec<zero::Via>,
+    /// Only these loads.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [LoadKind::Fixed, LoadKind::Saturation])]
+    loads: Vec<LoadKind>,
+}
+
+/// A load by name on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum LoadKind {
+    /// `--rate` requests per second per client group.
+    Fixed,
+    /// Every client as fast as it can.
+    Saturation,
 }
 
 fn main() -> ExitCode {
@@ -186,13 +204,16 @@ async fn run(command: Command) -> Result<(), BenchError> {
         let options = zero::ZeroOptions {
             swaps: args.swaps.unwrap_or(if args.quick { 10 } else { 200 }),
             steady: Duration::from_secs(if args.quick { 1 } else { 5 }),
-            loads: vec![zero::Load::Fixed(args.rate), zero::Load::Saturation],
-            vias: vec![
-                zero::Via::Direct,
-                zero::Via::NginxPooled,
-                zero::Via::NginxPerRequest,
-            ],
-            kinds: vec![zero::Kind::Overlap, zero::Kind::Hold, zero::Kind::Naive],
+            loads: args
+                .loads
+                .iter()
+                .map(|l| match l {
+                    LoadKind::Fixed => zero::Load::Fixed(args.rate),
+                    LoadKind::Saturation => zero::Load::Saturation,
+                })
+                .collect(),
+            vias: args.vias.clone(),
+            kinds: args.kinds.clone(),
             clients: (4, 4),
             builds: 8,
             plot: Some(out.join("latency.png")),

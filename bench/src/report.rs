@@ -203,13 +203,27 @@ fn zero_tables(out: &mut String, zero: &ZeroReport) {
         }
     }
     let _ = writeln!(out);
-    if !zero.nginx_upstream_errors.is_empty() {
+    let with_errors: Vec<&RunFigures> = zero
+        .runs
+        .iter()
+        .filter(|r| !r.nginx_errors.is_empty())
+        .collect();
+    if !with_errors.is_empty() {
         let _ = writeln!(
             out,
-            "nginx's error log, upstream lines by message (count):\n"
+            "nginx's error log, upstream lines by run and message (count):\n"
         );
-        for (message, count) in &zero.nginx_upstream_errors {
-            let _ = writeln!(out, "- {count} × `{message}`");
+        for run in with_errors {
+            let _ = writeln!(
+                out,
+                "- {}, {}, {}:",
+                run.load.name(),
+                run.via.name(),
+                run.kind.name()
+            );
+            for (message, count) in &run.nginx_errors {
+                let _ = writeln!(out, "  - {count} × `{message}`");
+            }
         }
         let _ = writeln!(out);
     }

@@ -36,7 +36,9 @@ const APP: &str = "app";
 const SWAP_DEADLINE: Duration = Duration::from_secs(120);
 
 /// How an instance moves to the next build.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, clap::ValueEnum,
+)]
 pub enum Kind {
     /// genswap overlap: the successor starts beside, then takes over.
     Overlap,
@@ -59,7 +61,9 @@ impl Kind {
 }
 
 /// How the load reaches the instance.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, clap::ValueEnum,
+)]
 pub enum Via {
     /// The load generator connects to the socket itself.
     Direct,
@@ -204,6 +208,9 @@ pub struct RunFigures {
     pub overhead: Spread,
     /// The retiring generation's SIGTERM to proven exit.
     pub drain: Spread,
+    /// nginx's error-log lines about the upstream during this run, by message.
+    #[serde(default)]
+    pub nginx_errors: BTreeMap<String, u64>,
 }
 
 /// Everything the zero-downtime benchmark measured.
@@ -211,8 +218,6 @@ pub struct RunFigures {
 pub struct ZeroReport {
     /// One per run.
     pub runs: Vec<RunFigures>,
-    /// nginx's error-log lines about the upstream, counted by message.
-    pub nginx_upstream_errors: BTreeMap<String, u64>,
 }
 
 /// Runs the benchmark and returns its figures.
@@ -314,12 +319,6 @@ async fn run_with(
             }
         }
     }
-    for line in setup.nginx.upstream_errors() {
-        *report
-            .nginx_upstream_errors
-            .entry(nginx_message(&line))
-            .or_default() += 1;
-    }
     if let Some(plot) = &options.plot {
         crate::plot::render(plot, &plotted)?;
         println!("plot: {}", plot.display());
@@ -377,6 +376,7 @@ async fn run_one(
             })?,
         Signal::SIGTERM,
     );
+    let nginx_lines_before = setup.nginx.upstream_errors().len();
     tokio::time::sleep(options.steady).await;
     let mut records = Vec::with_capacity(options.swaps);
     for _ in 0..options.swaps {
@@ -409,7 +409,15 @@ async fn run_one(
         .map_err(|e| BenchError::Load(format!("its summary {stdout:?}: {e}")))?;
     let samples = read_samples(&samples_path).map_err(|e| BenchError::Load(e.to_string()))?;
     let _ = fs::remove_file(&samples_path);
-    let figures = analyse(kind, via, load, &samples, &records, summary.reconnects);
+    let mut figures = analyse(kind, via, load, &samples, &records, summary.reconnects);
+    for line in setup
+        .nginx
+        .upstream_errors()
+        .iter()
+        .skip(nginx_lines_before)
+    {
+        *figures.nginx_errors.entry(nginx_message(line)).or_default() += 1;
+    }
     Ok((figures, samples, records))
 }
 
@@ -621,11 +629,15 @@ fn make_builds(staging: &Path, count: usize) -> Result<Vec<testapp::Build>, Benc
 fn nginx_message(line: &str) -> String {
     let text = line.split_once("*").map_or(line, |(_, rest)| rest);
     let text = text.split_once(' ').map_or(text, |(_, rest)| rest);
-    text.split(", client:")
-        .next()
-        .unwrap_or(text)
-        .trim()
-        .to_string()
+    let text = text.split(", client:").next().unwrap_or(text).trim();
+    // The socket's directory is a temp dir: keep only its file name.
+    text.split(' ')
+        .map(|word| match word.strip_prefix("unix:") {
+            Some(path) => format!("unix:…/{}", path.rsplit('/').next().unwrap_or(path)),
+            None => word.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The figures of one run from its samples and swap records.
@@ -673,18 +685,22 @@ pub fn analyse(
         .map(Sample::end_ns)
         .collect();
     ok_ends.sort_unstable();
+    // The first answer from each generation.
+    let mut first_answer: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
+    for s in samples.iter().filter(|s| s.ok()) {
+        let end = s.end_ns();
+        first_answer
+            .entry(s.generation)
+            .and_modify(|t| *t = (*t).min(end))
+            .or_insert(end);
+    }
     let mut gaps = Vec::new();
     let mut silences = Vec::new();
     for record in records {
-        if let Some(switch) = record.switch_ns {
-            let first = samples
-                .iter()
-                .filter(|s| s.ok() && s.generation == record.generation)
-                .map(Sample::end_ns)
-                .min();
-            if let Some(first) = first {
-                gaps.push(first.saturating_sub(switch) as f64 / 1e6);
-            }
+        if let (Some(switch), Some(&first)) =
+            (record.switch_ns, first_answer.get(&record.generation))
+        {
+            gaps.push(first.saturating_sub(switch) as f64 / 1e6);
         }
         // The longest span without an answer that overlaps the swap.
         let from = ok_ends
@@ -729,6 +745,7 @@ pub fn analyse(
                 .collect(),
         ),
         drain: Spread::of(records.iter().filter_map(|r| r.drain_ms).collect()),
+        nginx_errors: BTreeMap::new(),
     }
 }
 
