@@ -102,7 +102,7 @@ impl Results {
             "<!-- written by genswap-bench; {} -->",
             if self.quick { "--quick" } else { "full run" }
         );
-        let _ = writeln!(out, "Machine: {}\n", self.machine.text());
+        let _ = writeln!(out, "{}\n", self.machine.text());
         if let Some(zero) = &self.zero {
             zero_tables(&mut out, zero);
         }
