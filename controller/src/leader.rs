@@ -49,9 +49,14 @@ impl Leadership {
     }
 
     /// Yields once each time this replica becomes the leader, so the
-    /// controller can re-plan everything it skipped as a follower.
+    /// controller can re-plan everything it skipped as a follower; and once
+    /// at once if it already leads when subscribing, since the lease task
+    /// may win before the controller subscribes.
     pub fn acquisitions(&self) -> impl Stream<Item = ()> + Send + 'static {
-        let receiver = self.state.subscribe();
+        let mut receiver = self.state.subscribe();
+        if *receiver.borrow() {
+            receiver.mark_changed();
+        }
         futures::stream::unfold(receiver, |mut receiver| async move {
             loop {
                 receiver.changed().await.ok()?;
@@ -208,6 +213,17 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), acquisitions.next())
             .await
             .expect("a second acquisition within the deadline")
+            .expect("stream open");
+    }
+
+    #[tokio::test]
+    async fn an_acquisition_before_subscribing_is_not_lost() {
+        let leadership = Leadership::follower(Arc::new(Metrics::new()));
+        leadership.set(true);
+        let mut acquisitions = Box::pin(leadership.acquisitions());
+        tokio::time::timeout(Duration::from_secs(10), acquisitions.next())
+            .await
+            .expect("the standing leadership yields within the deadline")
             .expect("stream open");
     }
 
