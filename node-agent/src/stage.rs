@@ -443,9 +443,7 @@ impl Stager {
                 root: config.staging_root.clone(),
                 source,
             })?;
-        // reqwest is built without a crypto provider of its own (kube's ring
-        // is the process's one); install it unless something already did.
-        let _ = rustls::crypto::ring::default_provider().install_default();
+        install_crypto_provider();
         let http = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
             .timeout(config.download_timeout)
@@ -817,4 +815,12 @@ mod tests {
             .expect("url");
         assert_eq!(redacted(&url), "https://example.invalid/a/b");
     }
+}
+
+/// Installs ring as the process's rustls crypto provider unless one is
+/// already installed. reqwest is built without a provider of its own (kube
+/// brings ring; two providers make rustls refuse to pick one), so anything
+/// that builds a reqwest client calls this first.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
