@@ -260,5 +260,19 @@ async fn run(command: Command) -> Result<(), BenchError> {
         serde_json::to_string_pretty(&results).unwrap_or_default(),
     )?;
     println!("wrote {}/results.md and results.json", out.display());
+    // The claim the benchmark exists to check: an overlap swap drops nothing.
+    let overlap_failed: u64 = results
+        .zero
+        .iter()
+        .flat_map(|z| &z.runs)
+        .filter(|r| r.kind == zero::Kind::Overlap)
+        .map(|r| r.failed)
+        .sum();
+    if overlap_failed > 0 {
+        return Err(BenchError::Load(format!(
+            "overlap swaps failed {overlap_failed} requests; see {}/results.md",
+            out.display()
+        )));
+    }
     Ok(())
 }
