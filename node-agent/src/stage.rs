@@ -789,6 +789,14 @@ fn redacted(url: &reqwest::Url) -> String {
     shown.to_string()
 }
 
+/// Installs ring as the process's rustls crypto provider unless one is
+/// already installed. reqwest is built without a provider of its own (kube
+/// brings ring; two providers make rustls refuse to pick one), so anything
+/// that builds a reqwest client calls this first.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -815,12 +823,4 @@ mod tests {
             .expect("url");
         assert_eq!(redacted(&url), "https://example.invalid/a/b");
     }
-}
-
-/// Installs ring as the process's rustls crypto provider unless one is
-/// already installed. reqwest is built without a provider of its own (kube
-/// brings ring; two providers make rustls refuse to pick one), so anything
-/// that builds a reqwest client calls this first.
-pub fn install_crypto_provider() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
 }
