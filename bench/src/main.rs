@@ -125,6 +125,10 @@ struct RunArgs {
     /// Where results.md, results.json and latency.png go.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Keep each run's raw samples (CSV: start_ns, latency_ns, group,
+    /// result, generation) and swap records (JSON) in this directory.
+    #[arg(long)]
+    keep_samples: Option<PathBuf>,
     /// Only these swap kinds.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [zero::Kind::Overlap, zero::Kind::Hold, zero::Kind::Naive])]
     kinds: Vec<zero::Kind>,
@@ -217,6 +221,7 @@ async fn run(command: Command) -> Result<(), BenchError> {
             clients: (4, 4),
             builds: 8,
             plot: Some(out.join("latency.png")),
+            keep: args.keep_samples.clone(),
         };
         println!(
             "\nZero downtime under load: {} swaps per run, {} and {} ...",

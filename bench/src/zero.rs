@@ -137,6 +137,9 @@ pub struct ZeroOptions {
     pub builds: usize,
     /// Where the plot goes.
     pub plot: Option<PathBuf>,
+    /// Where each run's raw samples (CSV) and swap records (JSON) are
+    /// kept; dropped after the analysis when `None`.
+    pub keep: Option<PathBuf>,
 }
 
 /// What one swap did.
@@ -408,7 +411,12 @@ async fn run_one(
     let summary: LoadSummary = serde_json::from_str(stdout.trim())
         .map_err(|e| BenchError::Load(format!("its summary {stdout:?}: {e}")))?;
     let samples = read_samples(&samples_path).map_err(|e| BenchError::Load(e.to_string()))?;
-    let _ = fs::remove_file(&samples_path);
+    match &options.keep {
+        Some(keep) => keep_raw(keep, &samples_path, &records)?,
+        None => {
+            let _ = fs::remove_file(&samples_path);
+        }
+    }
     let mut figures = analyse(kind, via, load, &samples, &records, summary.reconnects);
     for line in setup
         .nginx
@@ -419,6 +427,21 @@ async fn run_one(
         *figures.nginx_errors.entry(nginx_message(line)).or_default() += 1;
     }
     Ok((figures, samples, records))
+}
+
+/// Copies a run's samples into `keep` and writes its swap records beside
+/// them as `<run>.swaps.json`.
+fn keep_raw(keep: &Path, samples: &Path, records: &[SwapRecord]) -> Result<(), BenchError> {
+    let keep_error = |what: String| move |source| BenchError::Setup { what, source };
+    fs::create_dir_all(keep).map_err(keep_error(format!("create {}", keep.display())))?;
+    let name = samples.file_name().unwrap_or_default();
+    let kept = keep.join(name);
+    fs::copy(samples, &kept).map_err(keep_error(format!("copy to {}", kept.display())))?;
+    let swaps = kept.with_extension("swaps.json");
+    fs::write(&swaps, serde_json::to_string(records).unwrap_or_default())
+        .map_err(keep_error(format!("write {}", swaps.display())))?;
+    let _ = fs::remove_file(samples);
+    Ok(())
 }
 
 /// The next build after `current`, cycling through the pool.
