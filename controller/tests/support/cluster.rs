@@ -1,9 +1,12 @@
 //! An in-memory API server for the whole controller: it answers lists,
-//! streams watch events, takes the controller's writes (keeping the
-//! resourceVersion precondition of a status apply) and holds a Lease. It is
-//! reachable through a mocked client or over real HTTP on loopback.
+//! streams watch events from the resourceVersion a watch asks for (as the
+//! real one does, so nothing written between a list and its watch is lost),
+//! takes the controller's writes (keeping the resourceVersion precondition of
+//! a status apply) and holds a Lease. A test can hold back one kind's watch
+//! events to play a lagging watch. It is reachable through a mocked client or
+//! over real HTTP on loopback.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -51,11 +54,21 @@ impl Kind {
     }
 }
 
+/// One open watch: where it stands in its kind's history.
+struct Watch {
+    sender: mpsc::UnboundedSender<Chunk>,
+    sent_up_to: u64,
+}
+
 /// What the fake holds and saw.
 #[derive(Default)]
 pub struct Cluster {
     objects: BTreeMap<Kind, BTreeMap<String, Value>>,
-    watchers: BTreeMap<Kind, Vec<mpsc::UnboundedSender<Chunk>>>,
+    /// Every change of each kind as a watch event line, by resourceVersion.
+    history: BTreeMap<Kind, Vec<(u64, Bytes)>>,
+    watchers: BTreeMap<Kind, Vec<Watch>>,
+    /// Kinds whose watches are held back (their events are kept).
+    held: BTreeSet<Kind>,
     resource_version: u64,
     /// Every genswap write the controller sent, as "METHOD path".
     pub writes: Vec<String>,
@@ -90,11 +103,41 @@ impl Cluster {
         let mut line =
             serde_json::to_vec(&json!({"type": event_type, "object": object})).expect("serializes");
         line.push(b'\n');
-        let line = Bytes::from(line);
-        self.watchers
+        self.history
             .entry(kind)
             .or_default()
-            .retain(|watcher| watcher.unbounded_send(Ok(line.clone())).is_ok());
+            .push((self.resource_version, Bytes::from(line)));
+        self.deliver(kind);
+    }
+
+    /// Holds back `kind`'s watch events: lists stay current, watches lag.
+    pub fn hold_watch(&mut self, kind: Kind) {
+        self.held.insert(kind);
+    }
+
+    /// Delivers everything held back for `kind`, and from then on at once.
+    pub fn release_watch(&mut self, kind: Kind) {
+        self.held.remove(&kind);
+        self.deliver(kind);
+    }
+
+    /// Sends each open watch of `kind` the events it has not had yet.
+    fn deliver(&mut self, kind: Kind) {
+        if self.held.contains(&kind) {
+            return;
+        }
+        let history = self.history.get(&kind).map(Vec::as_slice).unwrap_or(&[]);
+        self.watchers.entry(kind).or_default().retain_mut(|watch| {
+            for (version, line) in history {
+                if *version > watch.sent_up_to {
+                    if watch.sender.unbounded_send(Ok(line.clone())).is_err() {
+                        return false;
+                    }
+                    watch.sent_up_to = *version;
+                }
+            }
+            true
+        });
     }
 
     pub fn get(&self, kind: Kind, name: &str) -> Option<Value> {
@@ -175,9 +218,24 @@ impl Cluster {
     }
 
     fn list_or_watch(&mut self, kind: Kind, query: &str) -> Response<ResponseBody> {
-        if query.split('&').any(|p| p == "watch=true") {
+        let params: Vec<(&str, &str)> = query
+            .split('&')
+            .filter_map(|pair| pair.split_once('='))
+            .collect();
+        if params.contains(&("watch", "true")) {
+            // From the version asked for; "0" or none means from now.
+            let sent_up_to = params
+                .iter()
+                .find(|(key, _)| *key == "resourceVersion")
+                .and_then(|(_, version)| version.parse().ok())
+                .filter(|version| *version > 0)
+                .unwrap_or(self.resource_version);
             let (sender, receiver) = mpsc::unbounded();
-            self.watchers.entry(kind).or_default().push(sender);
+            self.watchers
+                .entry(kind)
+                .or_default()
+                .push(Watch { sender, sent_up_to });
+            self.deliver(kind);
             return Response::builder()
                 .status(StatusCode::OK)
                 .header(http::header::CONTENT_TYPE, "application/json")
