@@ -180,6 +180,7 @@ pub async fn apply_plan(
         }
         match create_attempt(&attempts, attempt).await {
             Ok(()) => {
+                ctx.note_created(ig, &attempt.name_any());
                 done.created += 1;
                 ctx.metrics
                     .attempt_issued(attempt.spec.cause, attempt.spec.mode);

@@ -4,7 +4,9 @@
 //! Nodes, now) -> [`scheduler::Plan`]. Everything else adapts it to the API
 //! server, as a pipeline a reader can follow:
 //!
-//! - [`observe`]: the reads (watch caches, no requests);
+//! - [`observe`]: the reads (watch caches, no requests), planned from only
+//!   once [`cache_sync`] says the caches have listed and [`expectations`]
+//!   says they show this replica's own creates;
 //! - [`scheduler`]: the plan (pure);
 //! - [`apply`]: the writes, in the order that keeps revisions unique;
 //! - [`reconciler`]: one reconcile, read → plan → apply, and its error policy;
@@ -15,7 +17,9 @@
 #![forbid(unsafe_code)]
 
 pub mod apply;
+pub mod cache_sync;
 pub mod cli;
+pub mod expectations;
 pub mod http;
 pub mod leader;
 pub mod metrics;

@@ -41,6 +41,34 @@ struct OutcomeLabels {
     mode: String,
 }
 
+/// Labels of `plans_deferred_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DeferLabels {
+    reason: String,
+}
+
+/// Why a reconcile put off planning until its caches caught up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Deferral {
+    /// The SwapAttempt or Node cache had not finished its first list.
+    CachesSyncing,
+    /// The cached InstanceGeneration predates this replica's own status write.
+    OwnStatusUnseen,
+    /// The attempt cache lacks an attempt this replica created.
+    OwnCreateUnseen,
+}
+
+impl Deferral {
+    /// The `reason` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Deferral::CachesSyncing => "caches_syncing",
+            Deferral::OwnStatusUnseen => "own_status_unseen",
+            Deferral::OwnCreateUnseen => "own_create_unseen",
+        }
+    }
+}
+
 /// The controller's metrics and the registry that exposes them.
 #[derive(Debug)]
 pub struct Metrics {
@@ -49,6 +77,7 @@ pub struct Metrics {
     reconcile_errors: Family<ErrorLabels, Counter>,
     attempts_issued: Family<AttemptLabels, Counter>,
     outcomes: Family<OutcomeLabels, Counter>,
+    plans_deferred: Family<DeferLabels, Counter>,
     reconcile_duration: Histogram,
     leader: Gauge,
 }
@@ -67,6 +96,7 @@ impl Metrics {
         let reconcile_errors = Family::<ErrorLabels, Counter>::default();
         let attempts_issued = Family::<AttemptLabels, Counter>::default();
         let outcomes = Family::<OutcomeLabels, Counter>::default();
+        let plans_deferred = Family::<DeferLabels, Counter>::default();
         // 1 ms .. ~16 s: a reconcile is a few API calls at most.
         let reconcile_duration = Histogram::new(exponential_buckets(0.001, 2.0, 15));
         let leader = Gauge::default();
@@ -90,6 +120,11 @@ impl Metrics {
             "Attempt outcomes newly recorded in an InstanceGeneration's status, by outcome and mode",
             outcomes.clone(),
         );
+        registry.register(
+            "plans_deferred",
+            "Reconciles that put off planning until the watch caches caught up, by reason",
+            plans_deferred.clone(),
+        );
         registry.register_with_unit(
             "reconcile_duration",
             "Time one reconcile took, reads and writes included",
@@ -107,6 +142,7 @@ impl Metrics {
             reconcile_errors,
             attempts_issued,
             outcomes,
+            plans_deferred,
             reconcile_duration,
             leader,
         }
@@ -158,6 +194,15 @@ impl Metrics {
             .inc();
     }
 
+    /// Counts one reconcile that put off planning.
+    pub fn plan_deferred(&self, why: Deferral) {
+        self.plans_deferred
+            .get_or_create(&DeferLabels {
+                reason: why.label().to_string(),
+            })
+            .inc();
+    }
+
     /// Sets the leader gauge.
     pub fn set_leader(&self, leader: bool) {
         self.leader.set(i64::from(leader));
@@ -199,6 +244,7 @@ mod tests {
         metrics.reconcile_failed("conflict");
         metrics.attempt_issued(Cause::Install, Mode::Overlap);
         metrics.outcome_recorded(Outcome::Done, Mode::Hold);
+        metrics.plan_deferred(Deferral::OwnCreateUnseen);
         metrics.set_leader(true);
         let text = metrics.encode().expect("registry encodes");
         for line in [
@@ -206,6 +252,7 @@ mod tests {
             "genswap_controller_reconcile_errors_total{error=\"conflict\"} 1",
             "genswap_controller_attempts_issued_total{cause=\"install\",mode=\"overlap\"} 1",
             "genswap_controller_outcomes_total{outcome=\"done\",mode=\"hold\"} 1",
+            "genswap_controller_plans_deferred_total{reason=\"own_create_unseen\"} 1",
             "genswap_controller_reconcile_duration_seconds_count 1",
             "genswap_controller_leader 1",
         ] {

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use genswap_crds::{InstanceGeneration, SwapAttempt};
 use k8s_openapi::api::core::v1::{Node, ObjectReference};
@@ -19,8 +19,10 @@ use thiserror::Error;
 use tracing::{debug, info, warn};
 
 use crate::apply::{self, Applied, ApplyError, EVENT_ACTION, FIELD_MANAGER};
+use crate::cache_sync::CacheSync;
+use crate::expectations::{CaughtUp, Expectations, IgKey};
 use crate::leader::Leadership;
-use crate::metrics::Metrics;
+use crate::metrics::{Deferral, Metrics};
 use crate::observe;
 use crate::scheduler::{self, Plan};
 
@@ -40,9 +42,14 @@ pub type Clock = Arc<dyn Fn() -> Timestamp + Send + Sync>;
 /// with no event at all: a safety net under the watches.
 pub const RESYNC_PERIOD: Duration = Duration::from_secs(10 * 60);
 
-/// How soon to look again when the cache has not yet caught up with this
-/// replica's own status write (the watch event normally comes first).
+/// How soon to look again when the caches have not yet caught up with this
+/// replica's own writes (the watch event normally comes first and wakes the
+/// reconcile sooner).
 pub const CATCH_UP_RETRY: Duration = Duration::from_secs(1);
+
+/// How long a reconcile waits in place for the SwapAttempt and Node caches'
+/// first list before it gives its slot back and retries.
+pub const CACHE_SYNC_WAIT: Duration = Duration::from_secs(5);
 
 /// Reason of the Warning recorded on an InstanceGeneration the controller
 /// cannot read.
@@ -77,12 +84,16 @@ pub struct Context {
     pub attempts: Store<DeserializeGuard<SwapAttempt>>,
     /// Every Node, trimmed by [`observe::trim_node`].
     pub nodes: Store<Node>,
+    /// Whether those caches (and the IG cache) have had their first list.
+    pub caches: CacheSync,
+    /// Attempts this replica created that the attempt cache may not show yet.
+    pub expectations: Expectations,
     planner: Planner,
     clock: Clock,
     failures: Mutex<HashMap<ObjectRef<WatchedIg>, u32>>,
     /// Per IG (namespace, name), the resourceVersion this replica's last
     /// status write replaced: a cached IG still at it is known to be stale.
-    replaced: Mutex<HashMap<(String, String), String>>,
+    replaced: Mutex<HashMap<IgKey, String>>,
 }
 
 impl Context {
@@ -94,6 +105,7 @@ impl Context {
         leadership: Leadership,
         attempts: Store<DeserializeGuard<SwapAttempt>>,
         nodes: Store<Node>,
+        caches: CacheSync,
     ) -> Self {
         Self {
             client,
@@ -103,6 +115,8 @@ impl Context {
             field_manager: FIELD_MANAGER.to_string(),
             attempts,
             nodes,
+            caches,
+            expectations: Expectations::default(),
             planner: Arc::new(scheduler::plan),
             clock: Arc::new(Timestamp::now),
             failures: Mutex::new(HashMap::new()),
@@ -155,6 +169,25 @@ impl Context {
         }
     }
 
+    /// Records that our create of `attempt` for `ig` succeeded.
+    pub(crate) fn note_created(&self, ig: &InstanceGeneration, attempt: &str) {
+        self.expectations
+            .created(&key_of(ig), attempt, Instant::now());
+    }
+
+    /// Whether the attempt cache shows every attempt this replica created
+    /// for `ig`.
+    fn attempts_caught_up(&self, ig: &InstanceGeneration) -> CaughtUp {
+        let namespace = ig.namespace().unwrap_or_default();
+        let cached = |name: &str| {
+            self.attempts
+                .get(&ObjectRef::new(name).within(&namespace))
+                .is_some()
+        };
+        self.expectations
+            .caught_up(&key_of(ig), cached, Instant::now())
+    }
+
     fn clear_failures(&self, object: &ObjectRef<WatchedIg>) {
         self.failures
             .lock()
@@ -168,6 +201,11 @@ impl Context {
 /// A follower returns at once without planning: it has nothing to write,
 /// and becoming the leader re-plans every object. An object being deleted
 /// gets no new attempts (its attempts are garbage-collected with it).
+///
+/// Planning waits until the caches reflect everything this replica wrote:
+/// their first list, its own last status write, and every attempt it
+/// created. A plan from a cache behind those would issue a node a second
+/// attempt for a desired state it already has one for.
 pub async fn reconcile(
     object: Arc<WatchedIg>,
     ctx: Arc<Context>,
@@ -179,17 +217,16 @@ pub async fn reconcile(
     };
     if !ctx.leadership.is_leader() {
         debug!(ig = %ig.name_any(), "follower; not planning");
+        ctx.expectations.forget(&key_of(ig));
         return Ok(Action::await_change());
     }
     if ig.meta().deletion_timestamp.is_some() {
         debug!(ig = %ig.name_any(), "being deleted; not planning");
+        ctx.expectations.forget(&key_of(ig));
         return Ok(Action::await_change());
     }
-    if ctx.is_behind_own_write(ig) {
-        // Planning from it would only lose the reservation race to our own
-        // write; the watch event of that write re-triggers this IG.
-        debug!(ig = %ig.name_any(), "cache behind our own status write; waiting for it");
-        return Ok(Action::requeue(CATCH_UP_RETRY));
+    if let Some(retry) = wait_for_caches(ig, &ctx).await {
+        return Ok(retry);
     }
     let attempts = observe::attempts_of(ig, &ctx.attempts);
     let nodes = observe::nodes(&ctx.nodes);
@@ -206,7 +243,45 @@ pub async fn reconcile(
     }
 }
 
-fn key_of(ig: &InstanceGeneration) -> (String, String) {
+/// Waits for the caches to reflect this replica's writes; returns the
+/// requeue when planning must be put off.
+async fn wait_for_caches(ig: &InstanceGeneration, ctx: &Context) -> Option<Action> {
+    if !ctx.caches.all_synced()
+        && tokio::time::timeout(CACHE_SYNC_WAIT, ctx.caches.wait_all())
+            .await
+            .is_err()
+    {
+        debug!(ig = %ig.name_any(), "caches still on their first list; waiting");
+        ctx.metrics.plan_deferred(Deferral::CachesSyncing);
+        return Some(Action::requeue(CATCH_UP_RETRY));
+    }
+    if ctx.is_behind_own_write(ig) {
+        // Planning from it would only lose the reservation race to our own
+        // write; the watch event of that write re-triggers this IG.
+        debug!(ig = %ig.name_any(), "cache behind our own status write; waiting for it");
+        ctx.metrics.plan_deferred(Deferral::OwnStatusUnseen);
+        return Some(Action::requeue(CATCH_UP_RETRY));
+    }
+    match ctx.attempts_caught_up(ig) {
+        CaughtUp::Yes => None,
+        CaughtUp::Waiting { missing } => {
+            // The watch event of each create re-triggers this IG.
+            debug!(ig = %ig.name_any(), ?missing, "attempt cache behind our own creates; waiting for it");
+            ctx.metrics.plan_deferred(Deferral::OwnCreateUnseen);
+            Some(Action::requeue(CATCH_UP_RETRY))
+        }
+        CaughtUp::GaveUp { missing } => {
+            warn!(
+                ig = %ig.name_any(),
+                ?missing,
+                "attempts this replica created never reached its cache; planning without them"
+            );
+            None
+        }
+    }
+}
+
+fn key_of(ig: &InstanceGeneration) -> IgKey {
     (ig.namespace().unwrap_or_default(), ig.name_any())
 }
 

@@ -1,7 +1,7 @@
 //! The kube-runtime wiring: one watch per resource, each feeding both a
 //! cache the reconciler reads and the triggers that wake it.
 //!
-//! - InstanceGenerations: the Controller's own watch and store.
+//! - InstanceGenerations: the Controller's trigger stream and store.
 //! - SwapAttempts (label [`LABEL_INSTANCE`]): a reflector whose events map to
 //!   their owner IG (`owns`), so an agent's outcome re-plans its IG.
 //! - Nodes: a reflector of trimmed Nodes; a label change, add or delete
@@ -9,7 +9,8 @@
 //! - Becoming the leader re-plans every IG.
 //!
 //! Sharing one watch between cache and trigger means the reconcile an event
-//! wakes already sees that event in the cache.
+//! wakes already sees that event in the cache. Each stream also reports its
+//! first full list to [`CacheSync`], which gates planning and `/readyz`.
 
 use std::sync::Arc;
 
@@ -24,6 +25,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use tracing::{debug, info, warn};
 
+use crate::cache_sync::{Cache, CacheSync};
 use crate::http::Readiness;
 use crate::leader::Leadership;
 use crate::metrics::Metrics;
@@ -61,11 +63,22 @@ pub async fn run_controller(
     let attempts: Api<DeserializeGuard<SwapAttempt>> =
         scoped(&watch_client, settings.namespace.as_deref());
     let nodes: Api<Node> = Api::all(watch_client.clone());
+    let caches = CacheSync::new();
+
+    let (ig_store, ig_writer) = reflector::store();
+    let ig_events = watcher(igs, watcher::Config::default())
+        .default_backoff()
+        .reflect(ig_writer);
+    let ig_events = caches
+        .track(Cache::InstanceGenerations, ig_events)
+        .applied_objects();
 
     let (attempt_store, attempt_writer) = reflector::store();
     let attempt_events = watcher(attempts, watcher::Config::default().labels(LABEL_INSTANCE))
         .default_backoff()
-        .reflect(attempt_writer)
+        .reflect(attempt_writer);
+    let attempt_events = caches
+        .track(Cache::SwapAttempts, attempt_events)
         .touched_objects();
 
     let (node_store, node_writer) = reflector::store();
@@ -73,16 +86,11 @@ pub async fn run_controller(
         .default_backoff()
         .modify(trim_node)
         .reflect(node_writer);
+    let node_events = caches.track(Cache::Nodes, node_events);
 
-    let controller = Controller::new(igs, watcher::Config::default())
+    let controller = Controller::for_stream(ig_events, ig_store.clone())
         .with_config(controller::Config::default().concurrency(settings.concurrency));
-    let ig_store = controller.store();
-    tokio::spawn(mark_ready_when_synced(
-        readiness,
-        ig_store.clone(),
-        attempt_store.clone(),
-        node_store.clone(),
-    ));
+    tokio::spawn(mark_ready_when_synced(readiness, caches.clone()));
 
     let reporter = Reporter {
         controller: CONTROLLER_NAME.to_string(),
@@ -95,6 +103,7 @@ pub async fn run_controller(
         leadership.clone(),
         attempt_store,
         node_store,
+        caches,
     ));
 
     info!(
@@ -155,23 +164,8 @@ fn node_triggers(
         })
 }
 
-async fn mark_ready_when_synced(
-    readiness: Readiness,
-    igs: Store<WatchedIg>,
-    attempts: Store<DeserializeGuard<SwapAttempt>>,
-    nodes: Store<Node>,
-) {
-    let synced = tokio::try_join!(
-        igs.wait_until_ready(),
-        attempts.wait_until_ready(),
-        nodes.wait_until_ready()
-    );
-    match synced {
-        Ok(_) => {
-            info!("watch caches synced");
-            readiness.set_ready();
-        }
-        // The controller stopped before its caches filled.
-        Err(error) => debug!(%error, "caches never synced"),
-    }
+async fn mark_ready_when_synced(readiness: Readiness, caches: CacheSync) {
+    caches.wait_all().await;
+    info!("watch caches synced");
+    readiness.set_ready();
 }

@@ -102,14 +102,6 @@ async fn until_get(addr: SocketAddr, path: &str, what: &str, accept: impl Fn(u16
     }
 }
 
-// Quarantined: about one run in six the controller plans from a SwapAttempt
-// cache that has not yet seen the attempt it just created (its own status
-// event arrives first on the other watch) and issues the node another
-// attempt; this test's fake server, which drops writes made between a list
-// and its watch, makes that likelier. Revisions stay unique, but a node must
-// get one attempt per desired state. Run it with
-// `cargo test -p controller --test adapter_binary -- --ignored`.
-#[ignore = "flaky until the controller waits for its own creates in the attempt cache"]
 #[tokio::test]
 async fn the_binary_leads_issues_serves_and_exits_cleanly_on_sigterm() {
     let cluster = seeded();

@@ -1,6 +1,6 @@
 //! The whole Controller (watches, caches, triggers, leadership, readiness,
 //! shutdown) with the real scheduler, against an in-memory API server that
-//! answers lists and streams watch events.
+//! answers lists and streams watch events, on time or late.
 
 mod support;
 
@@ -13,7 +13,7 @@ use genswap_controller::metrics::Metrics;
 use genswap_controller::run::{Settings, run_controller};
 use genswap_controller::shutdown;
 use serde_json::json;
-use support::cluster::{Kind, NS, client, eventually, lock, node, seeded};
+use support::cluster::{Cluster, Kind, NS, Shared, client, eventually, lock, node, seeded};
 
 const DEADLINE: Duration = Duration::from_secs(30);
 
@@ -126,6 +126,109 @@ async fn the_controller_follows_its_watches_and_writes_only_as_leader() {
         text.contains("genswap_controller_outcomes_total{outcome=\"done\",mode=\"overlap\"} 1"),
         "{text}"
     );
+
+    stop.fire();
+    tokio::time::timeout(DEADLINE, controller)
+        .await
+        .expect("the controller stops on shutdown")
+        .expect("controller task joined");
+}
+
+/// The number on `line` of the metrics text (a counter's sample), or 0.
+fn sample(metrics: &Metrics, line_prefix: &str) -> f64 {
+    metrics
+        .encode()
+        .expect("metrics encode")
+        .lines()
+        .find_map(|line| line.strip_prefix(line_prefix)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn attempts_on(cluster: &Cluster, node: &str) -> Vec<String> {
+    cluster
+        .all(Kind::Attempt)
+        .iter()
+        .filter(|a| a["spec"]["nodeName"] == node)
+        .filter_map(|a| a["metadata"]["name"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// Polls `condition` on the metrics until it holds or the deadline passes.
+async fn until_metrics(what: &str, metrics: &Metrics, condition: impl Fn(&Metrics) -> bool) {
+    let until = tokio::time::Instant::now() + DEADLINE;
+    while !condition(metrics) {
+        assert!(
+            tokio::time::Instant::now() < until,
+            "timed out waiting: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_lagging_attempt_watch_never_gets_a_node_a_second_attempt() {
+    let cluster: Shared = seeded();
+    let metrics = Arc::new(Metrics::new());
+    let leadership = Leadership::follower(metrics.clone());
+    leadership.set(true);
+    let (stop, stopped) = shutdown::channel();
+    // The attempt watch lags from the start: the controller's create comes
+    // back on the IG watch (its status write) long before on this one.
+    lock(&cluster).hold_watch(Kind::Attempt);
+    let controller = tokio::spawn(run_controller(
+        client(&cluster),
+        client(&cluster),
+        Settings {
+            namespace: Some(NS.into()),
+            identity: "replica-a".into(),
+            concurrency: 4,
+        },
+        metrics.clone(),
+        leadership.clone(),
+        Readiness::default(),
+        stopped.wait(),
+    ));
+
+    eventually("the canary attempt on n1", &cluster, DEADLINE, |c| {
+        c.get(Kind::Attempt, "web-n1-1").is_some()
+    })
+    .await;
+    // The status event of that write woke the IG again; it must wait for
+    // its own create instead of planning from a cache without it, which
+    // would issue n1 another attempt.
+    until_metrics("a plan put off, or a second attempt", &metrics, |m| {
+        sample(
+            m,
+            "genswap_controller_plans_deferred_total{reason=\"own_create_unseen\"}",
+        ) >= 1.0
+            || attempts_on(&lock(&cluster), "n1").len() > 1
+    })
+    .await;
+    assert_eq!(attempts_on(&lock(&cluster), "n1"), ["web-n1-1"]);
+
+    // The watch catches up and the canary reports done: the next revision
+    // goes to n2, and n1 still has exactly the one attempt.
+    lock(&cluster).release_watch(Kind::Attempt);
+    {
+        let mut c = lock(&cluster);
+        let mut canary = c.get(Kind::Attempt, "web-n1-1").expect("canary exists");
+        canary["status"] = json!({"outcome": "done", "effectiveMode": "overlap", "generation": 1, "executed": true});
+        c.put(Kind::Attempt, canary, false);
+    }
+    eventually("the attempt on n2", &cluster, DEADLINE, |c| {
+        c.get(Kind::Attempt, "web-n2-2").is_some()
+    })
+    .await;
+    {
+        let c = lock(&cluster);
+        assert_eq!(attempts_on(&c, "n1"), ["web-n1-1"]);
+        assert_eq!(attempts_on(&c, "n2"), ["web-n2-2"]);
+        assert_eq!(
+            c.get(Kind::Ig, "web").expect("the IG")["status"]["schedRev"],
+            2,
+            "one revision per attempt, none for a duplicate"
+        );
+    }
 
     stop.fire();
     tokio::time::timeout(DEADLINE, controller)

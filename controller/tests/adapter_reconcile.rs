@@ -8,9 +8,10 @@ mod support;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use genswap_controller::cache_sync::{Cache, CacheSync};
 use genswap_controller::metrics::Metrics;
 use genswap_controller::reconciler::{
-    CATCH_UP_RETRY, RESYNC_PERIOD, backoff_delay, error_policy, reconcile,
+    CATCH_UP_RETRY, Planner, RESYNC_PERIOD, backoff_delay, error_policy, reconcile,
 };
 use genswap_controller::scheduler::Plan;
 use genswap_crds::InstanceGenerationStatus;
@@ -82,6 +83,106 @@ async fn a_cache_still_behind_our_own_write_is_not_planned_from() {
         .await
         .expect("waiting for the cache is not an error");
     assert_eq!(action, Action::requeue(CATCH_UP_RETRY));
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+/// A planner that hands out `plans` in turn (the last one from then on)
+/// and counts how often it was consulted.
+fn counting_planner(plans: Vec<Plan>) -> (Planner, Arc<Mutex<usize>>) {
+    let calls = Arc::new(Mutex::new(0));
+    let counter = calls.clone();
+    let planner: Planner = Arc::new(move |_: &_, _: &[_], _: &[_], _| {
+        let mut calls = counter.lock().expect("counter lock");
+        let plan = plans[(*calls).min(plans.len() - 1)].clone();
+        *calls += 1;
+        plan
+    });
+    (planner, calls)
+}
+
+fn calls(counter: &Arc<Mutex<usize>>) -> usize {
+    *counter.lock().expect("counter lock")
+}
+
+#[tokio::test]
+async fn a_cache_without_our_own_create_is_not_planned_from() {
+    let settled = Plan {
+        status: status(5),
+        ..Plan::default()
+    };
+    let (planner, planned) = counting_planner(vec![issuing_plan(), settled]);
+    let (mut h, verifier) = harness(planner, true);
+    let scenario = verifier.run(Scenario::Apply {
+        ig: ig("100", Some(status(4))),
+        plan: issuing_plan(),
+    });
+    reconcile(watched(ig("100", Some(status(4)))), h.ctx.clone())
+        .await
+        .expect("the first reconcile issues web-n1-5");
+
+    // The watch brought our status write back before our create: the IG
+    // says schedRev 5, the attempt cache has nothing. Planning now would
+    // give n1 a second attempt for the same desired state.
+    let action = reconcile(watched(ig("101", Some(status(5)))), h.ctx.clone())
+        .await
+        .expect("waiting for the cache is not an error");
+    assert_eq!(action, Action::requeue(CATCH_UP_RETRY));
+    assert_eq!(calls(&planned), 1, "the planner was not consulted");
+    assert!(metric_line(
+        &h.metrics,
+        "genswap_controller_plans_deferred_total{reason=\"own_create_unseen\"} 1"
+    ));
+
+    // The create's watch event lands: planning resumes, and sees it.
+    h.add_attempt(attempt("n1", 5));
+    let action = reconcile(watched(ig("101", Some(status(5)))), h.ctx.clone())
+        .await
+        .expect("reconcile succeeds");
+    assert_eq!(action, Action::requeue(RESYNC_PERIOD));
+    assert_eq!(calls(&planned), 2, "planned once the cache caught up");
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn planning_waits_for_the_attempt_and_node_caches_first_list() {
+    let settled = Plan {
+        status: status(4),
+        ..Plan::default()
+    };
+    let (planner, planned) = counting_planner(vec![settled]);
+    let caches = CacheSync::new();
+    // kube-runtime starts reconciling once the IG cache alone is ready.
+    caches.mark(Cache::InstanceGenerations);
+    let (h, verifier) = harness_with_caches(planner, true, caches.clone());
+    let scenario = verifier.run(Scenario::RadioSilence);
+
+    // Neither cache ever lists: the reconcile gives up its slot and retries.
+    let action = reconcile(watched(ig("100", Some(status(4)))), h.ctx.clone())
+        .await
+        .expect("waiting for the caches is not an error");
+    assert_eq!(action, Action::requeue(CATCH_UP_RETRY));
+    assert_eq!(calls(&planned), 0, "nothing planned from empty caches");
+    assert!(metric_line(
+        &h.metrics,
+        "genswap_controller_plans_deferred_total{reason=\"caches_syncing\"} 1"
+    ));
+
+    // The caches list while a reconcile waits: it plans at once.
+    let waiting = tokio::spawn(reconcile(
+        watched(ig("100", Some(status(4)))),
+        h.ctx.clone(),
+    ));
+    tokio::task::yield_now().await;
+    caches.mark(Cache::SwapAttempts);
+    caches.mark(Cache::Nodes);
+    let action = waiting
+        .await
+        .expect("reconcile task ran")
+        .expect("reconcile succeeds");
+    assert_eq!(action, Action::requeue(RESYNC_PERIOD));
+    assert_eq!(calls(&planned), 1);
     drop(h.ctx);
     finish(scenario).await;
 }

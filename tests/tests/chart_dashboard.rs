@@ -79,6 +79,7 @@ fn controller_exposition() -> String {
     metrics.reconcile_failed("conflict");
     metrics.attempt_issued(Cause::Release, Mode::Overlap);
     metrics.outcome_recorded(Outcome::Done, Mode::Overlap);
+    metrics.plan_deferred(genswap_controller::metrics::Deferral::OwnCreateUnseen);
     metrics.set_leader(true);
     metrics.encode().expect("the controller's metrics encode")
 }

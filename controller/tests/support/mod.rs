@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use genswap_controller::apply::FIELD_MANAGER;
+use genswap_controller::cache_sync::CacheSync;
 use genswap_controller::leader::Leadership;
 use genswap_controller::metrics::Metrics;
 use genswap_controller::reconciler::{Context, Planner, WatchedIg};
@@ -134,8 +135,18 @@ pub struct Harness {
     pub nodes: Writer<Node>,
 }
 
-/// A context over a mocked API server, and that server's side.
+/// A context over a mocked API server, and that server's side. The test
+/// fills the caches itself, so they count as synced.
 pub fn harness(planner: Planner, leader: bool) -> (Harness, ApiServerVerifier) {
+    harness_with_caches(planner, leader, CacheSync::all_marked())
+}
+
+/// [`harness`] with the test in charge of which caches have synced.
+pub fn harness_with_caches(
+    planner: Planner,
+    leader: bool,
+    caches: CacheSync,
+) -> (Harness, ApiServerVerifier) {
     let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, NAMESPACE);
     let metrics = Arc::new(Metrics::new());
@@ -153,6 +164,7 @@ pub fn harness(planner: Planner, leader: bool) -> (Harness, ApiServerVerifier) {
         leadership.clone(),
         attempt_store,
         node_store,
+        caches,
     )
     .with_planner(planner)
     .with_clock(Arc::new(fixed_now));
