@@ -12,7 +12,6 @@ use genswap_controller::leader::Leadership;
 use genswap_controller::metrics::Metrics;
 use genswap_controller::run::{Settings, run_controller};
 use genswap_controller::shutdown;
-use serde_json::json;
 use support::cluster::{Cluster, Kind, NS, Shared, client, eventually, lock, node, seeded};
 
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -23,29 +22,9 @@ async fn the_controller_follows_its_watches_and_writes_only_as_leader() {
     let metrics = Arc::new(Metrics::new());
     let leadership = Leadership::follower(metrics.clone());
     let readiness = Readiness::default();
-    let (stop, stopped) = shutdown::channel();
-    let controller = tokio::spawn(run_controller(
-        client(&cluster),
-        client(&cluster),
-        Settings {
-            namespace: Some(NS.into()),
-            identity: "replica-a".into(),
-            concurrency: 4,
-        },
-        metrics.clone(),
-        leadership.clone(),
-        readiness.clone(),
-        stopped.wait(),
-    ));
+    let (stop, controller) = start(&cluster, &metrics, &leadership, &readiness);
 
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while !readiness.is_ready() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "caches never synced"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    support::poll_until("caches synced", DEADLINE, || readiness.is_ready()).await;
     assert!(
         lock(&cluster).writes.is_empty(),
         "a follower with synced caches has written nothing"
@@ -71,12 +50,7 @@ async fn the_controller_follows_its_watches_and_writes_only_as_leader() {
 
     // The agent reports the canary done: its watch event re-plans the IG,
     // which records the outcome and issues the next node.
-    {
-        let mut c = lock(&cluster);
-        let mut attempt = c.get(Kind::Attempt, "web-n1-1").expect("canary exists");
-        attempt["status"] = json!({"outcome": "done", "effectiveMode": "overlap", "generation": 1, "executed": true});
-        c.put(Kind::Attempt, attempt, false);
-    }
+    lock(&cluster).report_done("web-n1-1", 1);
     eventually("the attempt on n2", &cluster, DEADLINE, |c| {
         c.get(Kind::Attempt, "web-n2-2").is_some()
     })
@@ -127,11 +101,7 @@ async fn the_controller_follows_its_watches_and_writes_only_as_leader() {
         "{text}"
     );
 
-    stop.fire();
-    tokio::time::timeout(DEADLINE, controller)
-        .await
-        .expect("the controller stops on shutdown")
-        .expect("controller task joined");
+    stop_and_join(stop, controller).await;
 }
 
 /// The number on `line` of the metrics text (a counter's sample), or 0.
@@ -155,14 +125,41 @@ fn attempts_on(cluster: &Cluster, node: &str) -> Vec<String> {
 
 /// Polls `condition` on the metrics until it holds or the deadline passes.
 async fn until_metrics(what: &str, metrics: &Metrics, condition: impl Fn(&Metrics) -> bool) {
-    let until = tokio::time::Instant::now() + DEADLINE;
-    while !condition(metrics) {
-        assert!(
-            tokio::time::Instant::now() < until,
-            "timed out waiting: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    support::poll_until(what, DEADLINE, || condition(metrics)).await;
+}
+
+/// The controller running as `replica-a` against `cluster`, until the
+/// returned switch is fired.
+fn start(
+    cluster: &Shared,
+    metrics: &Arc<Metrics>,
+    leadership: &Leadership,
+    readiness: &Readiness,
+) -> (shutdown::Trigger, tokio::task::JoinHandle<()>) {
+    let (stop, stopped) = shutdown::channel();
+    let controller = tokio::spawn(run_controller(
+        client(cluster),
+        client(cluster),
+        Settings {
+            namespace: Some(NS.into()),
+            identity: "replica-a".into(),
+            concurrency: 4,
+        },
+        metrics.clone(),
+        leadership.clone(),
+        readiness.clone(),
+        stopped.wait(),
+    ));
+    (stop, controller)
+}
+
+/// Fires `stop` and waits for the controller to return.
+async fn stop_and_join(stop: shutdown::Trigger, controller: tokio::task::JoinHandle<()>) {
+    stop.fire();
+    tokio::time::timeout(DEADLINE, controller)
+        .await
+        .expect("the controller stops on shutdown")
+        .expect("controller task joined");
 }
 
 #[tokio::test]
@@ -171,23 +168,10 @@ async fn a_lagging_attempt_watch_never_gets_a_node_a_second_attempt() {
     let metrics = Arc::new(Metrics::new());
     let leadership = Leadership::follower(metrics.clone());
     leadership.set(true);
-    let (stop, stopped) = shutdown::channel();
     // The attempt watch lags from the start: the controller's create comes
     // back on the IG watch (its status write) long before on this one.
     lock(&cluster).hold_watch(Kind::Attempt);
-    let controller = tokio::spawn(run_controller(
-        client(&cluster),
-        client(&cluster),
-        Settings {
-            namespace: Some(NS.into()),
-            identity: "replica-a".into(),
-            concurrency: 4,
-        },
-        metrics.clone(),
-        leadership.clone(),
-        Readiness::default(),
-        stopped.wait(),
-    ));
+    let (stop, controller) = start(&cluster, &metrics, &leadership, &Readiness::default());
 
     eventually("the canary attempt on n1", &cluster, DEADLINE, |c| {
         c.get(Kind::Attempt, "web-n1-1").is_some()
@@ -209,12 +193,7 @@ async fn a_lagging_attempt_watch_never_gets_a_node_a_second_attempt() {
     // The watch catches up and the canary reports done: the next revision
     // goes to n2, and n1 still has exactly the one attempt.
     lock(&cluster).release_watch(Kind::Attempt);
-    {
-        let mut c = lock(&cluster);
-        let mut canary = c.get(Kind::Attempt, "web-n1-1").expect("canary exists");
-        canary["status"] = json!({"outcome": "done", "effectiveMode": "overlap", "generation": 1, "executed": true});
-        c.put(Kind::Attempt, canary, false);
-    }
+    lock(&cluster).report_done("web-n1-1", 1);
     eventually("the attempt on n2", &cluster, DEADLINE, |c| {
         c.get(Kind::Attempt, "web-n2-2").is_some()
     })
@@ -230,9 +209,5 @@ async fn a_lagging_attempt_watch_never_gets_a_node_a_second_attempt() {
         );
     }
 
-    stop.fire();
-    tokio::time::timeout(DEADLINE, controller)
-        .await
-        .expect("the controller stops on shutdown")
-        .expect("controller task joined");
+    stop_and_join(stop, controller).await;
 }

@@ -2,6 +2,8 @@
 //! one replica leads, a leader cut off from the API server steps down on its
 //! first failed renewal, the other takes over, and shutdown releases.
 
+mod support;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -174,14 +176,7 @@ fn settings(identity: &str) -> LeaseSettings {
 
 /// Polls `condition` until it holds or the deadline passes.
 async fn eventually(what: &str, condition: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while !condition() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    support::poll_until(what, DEADLINE, condition).await;
 }
 
 #[tokio::test]

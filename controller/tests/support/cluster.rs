@@ -151,6 +151,21 @@ impl Cluster {
             .unwrap_or_default()
     }
 
+    /// Writes what a node agent reports when `attempt` ended `done` as
+    /// generation `generation`.
+    pub fn report_done(&mut self, attempt: &str, generation: i64) {
+        let mut object = self
+            .get(Kind::Attempt, attempt)
+            .expect("the attempt exists");
+        object["status"] = json!({
+            "outcome": "done",
+            "effectiveMode": "overlap",
+            "generation": generation,
+            "executed": true,
+        });
+        self.put(Kind::Attempt, object, false);
+    }
+
     /// The Lease's holder, if any.
     pub fn lease_holder(&self) -> Option<String> {
         self.get(Kind::Lease, LEASE)?["spec"]["holderIdentity"]
@@ -437,15 +452,5 @@ pub async fn eventually(
     deadline: std::time::Duration,
     condition: impl Fn(&Cluster) -> bool,
 ) {
-    let until = tokio::time::Instant::now() + deadline;
-    loop {
-        if condition(&lock(cluster)) {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < until,
-            "timed out waiting: {what}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    super::poll_until(what, deadline, || condition(&lock(cluster))).await;
 }

@@ -34,6 +34,19 @@ pub const SHA: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa
 /// Every request of a test must arrive within this; generous on purpose.
 pub const DEADLINE: Duration = Duration::from_secs(20);
 
+/// Polls `condition` every 20 ms until it holds; fails the test once
+/// `deadline` has passed without it.
+pub async fn poll_until(what: &str, deadline: Duration, mut condition: impl FnMut() -> bool) {
+    let until = tokio::time::Instant::now() + deadline;
+    while !condition() {
+        assert!(
+            tokio::time::Instant::now() < until,
+            "timed out waiting: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// An InstanceGeneration as the cache holds it.
 pub fn ig(resource_version: &str, status: Option<InstanceGenerationStatus>) -> InstanceGeneration {
     let mut ig: InstanceGeneration = serde_json::from_value(json!({
