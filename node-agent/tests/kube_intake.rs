@@ -14,82 +14,24 @@ mod kube_support;
 #[path = "support/swap_host.rs"]
 mod swap_host;
 
-use genswap_crds::{Cause, InstanceKind, Mode, Outcome, SwapAttemptSpec};
+use genswap_crds::{Cause, InstanceKind, Mode, Outcome};
 use http::{Method, StatusCode};
 use kube_node::TestNode;
 use kube_support::{
-    ApiServerVerifier, GROUP_PATH, NAMESPACE, WatchFeed, attempt_object, condition, eventually,
-    mock_client, plain_spec, start_agent, test_config,
+    ALL_ATTEMPTS, GROUP_PATH, NAMESPACE, condition, eventually, fresh_read, list_and_watch,
+    mock_client, name, object, outcome_status, plain_spec, running_status, start_agent,
+    test_config, unexpected,
 };
 use node_agent::gate::{AttemptGate, AttemptId, GatePoint, GateRefusal};
 use node_agent::journal::{AttemptRef, OutcomeRecord, Record};
 use node_agent::ownership::NodeLock;
-use serde_json::{Value, json};
-
-const ALL_ATTEMPTS: &str = "/apis/genswap.dev/v1alpha1/swapattempts";
-
-fn name(instance: &str, rev: i64) -> String {
-    format!("{instance}-{}-{rev}", kube_support::NODE)
-}
-
-fn object(spec: &SwapAttemptSpec) -> Value {
-    attempt_object(NAMESPACE, &name(&spec.instance, spec.sched_rev), spec, None)
-}
-
-/// The list and the watch, answered with `items` and an open stream.
-async fn list_and_watch(server: &mut ApiServerVerifier, items: &[Value]) -> WatchFeed {
-    server.expect_list(ALL_ATTEMPTS, items).await;
-    let (_, feed) = server.expect_watch(ALL_ATTEMPTS).await;
-    feed
-}
-
-/// The fresh read before a run, answered with `object`.
-async fn fresh_read(server: &mut ApiServerVerifier, object: &Value) {
-    let name = object["metadata"]["name"].as_str().expect("a name");
-    server
-        .expect_get(NAMESPACE, name)
-        .await
-        .respond_json(StatusCode::OK, object);
-}
-
-/// The running status of `object`, checked and accepted.
-async fn running_status(server: &mut ApiServerVerifier, object: &Value) {
-    let name = object["metadata"]["name"].as_str().expect("a name");
-    let write = server.expect_running_patch(NAMESPACE, name).await;
-    let status = write.request.body["status"].clone();
-    assert!(status["startedAt"].is_string(), "{status:#}");
-    assert_eq!(condition(&status, "Reconciling")["status"], "True");
-    write.respond_json(StatusCode::OK, object);
-}
-
-/// The outcome written for `object`, accepted; returns its status.
-async fn outcome_status(server: &mut ApiServerVerifier, object: &Value) -> Value {
-    let name = object["metadata"]["name"].as_str().expect("a name");
-    let write = server.expect_outcome_patch(NAMESPACE, name).await;
-    assert_eq!(
-        write.request.query.get("fieldManager").map(String::as_str),
-        Some("genswap-node-agent")
-    );
-    let status = write.request.body["status"].clone();
-    write.respond_json(StatusCode::OK, object);
-    status
-}
-
-/// Every request the agent sent that no step of the test asked for.
-async fn unexpected(server: ApiServerVerifier) -> Vec<String> {
-    server.remaining().await.iter().map(|r| r.line()).collect()
-}
+use serde_json::json;
 
 #[tokio::test]
 async fn the_list_and_the_watch_ask_only_for_this_nodes_attempts() {
     let node = TestNode::new("kube-selector");
     let (client, mut server) = mock_client();
-    let agent = start_agent(
-        client,
-        node.engine.clone(),
-        node.gate.clone(),
-        test_config(&node.lock_path),
-    );
+    let agent = node.start_agent(client);
     let list = server.expect_list(ALL_ATTEMPTS, &[]).await;
     assert_eq!(list.method, Method::GET);
     assert!(
@@ -135,12 +77,7 @@ async fn an_attempt_runs_on_the_engine_and_its_outcome_is_applied_then_acknowled
     let b1 = node.build("b1");
     let install = object(&node.spec("web", 1, &b1, "b1"));
     let (client, mut server) = mock_client();
-    let agent = start_agent(
-        client,
-        node.engine.clone(),
-        node.gate.clone(),
-        test_config(&node.lock_path),
-    );
+    let agent = node.start_agent(client);
     let _feed = list_and_watch(&mut server, std::slice::from_ref(&install)).await;
     fresh_read(&mut server, &install).await;
     running_status(&mut server, &install).await;
@@ -224,12 +161,7 @@ async fn finished_attempts_never_run_again_and_the_journal_is_delivered_first() 
     let db1 = object(&plain_spec("db", 1));
 
     let (client, mut server) = mock_client();
-    let agent = start_agent(
-        client,
-        node.engine.clone(),
-        node.gate.clone(),
-        test_config(&node.lock_path),
-    );
+    let agent = node.start_agent(client);
     let _feed = list_and_watch(&mut server, &[web1.clone(), web2.clone(), db1.clone()]).await;
     let delivered = outcome_status(&mut server, &web2).await;
     assert_eq!(delivered["outcome"], "done");
@@ -256,12 +188,7 @@ async fn an_attempt_older_than_the_newest_is_abandoned_without_running() {
     let web1 = object(&plain_spec("web", 1));
     let web2 = object(&plain_spec("web", 2));
     let (client, mut server) = mock_client();
-    let agent = start_agent(
-        client,
-        node.engine.clone(),
-        node.gate.clone(),
-        test_config(&node.lock_path),
-    );
+    let agent = node.start_agent(client);
     let _feed = list_and_watch(&mut server, &[web1.clone(), web2.clone()]).await;
     let older = outcome_status(&mut server, &web1).await;
     assert_eq!(older["outcome"], "abandoned");
@@ -295,12 +222,7 @@ async fn a_newer_attempt_arriving_mid_swap_makes_the_gate_refuse_the_older_one()
     let web1 = object(&slow);
     let web2 = object(&node.spec("web", 2, &b2, "b2"));
     let (client, mut server) = mock_client();
-    let agent = start_agent(
-        client,
-        node.engine.clone(),
-        node.gate.clone(),
-        test_config(&node.lock_path),
-    );
+    let agent = node.start_agent(client);
     let feed = list_and_watch(&mut server, &[]).await;
     feed.added(&web1);
     fresh_read(&mut server, &web1).await;
@@ -341,12 +263,7 @@ async fn a_second_agent_runs_nothing_until_it_owns_the_node() {
         .expect("the test holds the node");
     let web1 = object(&plain_spec("web", 1));
     let (client, mut server) = mock_client();
-    let agent = start_agent(
-        client,
-        node.engine.clone(),
-        node.gate.clone(),
-        test_config(&node.lock_path),
-    );
+    let agent = node.start_agent(client);
     // The watch is warm while the agent waits.
     let feed = list_and_watch(&mut server, std::slice::from_ref(&web1)).await;
     let web = node.key("web");
@@ -403,12 +320,7 @@ async fn shutdown_cancels_the_attempt_in_flight_and_leaves_the_serving_generatio
     });
     let web2 = object(&never_healthy);
     let (client, mut server) = mock_client();
-    let mut agent = start_agent(
-        client,
-        node.engine.clone(),
-        node.gate.clone(),
-        test_config(&node.lock_path),
-    );
+    let mut agent = node.start_agent(client);
     let feed = list_and_watch(&mut server, std::slice::from_ref(&web1)).await;
     fresh_read(&mut server, &web1).await;
     running_status(&mut server, &web1).await;
@@ -458,12 +370,7 @@ async fn a_deleted_attempt_is_cancelled_and_its_outcome_dropped_on_404() {
     });
     let web1 = object(&never_healthy);
     let (client, mut server) = mock_client();
-    let agent = start_agent(
-        client,
-        node.engine.clone(),
-        node.gate.clone(),
-        test_config(&node.lock_path),
-    );
+    let agent = node.start_agent(client);
     let feed = list_and_watch(&mut server, std::slice::from_ref(&web1)).await;
     fresh_read(&mut server, &web1).await;
     running_status(&mut server, &web1).await;

@@ -27,7 +27,7 @@ use node_agent::switch::RunLayout;
 use serde_json::json;
 use swap_host::OpenGate;
 
-const ALL_ATTEMPTS: &str = "/apis/genswap.dev/v1alpha1/swapattempts";
+use kube_support::ALL_ATTEMPTS;
 
 fn name(instance: &str, rev: i64) -> String {
     format!("{instance}-{}-{rev}", kube_support::NODE)

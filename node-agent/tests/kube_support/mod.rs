@@ -457,3 +457,60 @@ pub async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// Every namespace's SwapAttempts.
+pub const ALL_ATTEMPTS: &str = "/apis/genswap.dev/v1alpha1/swapattempts";
+
+/// The name the controller gives `instance`'s attempt `rev` on [`NODE`].
+pub fn name(instance: &str, rev: i64) -> String {
+    format!("{instance}-{NODE}-{rev}")
+}
+
+/// `spec` as the API server serves it, in [`NAMESPACE`].
+pub fn object(spec: &SwapAttemptSpec) -> Value {
+    attempt_object(NAMESPACE, &name(&spec.instance, spec.sched_rev), spec, None)
+}
+
+/// The list and the watch, answered with `items` and an open stream.
+pub async fn list_and_watch(server: &mut ApiServerVerifier, items: &[Value]) -> WatchFeed {
+    server.expect_list(ALL_ATTEMPTS, items).await;
+    let (_, feed) = server.expect_watch(ALL_ATTEMPTS).await;
+    feed
+}
+
+/// The fresh read before a run, answered with `object`.
+pub async fn fresh_read(server: &mut ApiServerVerifier, object: &Value) {
+    let name = object["metadata"]["name"].as_str().expect("a name");
+    server
+        .expect_get(NAMESPACE, name)
+        .await
+        .respond_json(StatusCode::OK, object);
+}
+
+/// The running status of `object`, checked and accepted.
+pub async fn running_status(server: &mut ApiServerVerifier, object: &Value) {
+    let name = object["metadata"]["name"].as_str().expect("a name");
+    let write = server.expect_running_patch(NAMESPACE, name).await;
+    let status = write.request.body["status"].clone();
+    assert!(status["startedAt"].is_string(), "{status:#}");
+    assert_eq!(condition(&status, "Reconciling")["status"], "True");
+    write.respond_json(StatusCode::OK, object);
+}
+
+/// The outcome written for `object`, accepted; returns its status.
+pub async fn outcome_status(server: &mut ApiServerVerifier, object: &Value) -> Value {
+    let name = object["metadata"]["name"].as_str().expect("a name");
+    let write = server.expect_outcome_patch(NAMESPACE, name).await;
+    assert_eq!(
+        write.request.query.get("fieldManager").map(String::as_str),
+        Some("genswap-node-agent")
+    );
+    let status = write.request.body["status"].clone();
+    write.respond_json(StatusCode::OK, object);
+    status
+}
+
+/// Every request the agent sent that no step of the test asked for.
+pub async fn unexpected(server: ApiServerVerifier) -> Vec<String> {
+    server.remaining().await.iter().map(|r| r.line()).collect()
+}

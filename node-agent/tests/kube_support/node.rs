@@ -92,6 +92,17 @@ impl TestNode {
         spec
     }
 
+    /// A Kubernetes-mode agent for this node over `client`, with the test
+    /// settings.
+    pub fn start_agent(&self, client: kube::Client) -> crate::kube_support::RunningAgent {
+        crate::kube_support::start_agent(
+            client,
+            self.engine.clone(),
+            self.gate.clone(),
+            crate::kube_support::test_config(&self.lock_path),
+        )
+    }
+
     /// The instance `instance` of the test namespace.
     pub fn key(&self, instance: &str) -> InstanceKey {
         InstanceKey::new(crate::kube_support::NAMESPACE, instance).expect("instance key")
