@@ -14,6 +14,7 @@
 //! | `genswap_agent_step_duration_seconds` | histogram | `step` | time spent in each swap step |
 //! | `genswap_agent_generations_running` | gauge | | instances with a serving generation on this node |
 //! | `genswap_agent_journal_backlog` | gauge | | outcomes not yet accepted by the API server (or the status file) |
+//! | `genswap_agent_retirements_total` | counter | `result` | serving instances no attempt named any more, looked up: `stopped` (the InstanceGeneration was deleted), `kept` (it exists), `failed` (the lookup or the stop failed; tried again) |
 //!
 //! `/healthz` answers 200 while the process serves HTTP. `/readyz` answers
 //! 200 once the agent owns the node and its intake has read its source
@@ -66,6 +67,33 @@ struct StepLabels {
     step: String,
 }
 
+/// Labels of `retirements_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RetirementLabels {
+    result: String,
+}
+
+/// What became of a serving instance no attempt named any more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Retirement {
+    /// Its InstanceGeneration was deleted; it was stopped.
+    Stopped,
+    /// Its InstanceGeneration exists (or an attempt took it); it serves on.
+    Kept,
+    /// The lookup or the stop failed; it is tried again.
+    Failed,
+}
+
+impl Retirement {
+    fn label(self) -> &'static str {
+        match self {
+            Retirement::Stopped => "stopped",
+            Retirement::Kept => "kept",
+            Retirement::Failed => "failed",
+        }
+    }
+}
+
 type StepHistograms = Family<StepLabels, Histogram, fn() -> Histogram>;
 
 /// Steps last from a millisecond (a refused admission) to minutes (a health
@@ -82,6 +110,7 @@ pub struct AgentMetrics {
     step_duration: StepHistograms,
     generations_running: Gauge,
     journal_backlog: Gauge,
+    retirements: Family<RetirementLabels, Counter>,
 }
 
 impl Default for AgentMetrics {
@@ -98,6 +127,7 @@ impl AgentMetrics {
         let step_duration: StepHistograms = Family::new_with_constructor(step_histogram);
         let generations_running = Gauge::default();
         let journal_backlog = Gauge::default();
+        let retirements = Family::<RetirementLabels, Counter>::default();
         registry.register(
             "attempts",
             "Swap attempts ended on this node, by outcome and the mode that ran",
@@ -119,12 +149,18 @@ impl AgentMetrics {
             "Attempt outcomes not yet accepted by the API server (or written to the status file)",
             journal_backlog.clone(),
         );
+        registry.register(
+            "retirements",
+            "Serving instances no attempt named any more, by what their InstanceGeneration lookup led to",
+            retirements.clone(),
+        );
         Self {
             registry,
             attempts,
             step_duration,
             generations_running,
             journal_backlog,
+            retirements,
         }
     }
 
@@ -155,6 +191,15 @@ impl AgentMetrics {
     pub fn set_generations_running(&self, count: usize) {
         self.generations_running
             .set(i64::try_from(count).unwrap_or(i64::MAX));
+    }
+
+    /// Counts one looked-up instance by what became of it.
+    pub fn record_retirement(&self, retirement: Retirement) {
+        self.retirements
+            .get_or_create(&RetirementLabels {
+                result: retirement.label().to_string(),
+            })
+            .inc();
     }
 
     /// One more outcome waits to be accepted.

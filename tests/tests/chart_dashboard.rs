@@ -105,6 +105,7 @@ fn agent_exposition() -> String {
         finished_at: now,
     });
     metrics.set_generations_running(1);
+    metrics.record_retirement(node_agent::metrics::Retirement::Stopped);
     metrics.encode().expect("the agent's metrics encode")
 }
 

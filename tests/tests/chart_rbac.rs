@@ -81,6 +81,12 @@ fn agent_allowed(watch: Option<&str>) -> BTreeSet<Right> {
         "swapattempts/status",
         &["patch"],
     ));
+    allowed.extend(rights(
+        objects,
+        "genswap.dev",
+        "instancegenerations",
+        &["get"],
+    ));
     allowed.into_iter().collect()
 }
 

@@ -7,8 +7,11 @@
 use std::future::Future;
 use std::sync::Arc;
 
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
 use futures::StreamExt;
-use genswap_crds::{Outcome, SwapAttempt};
+use genswap_crds::{Outcome, StopSpec, SwapAttempt};
 use kube::Client;
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store, reflector};
@@ -19,11 +22,12 @@ use tokio::time::Instant;
 
 use super::intake::{Decision, Intake};
 use super::report::{OutcomeReport, REQUEST_TIMEOUT, ReportTarget, Reporter, error_chain};
+use super::retire::{self, Owner};
 use super::{KubeAgentConfig, KubeAgentError};
-use crate::engine::{Attempt, Cancel, Engine, effective_mode};
+use crate::engine::{Attempt, Cancel, Engine, EngineError, effective_mode};
 use crate::gate::{InstanceKey, NewestRevisionGate};
 use crate::journal::unix_millis_now;
-use crate::metrics::{AgentMetrics, Readiness};
+use crate::metrics::{AgentMetrics, Readiness, Retirement};
 use crate::ownership::NodeLock;
 
 /// Kubernetes mode over a given client: what [`super::run`] runs, and what
@@ -63,14 +67,37 @@ struct InFlight {
     cancel: Cancel,
 }
 
+/// How soon an instance whose InstanceGeneration could not be read is
+/// looked at again.
+const RETIRE_RETRY: Duration = Duration::from_secs(30);
+
+/// Which serving instances without attempts [`Running::retire_unowned`]
+/// looks up.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Candidates {
+    All,
+    /// Only those whose last lookup or stop failed.
+    FailedBefore,
+}
+
 /// The loop's state.
 struct Running {
     shared: Arc<Shared>,
     intake: Intake,
     store: Store<SwapAttempt>,
-    in_flight: std::collections::HashMap<InstanceKey, InFlight>,
+    /// Whether the watch has delivered its first full list.
+    synced: bool,
+    in_flight: HashMap<InstanceKey, InFlight>,
     runners: JoinSet<()>,
     reports: JoinSet<()>,
+    /// The stop settings of each instance's newest attempt seen, for
+    /// stopping it once its InstanceGeneration is gone.
+    stop_specs: HashMap<InstanceKey, (i64, StopSpec)>,
+    /// Instances whose InstanceGeneration is being looked up or stopped.
+    retiring: HashSet<InstanceKey>,
+    /// Instances whose last lookup or stop failed: retried on a timer.
+    retire_failed: HashSet<InstanceKey>,
+    retirements: JoinSet<(InstanceKey, Retirement)>,
 }
 
 impl KubeAgent {
@@ -138,10 +165,17 @@ impl KubeAgent {
             }),
             intake: Intake::new(config.node_name.clone(), gate.clone()),
             store,
+            synced: false,
             in_flight: Default::default(),
             runners: JoinSet::new(),
             reports: JoinSet::new(),
+            stop_specs: HashMap::new(),
+            retiring: HashSet::new(),
+            retire_failed: HashSet::new(),
+            retirements: JoinSet::new(),
         };
+        let mut retire_retry = tokio::time::interval(RETIRE_RETRY);
+        retire_retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
         let lock_path = config.lock_path.clone();
         let lock_wait = NodeLock::acquire(&lock_path);
@@ -175,6 +209,10 @@ impl KubeAgent {
                 Some(ended) = ended_rx.recv() => state.on_ended(ended),
                 Some(_) = state.runners.join_next(), if !state.runners.is_empty() => {}
                 Some(_) = state.reports.join_next(), if !state.reports.is_empty() => {}
+                Some(done) = state.retirements.join_next(), if !state.retirements.is_empty() => {
+                    state.on_retired(done);
+                }
+                _ = retire_retry.tick() => state.retire_unowned(Candidates::FailedBefore),
             }
         };
 
@@ -234,6 +272,7 @@ impl Running {
         }
         self.intake.open();
         self.offer_all();
+        self.retire_unowned(Candidates::All);
         self.shared
             .metrics
             .set_generations_running(self.shared.engine.instances().len());
@@ -243,22 +282,93 @@ impl Running {
     fn on_watch_event(&mut self, event: watcher::Event<SwapAttempt>, readiness: &Readiness) {
         match event {
             watcher::Event::Apply(attempt) => {
+                self.note_stop_spec(&attempt);
                 let decisions = self.intake.offer(Arc::new(attempt));
                 self.execute(decisions);
             }
             watcher::Event::Delete(attempt) => {
                 let decisions = self.intake.delete(&attempt);
                 self.execute(decisions);
+                self.retire_unowned(Candidates::All);
             }
             // Decided once the list is complete, so the newest revision of
             // every instance is known before anything runs.
-            watcher::Event::InitApply(attempt) => self.intake.observe(&attempt),
+            watcher::Event::InitApply(attempt) => {
+                self.note_stop_spec(&attempt);
+                self.intake.observe(&attempt);
+            }
             watcher::Event::Init => {}
             watcher::Event::InitDone => {
                 readiness.set_synced(true);
+                self.synced = true;
                 self.offer_all();
+                self.retire_unowned(Candidates::All);
             }
         }
+    }
+
+    fn note_stop_spec(&mut self, attempt: &SwapAttempt) {
+        let namespace = attempt.metadata.namespace.clone().unwrap_or_default();
+        let Ok(instance) = InstanceKey::new(namespace, attempt.spec.instance.clone()) else {
+            return;
+        };
+        let rev = attempt.spec.sched_rev;
+        let newest = self.stop_specs.get(&instance).map(|(newest, _)| *newest);
+        if newest.is_none_or(|newest| rev >= newest) {
+            self.stop_specs
+                .insert(instance, (rev, attempt.spec.stop.clone()));
+        }
+    }
+
+    /// Looks up the InstanceGeneration of every serving instance that no
+    /// cached attempt names (see [`retire`]), and stops those that are gone.
+    /// An instance whose object exists is looked at again only on the next
+    /// deletion or relist, not on the retry timer.
+    fn retire_unowned(&mut self, which: Candidates) {
+        if !self.synced || !self.intake.is_open() {
+            return;
+        }
+        let serving = self.shared.engine.instances();
+        let cached = self.store.state();
+        let candidates = retire::unowned(&serving, cached.iter().map(|a| a.as_ref()), |key| {
+            self.in_flight.contains_key(key)
+                || self.retiring.contains(key)
+                || (which == Candidates::FailedBefore && !self.retire_failed.contains(key))
+        });
+        for instance in candidates {
+            let stop = self
+                .stop_specs
+                .get(&instance)
+                .map(|(_, stop)| stop.clone())
+                .unwrap_or_default();
+            self.retiring.insert(instance.clone());
+            let shared = self.shared.clone();
+            self.retirements
+                .spawn(retire_instance(shared, instance, stop));
+        }
+    }
+
+    fn on_retired(&mut self, done: Result<(InstanceKey, Retirement), tokio::task::JoinError>) {
+        let Ok((instance, retirement)) = done else {
+            // A panicked lookup: the retry tick looks at every candidate again.
+            self.retiring.clear();
+            return;
+        };
+        self.retiring.remove(&instance);
+        self.shared.metrics.record_retirement(retirement);
+        if retirement == Retirement::Failed {
+            self.retire_failed.insert(instance.clone());
+        } else {
+            self.retire_failed.remove(&instance);
+        }
+        if retirement == Retirement::Stopped {
+            self.stop_specs.remove(&instance);
+            // A re-created InstanceGeneration starts its revisions at 1.
+            self.shared.gate.forget(&instance);
+        }
+        self.shared
+            .metrics
+            .set_generations_running(self.shared.engine.instances().len());
     }
 
     /// Offers every attempt in the watch cache, oldest revision first.
@@ -290,6 +400,9 @@ impl Running {
             .set_generations_running(self.shared.engine.instances().len());
         let decisions = self.intake.finished(&ended.instance, ended.sched_rev);
         self.execute(decisions);
+        // Its attempt may have been deleted with its InstanceGeneration
+        // while it ran.
+        self.retire_unowned(Candidates::All);
     }
 
     fn execute(&mut self, decisions: Vec<Decision>) {
@@ -376,6 +489,19 @@ impl Running {
                 }
             }
         }
+        while !self.retirements.is_empty() {
+            tokio::select! {
+                Some(done) = self.retirements.join_next() => self.on_retired(done),
+                () = tokio::time::sleep_until(deadline) => {
+                    tracing::warn!(
+                        left = self.retirements.len(),
+                        "stopping instances whose InstanceGeneration is gone did not finish in time; the next agent looks again"
+                    );
+                    self.retirements.abort_all();
+                    while self.retirements.join_next().await.is_some() {}
+                }
+            }
+        }
         while let Ok(ended) = ended_rx.try_recv() {
             self.on_ended(ended);
         }
@@ -395,6 +521,38 @@ impl Running {
         }
         tracing::info!("shut down; serving generations keep running");
     }
+}
+
+/// Stops `instance` if its InstanceGeneration is gone.
+async fn retire_instance(
+    shared: Arc<Shared>,
+    instance: InstanceKey,
+    stop: StopSpec,
+) -> (InstanceKey, Retirement) {
+    let retirement = match retire::look_up(&shared.client, &instance).await {
+        Owner::Present => Retirement::Kept,
+        Owner::Unknown(error) => {
+            tracing::warn!(%instance, %error, "cannot tell whether the InstanceGeneration still exists; the instance keeps serving");
+            Retirement::Failed
+        }
+        Owner::Gone => {
+            tracing::info!(%instance, "its InstanceGeneration is deleted; stopping the instance");
+            match shared.engine.stop_instance(&instance, &stop).await {
+                Ok(drain) => {
+                    tracing::info!(%instance, drain_ms = ?drain.map(|d| d.as_millis()), "instance stopped");
+                    Retirement::Stopped
+                }
+                // An attempt took the instance meanwhile: the object was
+                // re-created and wants it.
+                Err(EngineError::Busy { .. }) => Retirement::Kept,
+                Err(error) => {
+                    tracing::error!(%instance, %error, "the instance could not be stopped; trying again later");
+                    Retirement::Failed
+                }
+            }
+        }
+    };
+    (instance, retirement)
 }
 
 /// Sends [`Ended`] when dropped, so the loop learns of every end, a panic

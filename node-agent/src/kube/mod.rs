@@ -57,13 +57,19 @@
 //!    to `--report-flush-seconds` (what is left stays in the journal), and
 //!    lets go of the node. Serving generations are never stopped: they live
 //!    in the agent's cgroup subtree, outside the pod.
+//! 6. An instance serving here that no attempt names any more is checked
+//!    against the API server; if its InstanceGeneration is deleted, it is
+//!    stopped with proof of exit ([`retire`]). Checked when an attempt is
+//!    deleted or ends, after each full list, and every 30 s for lookups that
+//!    failed.
 //!
-//! RBAC: `get`, `list`, `watch` on `swapattempts.genswap.dev` and `patch` on
-//! `swapattempts/status`.
+//! RBAC: `get`, `list`, `watch` on `swapattempts.genswap.dev`, `patch` on
+//! `swapattempts/status`, and `get` on `instancegenerations.genswap.dev`.
 
 mod agent;
 pub mod intake;
 pub mod report;
+pub mod retire;
 
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;

@@ -1,0 +1,178 @@
+//! Kubernetes mode: an instance whose InstanceGeneration is deleted is
+//! stopped on the node, with proof of exit; one whose attempts are gone but
+//! whose object still exists (the node left its selector, someone deleted
+//! the attempts) keeps serving; one deleted while no agent ran is stopped
+//! by the next agent. Real engine, cgroup v2 and testapp processes against a
+//! mocked API server.
+
+#[path = "support/cgroup_guard.rs"]
+mod cgroup_guard;
+#[path = "kube_support/node.rs"]
+mod kube_node;
+mod kube_support;
+#[path = "support/swap_host.rs"]
+mod swap_host;
+
+use http::{Method, StatusCode};
+use kube_node::TestNode;
+use kube_support::{
+    ApiServerVerifier, GROUP_PATH, NAMESPACE, Pending, RunningAgent, WatchFeed, eventually,
+    fresh_read, list_and_watch, mock_client, object, outcome_status, running_status, unexpected,
+};
+use serde_json::{Value, json};
+
+/// The read of `instance`'s InstanceGeneration.
+async fn expect_ig_read(server: &mut ApiServerVerifier, instance: &str) -> Pending {
+    let path = format!("{GROUP_PATH}/namespaces/{NAMESPACE}/instancegenerations/{instance}");
+    server
+        .next_where(&format!("GET {path}"), |r| {
+            r.method == Method::GET && r.path == path
+        })
+        .await
+}
+
+/// The read of `instance`'s InstanceGeneration, answered: it is deleted.
+async fn answer_gone(server: &mut ApiServerVerifier, instance: &str) {
+    expect_ig_read(server, instance).await.respond_status(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        &format!("instancegenerations.genswap.dev \"{instance}\" not found"),
+    );
+}
+
+fn ig_object(instance: &str) -> Value {
+    json!({
+        "apiVersion": "genswap.dev/v1alpha1",
+        "kind": "InstanceGeneration",
+        "metadata": { "name": instance, "namespace": NAMESPACE, "uid": "uid-1", "generation": 1 },
+        "spec": {
+            "build": { "id": "b1", "artifact": { "path": "/opt/b1" }, "sha256": "a".repeat(64) },
+        },
+    })
+}
+
+fn retirements(agent: &RunningAgent, result: &str) -> bool {
+    agent
+        .metrics
+        .encode()
+        .expect("metrics encode")
+        .contains(&format!(
+            "genswap_agent_retirements_total{{result=\"{result}\"}} 1"
+        ))
+}
+
+/// An agent that installed `web` (b1, generation 1) and reported it done;
+/// returns the agent, its watch and the installing attempt.
+async fn installed(node: &TestNode, server: &mut ApiServerVerifier) -> (WatchFeed, Value) {
+    let b1 = node.build("b1");
+    let install = object(&node.spec("web", 1, &b1, "b1"));
+    let feed = list_and_watch(server, std::slice::from_ref(&install)).await;
+    fresh_read(server, &install).await;
+    running_status(server, &install).await;
+    let status = outcome_status(server, &install).await;
+    assert_eq!(status["outcome"], "done", "{status:#}");
+    eventually("the outcome acknowledged in the journal", || {
+        node.pending().is_empty()
+    })
+    .await;
+    (feed, install)
+}
+
+/// Whether `pid` names a live process.
+fn alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+#[tokio::test]
+async fn deleting_the_instance_generation_stops_its_instance_with_proof_of_exit() {
+    let node = TestNode::new("kube-retire");
+    let (client, mut server) = mock_client();
+    let agent = node.start_agent(client);
+    let (feed, install) = installed(&node, &mut server).await;
+    let serving = node.who_serves("web").await.expect("b1 serves");
+    let cgroup = node.generation_cgroup("web", 1);
+    assert!(cgroup.exists());
+
+    // The garbage collector deletes the attempt with its owner; the object
+    // is read fresh, and it is gone.
+    feed.deleted(&install);
+    answer_gone(&mut server, "web").await;
+    eventually("the instance stopped", || retirements(&agent, "stopped")).await;
+    assert_eq!(node.who_serves("web").await, None, "nothing answers");
+    assert!(!alive(serving.pid), "process {} exited", serving.pid);
+    assert!(!cgroup.exists(), "its cgroup is removed");
+    assert!(
+        agent
+            .metrics
+            .encode()
+            .expect("metrics encode")
+            .contains("genswap_agent_generations_running 0"),
+        "the gauge follows"
+    );
+
+    agent.stop().await.expect("clean stop");
+    assert_eq!(unexpected(server).await, Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn an_instance_whose_object_still_exists_keeps_serving() {
+    let node = TestNode::new("kube-keep");
+    let (client, mut server) = mock_client();
+    let agent = node.start_agent(client);
+    let (feed, install) = installed(&node, &mut server).await;
+    let serving = node.who_serves("web").await.expect("b1 serves");
+
+    // The attempts are gone but the InstanceGeneration is not (the node
+    // left its selector, or someone deleted the attempts by hand).
+    feed.deleted(&install);
+    expect_ig_read(&mut server, "web")
+        .await
+        .respond_json(StatusCode::OK, &ig_object("web"));
+    eventually("the lookup concluded", || retirements(&agent, "kept")).await;
+    assert_eq!(node.who_serves("web").await, Some(serving.clone()));
+
+    // A lookup that fails concludes nothing either.
+    let (client, mut server) = mock_client();
+    agent.stop().await.expect("clean stop");
+    let agent = node.start_agent(client);
+    let _feed = list_and_watch(&mut server, &[]).await;
+    expect_ig_read(&mut server, "web").await.respond_status(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "ServiceUnavailable",
+        "etcd is having a bad day",
+    );
+    eventually("the failed lookup counted", || {
+        retirements(&agent, "failed")
+    })
+    .await;
+    assert_eq!(node.who_serves("web").await, Some(serving));
+
+    agent.stop().await.expect("clean stop");
+    assert_eq!(unexpected(server).await, Vec::<String>::new());
+    node.tear_down(&["web"]).await;
+}
+
+#[tokio::test]
+async fn an_instance_deleted_while_no_agent_ran_is_stopped_by_the_next() {
+    let node = TestNode::new("kube-retire-late");
+    let (client, mut server) = mock_client();
+    let agent = node.start_agent(client);
+    let (_feed, _install) = installed(&node, &mut server).await;
+    let serving = node.who_serves("web").await.expect("b1 serves");
+    agent.stop().await.expect("clean stop");
+    assert_eq!(unexpected(server).await, Vec::<String>::new());
+    assert!(alive(serving.pid), "the instance outlives the agent");
+
+    // While no agent runs, the object and its attempts are deleted: the next
+    // agent lists none, and looks the instance up once it owns the node.
+    let (client, mut server) = mock_client();
+    let agent = node.start_agent(client);
+    let _feed = list_and_watch(&mut server, &[]).await;
+    answer_gone(&mut server, "web").await;
+    eventually("the instance stopped", || retirements(&agent, "stopped")).await;
+    assert!(!alive(serving.pid), "process {} exited", serving.pid);
+    assert_eq!(node.who_serves("web").await, None);
+
+    agent.stop().await.expect("clean stop");
+    assert_eq!(unexpected(server).await, Vec::<String>::new());
+}
