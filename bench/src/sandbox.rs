@@ -1,137 +1,28 @@
-//! Where a benchmark runs: a fresh temp dir and a fresh cgroup subtree, and
-//! the child processes it starts, all removed or stopped when it ends,
-//! however it ends.
+//! The child processes a benchmark starts, stopped by pid when it ends,
+//! however it ends. Where it runs (temp dir, cgroup subtree) is the agent's
+//! [`node_agent::sandbox::Sandbox`], re-exported here.
 
-use std::fs;
-use std::io::{self, Write};
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::io;
 use std::process::{Child, ExitStatus};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use tempfile::TempDir;
 
 use crate::BenchError;
+pub use node_agent::sandbox::Sandbox;
 
-/// How long a stopped child or a killed subtree may take to go.
+/// How long a stopped child may take to go.
 const STOP_WAIT: Duration = Duration::from_secs(30);
 
-/// A temp dir (mode 0755, so instances running as nobody reach their run
-/// dir and the store) and a cgroup subtree under the cgroup v2 mount.
-pub struct Sandbox {
-    temp: Option<TempDir>,
-    cgroup: PathBuf,
-}
-
-impl Sandbox {
-    /// `<tmp>/genswap-bench-<random>` and `<cgroup parent>/genswap-bench-<pid>-<label>`.
-    pub fn create(cgroup_parent: &Path, label: &str) -> Result<Sandbox, BenchError> {
-        let setup = |what: String| move |source| BenchError::Setup { what, source };
-        let temp = tempfile::Builder::new()
-            .prefix(&format!("genswap-bench-{label}-"))
-            .tempdir()
-            .map_err(setup("create a temp dir".into()))?;
-        fs::set_permissions(temp.path(), fs::Permissions::from_mode(0o755))
-            .map_err(setup(format!("chmod {}", temp.path().display())))?;
-        let cgroup = cgroup_parent.join(format!("genswap-bench-{}-{label}", std::process::id()));
-        if cgroup.exists() {
-            remove_cgroup_tree(&cgroup)
-                .map_err(setup(format!("remove stale {}", cgroup.display())))?;
+/// A benchmark's sandbox: `genswap-bench-<label>`.
+pub fn create(cgroup_parent: &std::path::Path, label: &str) -> Result<Sandbox, BenchError> {
+    Sandbox::create(cgroup_parent, &format!("genswap-bench-{label}")).map_err(|error| {
+        BenchError::Setup {
+            what: error.what,
+            source: error.source,
         }
-        fs::create_dir(&cgroup).map_err(setup(format!("create {}", cgroup.display())))?;
-        Ok(Sandbox {
-            temp: Some(temp),
-            cgroup,
-        })
-    }
-
-    /// The temp dir.
-    pub fn dir(&self) -> &Path {
-        self.temp.as_ref().map_or(Path::new("/"), TempDir::path)
-    }
-
-    /// The cgroup subtree.
-    pub fn cgroup(&self) -> &Path {
-        &self.cgroup
-    }
-
-    /// Processes still in the subtree.
-    pub fn processes(&self) -> usize {
-        count_processes(&self.cgroup)
-    }
-}
-
-impl Drop for Sandbox {
-    fn drop(&mut self) {
-        if self.cgroup.exists()
-            && let Err(error) = remove_cgroup_tree(&self.cgroup)
-        {
-            eprintln!("genswap-bench: removing {}: {error}", self.cgroup.display());
-        }
-        if let Some(temp) = self.temp.take()
-            && let Err(error) = temp.close()
-        {
-            eprintln!("genswap-bench: removing the temp dir: {error}");
-        }
-    }
-}
-
-/// `cgroup.kill`, a wait for `populated 0`, then rmdir bottom-up.
-pub fn remove_cgroup_tree(path: &Path) -> io::Result<()> {
-    if populated(path) {
-        fs::OpenOptions::new()
-            .write(true)
-            .open(path.join("cgroup.kill"))?
-            .write_all(b"1")?;
-        let deadline = Instant::now() + STOP_WAIT;
-        while populated(path) {
-            if Instant::now() > deadline {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("{} still holds processes after cgroup.kill", path.display()),
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-    remove_bottom_up(path)
-}
-
-fn populated(path: &Path) -> bool {
-    fs::read_to_string(path.join("cgroup.events"))
-        .map(|events| events.lines().any(|line| line == "populated 1"))
-        .unwrap_or(false)
-}
-
-fn count_processes(path: &Path) -> usize {
-    let own = fs::read_to_string(path.join("cgroup.procs"))
-        .map(|procs| procs.lines().count())
-        .unwrap_or(0);
-    let children: usize = fs::read_dir(path)
-        .map(|entries| {
-            entries
-                .filter_map(Result::ok)
-                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-                .map(|e| count_processes(&e.path()))
-                .sum()
-        })
-        .unwrap_or(0);
-    own + children
-}
-
-fn remove_bottom_up(path: &Path) -> io::Result<()> {
-    for entry in fs::read_dir(path)? {
-        let entry = entry?;
-        if entry.file_type()?.is_dir() {
-            remove_bottom_up(&entry.path())?;
-        }
-    }
-    match fs::remove_dir(path) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
-    }
+    })
 }
 
 /// A child process stopped by its pid when dropped: the stop signal, then

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::agent::{Agent, AgentDirs, manifest};
 use crate::clock::mono_ns;
 use crate::http1::{Connection, Target};
-use crate::sandbox::Sandbox;
+use crate::sandbox;
 use crate::stats::Spread;
 use crate::{BenchError, Binaries};
 
@@ -122,7 +122,7 @@ pub async fn run(
         "Scale: {} instances under one standalone agent ...",
         options.instances
     );
-    let sandbox = Sandbox::create(cgroup_parent, "scale")?;
+    let sandbox = sandbox::create(cgroup_parent, "scale")?;
     let dirs = AgentDirs::create(&sandbox)?;
     let builds = [
         testapp::make_build(&dirs.staging, "scale-a").map_err(BenchError::Build)?,

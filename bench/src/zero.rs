@@ -25,7 +25,7 @@ use crate::clock::mono_ns;
 use crate::http1::Target;
 use crate::loadgen::{LoadSummary, Sample, read_samples};
 use crate::nginx::Nginx;
-use crate::sandbox::{Guarded, Sandbox};
+use crate::sandbox::{self, Guarded, Sandbox};
 use crate::stats::Spread;
 use crate::watch::SwitchWatch;
 use crate::{BenchError, Binaries};
@@ -229,7 +229,7 @@ pub async fn run(
     cgroup_parent: &Path,
     options: &ZeroOptions,
 ) -> Result<ZeroReport, BenchError> {
-    let sandbox = Sandbox::create(cgroup_parent, "zero")?;
+    let sandbox = sandbox::create(cgroup_parent, "zero")?;
     let dirs = AgentDirs::create(&sandbox)?;
     let builds = make_builds(&dirs.staging, options.builds.max(2))?;
     let mut agent = Agent::start(&binaries.agent, &dirs, true)?;

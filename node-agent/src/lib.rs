@@ -26,6 +26,7 @@ pub mod journal;
 pub mod kube;
 pub mod metrics;
 pub mod ownership;
+pub mod sandbox;
 pub mod spawn;
 pub mod stage;
 pub mod standalone;

@@ -365,3 +365,35 @@ async fn listing_reports_generations_populated_state_and_pids() {
     assert!(manager.list().expect("list").len() == 1);
     assert_eq!(PathBuf::from(manager.root()), tree.path().join("genswap"));
 }
+
+#[tokio::test]
+async fn remove_subtree_kills_every_nested_process_and_removes_every_directory() {
+    let tree = TestCgroupTree::new("subtree");
+    let top = tree.path().join("sandbox");
+    let nested = top.join("a").join("b");
+    fs::create_dir_all(&nested).expect("create nested cgroups");
+    let mut shallow = start_in(&top.join("a"), "exec sleep 600");
+    let mut deep = start_in(&nested, "exec sleep 600");
+    eventually(LONG, "both processes joined", || {
+        node_agent::cgroup::processes_in(&top) == 2
+    })
+    .await;
+
+    let removing = top.clone();
+    let found =
+        tokio::task::spawn_blocking(move || node_agent::cgroup::remove_subtree(&removing, LONG))
+            .await
+            .expect("the blocking removal ran")
+            .expect("the subtree is removed");
+    assert_eq!(found, 2, "both processes were counted");
+    assert!(!top.exists(), "every directory is gone, the top one too");
+    for child in [&mut shallow, &mut deep] {
+        let status = tokio::time::timeout(LONG, child.wait())
+            .await
+            .expect("the process was reaped in time")
+            .expect("wait for the process");
+        assert_eq!(status.signal(), Some(Signal::SIGKILL as i32), "killed");
+    }
+    // Removing what is already gone is not an error.
+    assert_eq!(node_agent::cgroup::remove_subtree(&top, LONG).ok(), Some(0));
+}

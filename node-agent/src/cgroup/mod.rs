@@ -34,6 +34,7 @@ mod events;
 mod fs_util;
 mod limits;
 mod quantity;
+mod subtree;
 
 use std::collections::BTreeSet;
 use std::ffi::OsString;
@@ -54,6 +55,7 @@ pub use limits::{
     CPU_MIN_QUOTA_US, CPU_PERIOD_US, Controller, ParentRaise, RaiseRecord, SavedLimit, Tier,
 };
 pub use quantity::{QuantityError, parse_cpu_quantity, parse_memory_quantity};
+pub use subtree::{processes_in, remove_subtree};
 
 use fs_util::io_error;
 

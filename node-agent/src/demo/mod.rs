@@ -21,7 +21,6 @@
 //! the end, on Ctrl-C and on failure too.
 
 pub mod app;
-mod sandbox;
 mod traffic;
 
 use std::collections::BTreeMap;
@@ -38,11 +37,11 @@ use crate::cgroup::{CgroupError, discover_mount};
 use crate::engine::EngineConfig;
 use crate::gate::InstanceKey;
 use crate::host::{Host, HostError, HostSettings};
+use crate::sandbox::{Sandbox, SandboxError};
 use crate::standalone::files::write_atomically;
 use crate::standalone::{
     self, NodeIdentity, StandaloneConfig, StandaloneError, StatusDocument, WaitError,
 };
-use sandbox::Sandbox;
 use traffic::{Client, Tally};
 
 /// The demo's instance.
@@ -82,6 +81,9 @@ pub enum DemoError {
         #[source]
         source: io::Error,
     },
+    /// The temp dir or the cgroup subtree could not be set up.
+    #[error(transparent)]
+    Sandbox(#[from] SandboxError),
     /// The host parts could not be built.
     #[error(transparent)]
     Host(#[from] HostError),
@@ -211,7 +213,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoReport, DemoError> {
         Some(parent) => parent,
         None => discover_mount().map_err(DemoError::Cgroup)?,
     };
-    let mut sandbox = Sandbox::create(&parent)?;
+    let mut sandbox = Sandbox::create(&parent, "genswap-demo")?;
     let result = run_in(&sandbox).await;
     let cleanup = tokio::task::spawn_blocking(move || {
         let cleanup = sandbox.clean_up();

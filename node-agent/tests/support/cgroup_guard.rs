@@ -6,13 +6,12 @@
 #![allow(dead_code)]
 
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use node_agent::cgroup::{CgroupManager, discover_mount};
+use node_agent::cgroup::{CgroupManager, discover_mount, remove_subtree};
 
 /// How long teardown waits for a killed subtree to empty.
 const TEARDOWN_WAIT: Duration = Duration::from_secs(20);
@@ -70,39 +69,9 @@ impl Drop for TestCgroupTree {
 
 /// Kills everything under `path`, waits until it is empty, removes it.
 pub fn teardown(path: &Path) -> Result<(), String> {
-    if !path.exists() {
-        return Ok(());
-    }
-    if let Ok(mut kill) = fs::OpenOptions::new()
-        .write(true)
-        .open(path.join("cgroup.kill"))
-    {
-        let _ = kill.write_all(b"1");
-    }
-    let deadline = Instant::now() + TEARDOWN_WAIT;
-    while populated(path) {
-        if Instant::now() > deadline {
-            return Err(format!("still populated after {TEARDOWN_WAIT:?}"));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    remove_bottom_up(path).map_err(|e| e.to_string())
-}
-
-fn populated(path: &Path) -> bool {
-    fs::read_to_string(path.join("cgroup.events"))
-        .map(|events| events.lines().any(|l| l == "populated 1"))
-        .unwrap_or(false)
-}
-
-fn remove_bottom_up(path: &Path) -> std::io::Result<()> {
-    for entry in fs::read_dir(path)? {
-        let entry = entry?;
-        if entry.file_type()?.is_dir() {
-            remove_bottom_up(&entry.path())?;
-        }
-    }
-    fs::remove_dir(path)
+    remove_subtree(path, TEARDOWN_WAIT)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }
 
 /// Starts `/bin/sh -c script` already inside the cgroup at `dir` (the shell
