@@ -2,7 +2,8 @@
 //! stopped on the node, with proof of exit; one whose attempts are gone but
 //! whose object still exists (the node left its selector, someone deleted
 //! the attempts) keeps serving; one deleted while no agent ran is stopped
-//! by the next agent. Real engine, cgroup v2 and testapp processes against a
+//! by the next agent; an agent watching one namespace leaves the others'
+//! instances alone. Real engine, cgroup v2 and testapp processes against a
 //! mocked API server.
 
 #[path = "support/cgroup_guard.rs"]
@@ -175,4 +176,33 @@ async fn an_instance_deleted_while_no_agent_ran_is_stopped_by_the_next() {
 
     agent.stop().await.expect("clean stop");
     assert_eq!(unexpected(server).await, Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn an_agent_watching_one_namespace_leaves_other_namespaces_instances_alone() {
+    let node = TestNode::new("kube-retire-scope");
+    let (client, mut server) = mock_client();
+    let agent = node.start_agent(client);
+    let (_feed, _install) = installed(&node, &mut server).await;
+    agent.stop().await.expect("clean stop");
+    assert_eq!(unexpected(server).await, Vec::<String>::new());
+
+    // An agent scoped to another namespace sees no attempt of `apps/web`,
+    // and has no right to read its object: it must not look it up.
+    let (client, mut server) = mock_client();
+    let mut config = kube_support::test_config(&node.lock_path);
+    config.namespace = Some("other".into());
+    let agent = kube_support::start_agent(client, node.engine.clone(), node.gate.clone(), config);
+    let path = format!("{GROUP_PATH}/namespaces/other/swapattempts");
+    server.expect_list(&path, &[]).await;
+    let (_, _feed) = server.expect_watch(&path).await;
+    eventually("the scoped agent ready", || agent.readiness.is_ready()).await;
+    agent.stop().await.expect("clean stop");
+    assert_eq!(
+        unexpected(server).await,
+        Vec::<String>::new(),
+        "no lookup of an object outside the namespace"
+    );
+    assert!(node.who_serves("web").await.is_some(), "web still serves");
+    node.tear_down(&["web"]).await;
 }

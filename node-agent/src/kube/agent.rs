@@ -328,7 +328,16 @@ impl Running {
         if !self.synced || !self.intake.is_open() {
             return;
         }
-        let serving = self.shared.engine.instances();
+        // Outside the watched namespace there are no attempts to see, and
+        // no right to read the object.
+        let scope = self.shared.config.namespace.as_deref();
+        let serving: Vec<InstanceKey> = self
+            .shared
+            .engine
+            .instances()
+            .into_iter()
+            .filter(|key| scope.is_none_or(|namespace| key.namespace() == namespace))
+            .collect();
         let cached = self.store.state();
         let candidates = retire::unowned(&serving, cached.iter().map(|a| a.as_ref()), |key| {
             self.in_flight.contains_key(key)
