@@ -14,7 +14,8 @@
 //!    failing build held down (Stalled=True), a retry that succeeds, a bad
 //!    digest abandoned without running anything, and a release waited for
 //!    with `kubectl wait --for=condition=Ready`, checking after each step
-//!    who answers on the instance's `current.sock`.
+//!    who answers on the instance's `current.sock`; then deletes it and
+//!    waits for the instance to stop.
 //!
 //! Do not point it at a cluster where the genswap chart runs agents: they
 //! would take the suite's attempts for their node too.
@@ -29,7 +30,7 @@ use genswap_crds::{InstanceGeneration, Mode, Outcome, SwapAttempt};
 use k8s_openapi::api::core::v1::{Namespace, Node};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::Client;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use support::{
     CgroupGuard, ChildGuard, NamespaceGuard, SKIP_LINE, build_binaries, get_over, host_dir,
@@ -286,6 +287,15 @@ async fn genswap_end_to_end_on_the_cluster_in_kubeconfig() {
     assert!(serves(&ig, "hello-5"), "{:?}", ig.status);
     e2e.expect_serving("hello-5").await;
 
+    // 3g. Deleting the object stops its instance on the node: the garbage
+    // collector takes its attempts, the agent reads the object fresh and
+    // finds it gone.
+    e2e.igs
+        .delete(IG, &DeleteParams::default())
+        .await
+        .expect("delete the IG");
+    e2e.expect_stopped().await;
+
     e2e.controller.assert_running();
     e2e.agent.assert_running();
     // Guards stop the agent and the controller, delete the namespace, kill
@@ -423,6 +433,23 @@ impl E2e {
         }
         panic!(
             "{} does not answer as {build}: {last}{}",
+            self.current_sock.display(),
+            self.diagnosis()
+        );
+    }
+
+    /// Polls `current.sock` until nothing answers on it any more.
+    async fn expect_stopped(&self) {
+        let deadline = Instant::now() + STEP_DEADLINE;
+        while Instant::now() < deadline {
+            if let Err(gone) = get_over(&self.current_sock) {
+                println!("e2e: the instance stopped with its object ({gone})");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        panic!(
+            "{} still answers {STEP_DEADLINE:?} after its InstanceGeneration was deleted{}",
             self.current_sock.display(),
             self.diagnosis()
         );
