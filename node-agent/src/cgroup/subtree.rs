@@ -12,6 +12,7 @@ use std::os::fd::AsFd;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 
@@ -24,15 +25,16 @@ pub fn remove_subtree(path: &Path, wait: Duration) -> io::Result<usize> {
     if !path.exists() {
         return Ok(0);
     }
+    let deadline = Instant::now() + wait;
     let processes = processes_in(path);
     if populated(path) {
         fs::OpenOptions::new()
             .write(true)
             .open(path.join("cgroup.kill"))?
             .write_all(b"1")?;
-        wait_unpopulated(path, wait)?;
+        wait_unpopulated(path, deadline, wait)?;
     }
-    remove_bottom_up(path)?;
+    remove_bottom_up(path, deadline)?;
     Ok(processes)
 }
 
@@ -60,8 +62,7 @@ fn populated(path: &Path) -> bool {
         .unwrap_or(false)
 }
 
-fn wait_unpopulated(path: &Path, wait: Duration) -> io::Result<()> {
-    let deadline = Instant::now() + wait;
+fn wait_unpopulated(path: &Path, deadline: Instant, wait: Duration) -> io::Result<()> {
     let inotify = Inotify::init(InitFlags::IN_CLOEXEC)?;
     inotify.add_watch(&path.join("cgroup.events"), AddWatchFlags::IN_MODIFY)?;
     // Checked after the watch is in place, so no change can slip between.
@@ -78,19 +79,40 @@ fn wait_unpopulated(path: &Path, wait: Duration) -> io::Result<()> {
         }
         let millis = u16::try_from(left.as_millis()).unwrap_or(u16::MAX);
         let mut fds = [PollFd::new(inotify.as_fd(), PollFlags::POLLIN)];
-        if poll(&mut fds, PollTimeout::from(millis))? > 0 {
-            inotify.read_events()?;
+        // A signal to the process (SIGCHLD of the very processes killed)
+        // interrupts the wait; it goes on.
+        match poll(&mut fds, PollTimeout::from(millis)) {
+            Ok(0) | Err(Errno::EINTR) => {}
+            Ok(_) => match inotify.read_events() {
+                Ok(_) | Err(Errno::EINTR) => {}
+                Err(error) => return Err(error.into()),
+            },
+            Err(error) => return Err(error.into()),
         }
     }
     Ok(())
 }
 
-fn remove_bottom_up(path: &Path) -> io::Result<()> {
+fn remove_bottom_up(path: &Path, deadline: Instant) -> io::Result<()> {
     for entry in fs::read_dir(path)? {
         let entry = entry?;
         if entry.file_type()?.is_dir() {
-            remove_bottom_up(&entry.path())?;
+            remove_bottom_up(&entry.path(), deadline)?;
         }
     }
-    fs::remove_dir(path)
+    // rmdir can still be refused with EBUSY for a moment after
+    // `populated 0` while the last task finishes exiting (seen under load);
+    // nothing signals the end of that, so it is retried until the deadline.
+    loop {
+        match fs::remove_dir(path) {
+            Err(error)
+                if error.raw_os_error() == Some(Errno::EBUSY as i32)
+                    && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
+            result => return result,
+        }
+    }
 }

@@ -59,10 +59,16 @@ impl TestCgroupTree {
 impl Drop for TestCgroupTree {
     fn drop(&mut self) {
         if let Err(error) = teardown(&self.path) {
-            eprintln!(
+            let message = format!(
                 "test cgroup {} not cleaned up: {error}",
                 self.path.display()
             );
+            // A leak fails the test that made it; during a panic, say so.
+            if std::thread::panicking() {
+                eprintln!("{message}");
+            } else {
+                panic!("{message}");
+            }
         }
     }
 }
