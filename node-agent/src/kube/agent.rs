@@ -4,10 +4,9 @@
 //! All decisions are made on the loop by [`Intake`]; tasks only do I/O and
 //! tell the loop when an attempt has ended.
 
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;
-
-use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -359,7 +358,8 @@ impl Running {
 
     fn on_retired(&mut self, done: Result<(InstanceKey, Retirement), tokio::task::JoinError>) {
         let Ok((instance, retirement)) = done else {
-            // A panicked lookup: the retry tick looks at every candidate again.
+            // A panicked lookup names no instance: let every one be looked
+            // at again on the next deletion, end or relist.
             self.retiring.clear();
             return;
         };
