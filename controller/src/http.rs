@@ -1,5 +1,8 @@
-//! The operations endpoints: `/metrics`, `/healthz` and `/readyz`.
+//! The operations endpoints: `/metrics`, `/healthz` and `/readyz`, for the
+//! controller and (through [`Exposition`] and [`ReadinessCheck`]) the node
+//! agent alike.
 
+use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,6 +16,23 @@ use thiserror::Error;
 use tokio::net::TcpListener;
 
 use crate::metrics::{CONTENT_TYPE, Metrics};
+
+/// What `/metrics` serves: a registry in the OpenMetrics text format.
+pub trait Exposition: Send + Sync + 'static {
+    fn encode_text(&self) -> Result<String, std::fmt::Error>;
+}
+
+/// What `/readyz` answers from.
+pub trait ReadinessCheck: Clone + Send + Sync + 'static {
+    /// `None` when ready; else what is missing, in words.
+    fn not_ready_because(&self) -> Option<Cow<'static, str>>;
+}
+
+impl Exposition for Metrics {
+    fn encode_text(&self) -> Result<String, std::fmt::Error> {
+        self.encode()
+    }
+}
 
 /// Whether the watch caches have synced; `/readyz` answers from it.
 #[derive(Clone, Debug, Default)]
@@ -30,30 +50,45 @@ impl Readiness {
     }
 }
 
+impl ReadinessCheck for Readiness {
+    fn not_ready_because(&self) -> Option<Cow<'static, str>> {
+        (!self.is_ready()).then_some(Cow::Borrowed("watch caches not synced yet"))
+    }
+}
+
 /// Why the endpoints could not be served.
 #[derive(Debug, Error)]
 pub enum HttpError {
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr} for the metrics endpoints: {source}")]
     Bind {
         addr: SocketAddr,
+        #[source]
         source: std::io::Error,
     },
     #[error("serving the metrics endpoints failed: {0}")]
     Serve(#[source] std::io::Error),
 }
 
-#[derive(Clone)]
-struct Endpoints {
-    metrics: Arc<Metrics>,
-    readiness: Readiness,
+struct Endpoints<M, R> {
+    metrics: Arc<M>,
+    readiness: R,
+}
+
+impl<M, R: Clone> Clone for Endpoints<M, R> {
+    fn clone(&self) -> Self {
+        Self {
+            metrics: self.metrics.clone(),
+            readiness: self.readiness.clone(),
+        }
+    }
 }
 
 /// The router of the three endpoints.
-pub fn router(metrics: Arc<Metrics>, readiness: Readiness) -> Router {
+pub fn router<M: Exposition, R: ReadinessCheck>(metrics: Arc<M>, readiness: R) -> Router {
     Router::new()
-        .route("/metrics", get(serve_metrics))
+        .route("/metrics", get(serve_metrics::<M, R>))
         .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(serve_readiness))
+        .route("/readyz", get(serve_readiness::<M, R>))
         .with_state(Endpoints { metrics, readiness })
 }
 
@@ -76,8 +111,8 @@ pub async fn serve(
         .map_err(HttpError::Serve)
 }
 
-async fn serve_metrics(State(endpoints): State<Endpoints>) -> Response {
-    match endpoints.metrics.encode() {
+async fn serve_metrics<M: Exposition, R>(State(endpoints): State<Endpoints<M, R>>) -> Response {
+    match endpoints.metrics.encode_text() {
         Ok(text) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response(),
         Err(error) => (
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -87,14 +122,11 @@ async fn serve_metrics(State(endpoints): State<Endpoints>) -> Response {
     }
 }
 
-async fn serve_readiness(State(endpoints): State<Endpoints>) -> Response {
-    if endpoints.readiness.is_ready() {
-        (StatusCode::OK, "ok\n").into_response()
-    } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "watch caches not synced yet\n",
-        )
-            .into_response()
+async fn serve_readiness<M, R: ReadinessCheck>(
+    State(endpoints): State<Endpoints<M, R>>,
+) -> Response {
+    match endpoints.readiness.not_ready_because() {
+        None => (StatusCode::OK, "ok\n").into_response(),
+        Some(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response(),
     }
 }

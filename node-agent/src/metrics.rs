@@ -4,7 +4,9 @@
 //! standalone mode. It knows nothing of Kubernetes: an intake records each
 //! [`SwapResult`] with [`AgentMetrics::record_result`], keeps the gauges
 //! current, flips [`Readiness`] as it gains the node and reads its source, and
-//! runs [`serve`] on a listener from [`bind`].
+//! runs [`serve`] on a listener from [`bind`]. The endpoints themselves are
+//! the controller's ([`genswap_controller::http`]), over the agent's metrics
+//! and readiness.
 //!
 //! Metrics (OpenMetrics text, every name prefixed `genswap_agent_`):
 //!
@@ -21,16 +23,12 @@
 //! (the watch synced, or the directory was read), 503 with the missing part
 //! otherwise.
 
+use std::borrow::Cow;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use axum::Router;
-use axum::extract::State;
-use axum::http::{StatusCode, header};
-use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use genswap_controller::http::{self, Exposition, ReadinessCheck};
 use genswap_crds::{Mode, Outcome};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::text::encode;
@@ -39,7 +37,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
-use thiserror::Error;
 use tokio::net::TcpListener;
 
 use crate::engine::SwapResult;
@@ -47,8 +44,9 @@ use crate::engine::SwapResult;
 /// The prefix of every metric name.
 pub const PREFIX: &str = "genswap_agent";
 
+pub use genswap_controller::http::{HttpError, bind};
 /// The content type `/metrics` answers with.
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub use genswap_controller::metrics::CONTENT_TYPE;
 
 /// The default `--metrics-addr`: loopback only, since the agent runs with
 /// host networking.
@@ -291,68 +289,25 @@ impl Readiness {
     }
 }
 
-/// Why the endpoints could not be served.
-#[derive(Debug, Error)]
-pub enum MetricsError {
-    #[error("cannot listen on {addr} for the metrics endpoints: {source}")]
-    Bind {
-        addr: SocketAddr,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("serving the metrics endpoints failed: {0}")]
-    Serve(#[source] std::io::Error),
+impl Exposition for AgentMetrics {
+    fn encode_text(&self) -> Result<String, std::fmt::Error> {
+        self.encode()
+    }
 }
 
-#[derive(Clone)]
-struct Endpoints {
-    metrics: Arc<AgentMetrics>,
-    readiness: Readiness,
+impl ReadinessCheck for Readiness {
+    fn not_ready_because(&self) -> Option<Cow<'static, str>> {
+        Readiness::not_ready_because(self).map(Cow::Borrowed)
+    }
 }
 
-/// The router of `/metrics`, `/healthz` and `/readyz`.
-pub fn router(metrics: Arc<AgentMetrics>, readiness: Readiness) -> Router {
-    Router::new()
-        .route("/metrics", get(serve_metrics))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(serve_readiness))
-        .with_state(Endpoints { metrics, readiness })
-}
-
-/// Binds `addr`; the caller learns the port (`local_addr`) before serving.
-pub async fn bind(addr: SocketAddr) -> Result<TcpListener, MetricsError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| MetricsError::Bind { addr, source })
-}
-
-/// Serves the endpoints on `listener` until `shutdown` resolves.
+/// Serves `/metrics`, `/healthz` and `/readyz` on `listener` until
+/// `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
     metrics: Arc<AgentMetrics>,
     readiness: Readiness,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), MetricsError> {
-    axum::serve(listener, router(metrics, readiness))
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(MetricsError::Serve)
-}
-
-async fn serve_metrics(State(endpoints): State<Endpoints>) -> Response {
-    match endpoints.metrics.encode() {
-        Ok(text) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response(),
-        Err(error) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("encoding metrics failed: {error}\n"),
-        )
-            .into_response(),
-    }
-}
-
-async fn serve_readiness(State(endpoints): State<Endpoints>) -> Response {
-    match endpoints.readiness.not_ready_because() {
-        None => (StatusCode::OK, "ok\n").into_response(),
-        Some(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response(),
-    }
+) -> Result<(), HttpError> {
+    http::serve(listener, http::router(metrics, readiness), shutdown).await
 }

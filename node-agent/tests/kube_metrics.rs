@@ -16,7 +16,7 @@ const DEADLINE: Duration = Duration::from_secs(30);
 struct Endpoints {
     base: String,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), metrics::MetricsError>>,
+    task: tokio::task::JoinHandle<Result<(), metrics::HttpError>>,
 }
 
 impl Endpoints {

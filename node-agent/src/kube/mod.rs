@@ -89,7 +89,7 @@ pub use report::{FIELD_MANAGER, ReportBackoff};
 use crate::engine::Engine;
 use crate::gate::NewestRevisionGate;
 use crate::journal::JournalError;
-use crate::metrics::{self, AgentMetrics, MetricsError, Readiness};
+use crate::metrics::{self, AgentMetrics, HttpError, Readiness};
 use crate::ownership::{self, OwnershipError};
 
 /// The flags of Kubernetes mode. Flatten into the `run` subcommand.
@@ -260,7 +260,7 @@ pub enum KubeAgentError {
     #[error("the SwapAttempt watch ended; the agent cannot see its attempts any more")]
     WatchEnded,
     #[error(transparent)]
-    Metrics(MetricsError),
+    Metrics(HttpError),
     #[error("cannot install the SIGTERM/SIGINT handler: {0}")]
     Signal(#[source] std::io::Error),
 }
