@@ -9,43 +9,7 @@ use genswap_crds::manifest::{ManifestError, parse_instance_generation};
 
 /// A valid manifest with every optional section spelled out, so each rule
 /// can be broken by replacing one line.
-const VALID: &str = "\
-apiVersion: genswap.dev/v1alpha1
-kind: InstanceGeneration
-metadata:
-  name: app
-  namespace: default
-spec:
-  build:
-    id: app-1
-    artifact:
-      path: /var/lib/genswap/staging/app-1
-    sha256: 2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae
-  mode: overlap
-  process:
-    args: [--port, \"0\"]
-    env:
-    - name: LOG
-      value: info
-    workingDir: /srv/app
-    user: 1000
-    group: 1000
-  health:
-    path: /healthz
-    timeoutSeconds: 20
-  settle:
-    seconds: 5
-  stop:
-    signal: SIGTERM
-    timeoutSeconds: 30
-  resources:
-    memoryMax: 512Mi
-    cpuMax: 500m
-    pidsMax: 64
-  rollout:
-    maxParallel: 2
-    canaryNodes: 1
-";
+const VALID: &str = include_str!("fixtures/every_section.yaml");
 
 /// `VALID` with the one line `from` replaced by `to` (which must exist).
 fn with(from: &str, to: &str) -> String {

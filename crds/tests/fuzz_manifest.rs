@@ -15,44 +15,7 @@ use proptest::test_runner::Config;
 use serde_json::{Map, Value, json};
 
 /// The valid manifest every mutation starts from: every section present.
-const VALID: &str = "\
-apiVersion: genswap.dev/v1alpha1
-kind: InstanceGeneration
-metadata:
-  name: app
-  namespace: default
-  labels: {team: web}
-spec:
-  build:
-    id: app-1
-    artifact:
-      path: /var/lib/genswap/staging/app-1
-    sha256: 2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae
-  mode: overlap
-  process:
-    args: [--port, \"0\"]
-    env:
-    - name: LOG
-      value: info
-    workingDir: /srv/app
-    user: 1000
-    group: 1000
-  health:
-    path: /healthz
-    timeoutSeconds: 20
-  settle:
-    seconds: 5
-  stop:
-    signal: SIGTERM
-    timeoutSeconds: 30
-  resources:
-    memoryMax: 512Mi
-    cpuMax: 500m
-    pidsMax: 64
-  rollout:
-    maxParallel: 2
-    canaryNodes: 1
-";
+const VALID: &str = include_str!("fixtures/every_section.yaml");
 
 /// Fewer cases than proptest's default: each case builds the CRD schema
 /// and compiles its CEL rules, which a debug build does slowly.
