@@ -14,7 +14,7 @@ use genswap_controller::reconciler::{
     CATCH_UP_RETRY, Planner, RESYNC_PERIOD, backoff_delay, error_policy, reconcile,
 };
 use genswap_controller::scheduler::Plan;
-use genswap_crds::InstanceGenerationStatus;
+use genswap_crds::{InstanceGeneration, InstanceGenerationStatus};
 use http::StatusCode;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use kube::core::DeserializeGuard;
@@ -44,24 +44,33 @@ fn metric_line(metrics: &Metrics, line: &str) -> bool {
         .any(|l| l == line)
 }
 
-#[tokio::test]
-async fn issuing_an_attempt_reserves_the_revision_before_creating_it() {
-    let (h, verifier) = harness(fixed_planner(issuing_plan()), true);
-    let ig = ig("100", Some(status(4)));
+/// Reconciles `ig` with a planner that returns `plan`, against a server
+/// that expects exactly the writes of `plan` in order and accepts them;
+/// returns the reconcile's action and the metrics.
+async fn apply_fixed(ig: InstanceGeneration, plan: Plan) -> (Action, Arc<Metrics>) {
+    let (h, verifier) = harness(fixed_planner(plan.clone()), true);
     let scenario = verifier.run(Scenario::Apply {
         ig: ig.clone(),
-        plan: issuing_plan(),
+        plan,
     });
     let action = reconcile(watched(ig), h.ctx.clone())
         .await
         .expect("reconcile succeeds");
-    assert_eq!(action, Action::requeue(RESYNC_PERIOD));
     let metrics = h.metrics.clone();
     drop(h.ctx);
     finish(scenario).await;
+    (action, metrics)
+}
+
+#[tokio::test]
+async fn issuing_an_attempt_reserves_the_revision_before_creating_it() {
+    let (action, metrics) = apply_fixed(ig("100", Some(status(4))), issuing_plan()).await;
+    assert_eq!(action, Action::requeue(RESYNC_PERIOD));
     assert!(
-        metrics.encode().expect("metrics encode").lines().any(|l| l
-            == "genswap_controller_attempts_issued_total{cause=\"install\",mode=\"overlap\"} 1"),
+        metric_line(
+            &metrics,
+            "genswap_controller_attempts_issued_total{cause=\"install\",mode=\"overlap\"} 1"
+        ),
         "the issued attempt is counted"
     );
 }
@@ -258,17 +267,7 @@ async fn a_changed_status_is_written_alone_when_nothing_is_issued() {
         },
         ..Plan::default()
     };
-    let (h, verifier) = harness(fixed_planner(plan.clone()), true);
-    let ig = ig("100", Some(status(9)));
-    let scenario = verifier.run(Scenario::Apply {
-        ig: ig.clone(),
-        plan,
-    });
-    reconcile(watched(ig), h.ctx.clone())
-        .await
-        .expect("reconcile succeeds");
-    drop(h.ctx);
-    finish(scenario).await;
+    apply_fixed(ig("100", Some(status(9))), plan).await;
 }
 
 #[tokio::test]
@@ -285,17 +284,7 @@ async fn events_are_recorded_with_their_reasons_and_types_after_the_deletes() {
         ],
         requeue_after: None,
     };
-    let (h, verifier) = harness(fixed_planner(plan.clone()), true);
-    let ig = ig("100", Some(status(7)));
-    let scenario = verifier.run(Scenario::Apply {
-        ig: ig.clone(),
-        plan,
-    });
-    reconcile(watched(ig), h.ctx.clone())
-        .await
-        .expect("reconcile succeeds");
-    drop(h.ctx);
-    finish(scenario).await;
+    apply_fixed(ig("100", Some(status(7))), plan).await;
 }
 
 #[tokio::test]

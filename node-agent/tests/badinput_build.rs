@@ -44,24 +44,14 @@ async fn assert_build_failed(host: &SwapHost, attempt: &Attempt, says: &[&str]) 
         "the reason names the step: {}",
         result.reason
     );
-    for words in says {
-        assert!(
-            result.reason.contains(words),
-            "{words:?} not in {:?}",
-            result.reason
-        );
-    }
-    assert_eq!(host.who_serves().await, Some(before.clone()));
-    host.assert_only(Some(before.generation));
+    swap_host::assert_says(&result.reason, says);
+    host.assert_still_serves(&before).await;
     result
 }
 
 #[tokio::test]
 async fn a_build_that_crashes_at_once_fails_and_the_incumbent_serves() {
-    let host = SwapHost::new("build-crash");
-    host.install(1, "b1").await;
-    let b2 = host.build("b2");
-    let mut attempt = host.attempt(2, &b2, "b2");
+    let (host, mut attempt) = SwapHost::serving_b1_releasing_b2("build-crash").await;
     knob(&mut attempt, "TESTAPP_EXIT_AFTER_MS", "0");
     knob(&mut attempt, "TESTAPP_EXIT_CODE", "3");
     let result = assert_build_failed(
@@ -84,10 +74,7 @@ async fn a_build_that_crashes_at_once_fails_and_the_incumbent_serves() {
 /// never a one-shot's success (only workers have those).
 #[tokio::test]
 async fn a_server_that_exits_0_at_once_fails_it_is_not_a_clean_exit() {
-    let host = SwapHost::new("build-exit0");
-    host.install(1, "b1").await;
-    let b2 = host.build("b2");
-    let mut attempt = host.attempt(2, &b2, "b2");
+    let (host, mut attempt) = SwapHost::serving_b1_releasing_b2("build-exit0").await;
     knob(&mut attempt, "TESTAPP_EXIT_AFTER_MS", "0");
     knob(&mut attempt, "TESTAPP_EXIT_CODE", "0");
     assert_build_failed(
@@ -157,10 +144,7 @@ async fn a_first_install_that_exits_0_at_once_fails_and_leaves_nothing() {
 
 #[tokio::test]
 async fn a_build_that_never_binds_its_socket_fails_at_the_health_deadline() {
-    let host = SwapHost::new("build-never-bind");
-    host.install(1, "b1").await;
-    let b2 = host.build("b2");
-    let mut attempt = host.attempt(2, &b2, "b2");
+    let (host, mut attempt) = SwapHost::serving_b1_releasing_b2("build-never-bind").await;
     attempt.spec.health.timeout_seconds = 2;
     knob(&mut attempt, "TESTAPP_NEVER_BIND", "1");
     let socket = host.run_dir.join("default.app").join("gen-2.sock");
@@ -180,10 +164,7 @@ async fn a_build_that_never_binds_its_socket_fails_at_the_health_deadline() {
 
 #[tokio::test]
 async fn a_build_that_hangs_on_every_request_fails_at_the_health_deadline() {
-    let host = SwapHost::new("build-hang");
-    host.install(1, "b1").await;
-    let b2 = host.build("b2");
-    let mut attempt = host.attempt(2, &b2, "b2");
+    let (host, mut attempt) = SwapHost::serving_b1_releasing_b2("build-hang").await;
     attempt.spec.health.timeout_seconds = 2;
     knob(&mut attempt, "TESTAPP_HANG", "1");
     assert_build_failed(&host, &attempt, &["within 2s", "no answer within"]).await;
@@ -192,10 +173,7 @@ async fn a_build_that_hangs_on_every_request_fails_at_the_health_deadline() {
 
 #[tokio::test]
 async fn a_failing_build_that_ignores_sigterm_is_killed_and_leaves_nothing() {
-    let host = SwapHost::new("build-ignore-term");
-    host.install(1, "b1").await;
-    let b2 = host.build("b2");
-    let mut attempt = host.attempt(2, &b2, "b2");
+    let (host, mut attempt) = SwapHost::serving_b1_releasing_b2("build-ignore-term").await;
     attempt.spec.health.timeout_seconds = 2;
     attempt.spec.stop.timeout_seconds = 1;
     knob(&mut attempt, "TESTAPP_STATUS", "500");

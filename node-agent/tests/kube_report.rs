@@ -320,21 +320,34 @@ async fn a_404_acknowledges_and_drops_the_outcome() {
     assert!(server.remaining().await.is_empty(), "not retried");
 }
 
-#[tokio::test]
-async fn the_running_status_says_reconciling_with_the_start_and_no_outcome() {
-    let (_dir, journal, report) = journal_with(done());
-    let (client, mut server) = mock_client();
+/// A running-status report for `mode` on a task, against a mocked server;
+/// cancel the returned token when the attempt ends.
+fn reporting_started(
+    mode: Mode,
+) -> (
+    kube_support::ApiServerVerifier,
+    tokio::task::JoinHandle<()>,
+    Cancel,
+) {
+    let (dir, journal, report) = journal_with(done());
+    let (client, server) = mock_client();
     let (reporter, _) = reporter(client, journal);
-    let target = report.target.clone();
     let until = Cancel::new();
     let started = tokio::spawn({
         let until = until.clone();
         async move {
             reporter
-                .report_started(&target, Mode::Hold, STARTED_MS, &until)
-                .await
+                .report_started(&report.target, mode, STARTED_MS, &until)
+                .await;
+            drop(dir);
         }
     });
+    (server, started, until)
+}
+
+#[tokio::test]
+async fn the_running_status_says_reconciling_with_the_start_and_no_outcome() {
+    let (mut server, started, _until) = reporting_started(Mode::Hold);
     let write = server.expect_status_patch(NAMESPACE, NAME).await;
     assert_eq!(
         write.request.query.get("fieldManager").map(String::as_str),
@@ -364,19 +377,7 @@ async fn the_running_status_says_reconciling_with_the_start_and_no_outcome() {
 
 #[tokio::test]
 async fn a_failing_running_status_stops_retrying_when_the_attempt_ends() {
-    let (_dir, journal, report) = journal_with(done());
-    let (client, mut server) = mock_client();
-    let (reporter, _) = reporter(client, journal);
-    let target = report.target.clone();
-    let until = Cancel::new();
-    let started = tokio::spawn({
-        let until = until.clone();
-        async move {
-            reporter
-                .report_started(&target, Mode::Overlap, STARTED_MS, &until)
-                .await
-        }
-    });
+    let (mut server, started, until) = reporting_started(Mode::Overlap);
     server
         .expect_status_patch(NAMESPACE, NAME)
         .await

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 use genswap_crds::{Cause, InstanceKind, Mode, Outcome, StopSignal, StopSpec};
 use node_agent::cgroup::{CgroupManager, Tier};
-use node_agent::engine::{Engine, EngineConfig, EngineParts, RecoveryReport};
+use node_agent::engine::{Engine, EngineConfig, EngineParts, RecoveryReport, SwapResult};
 use node_agent::gate::InstanceKey;
 use node_agent::journal::{AttemptRef, GenerationRecord, Journal, Phase, Record};
 use node_agent::spawn::{SpawnSpec, Spawned};
@@ -190,6 +190,18 @@ fn recovered(report: &RecoveryReport, engine: &Engine, key: &InstanceKey) -> (Ou
 }
 
 /// Who serves through `current.sock`: (build, generation).
+/// Runs attempt `rev` of a new build `name` on `engine`, nothing gating it.
+async fn swap_build(engine: &Engine, host: &SwapHost, rev: i64, name: &str) -> SwapResult {
+    let build = host.build(name);
+    engine
+        .swap(
+            &host.attempt(rev, &build, name),
+            &OpenGate,
+            &node_agent::engine::Cancel::new(),
+        )
+        .await
+}
+
 async fn serving(host: &SwapHost) -> Option<(String, u64)> {
     host.who_serves().await.map(|id| (id.build, id.generation))
 }
@@ -222,14 +234,7 @@ async fn a_restarted_engine_adopts_what_serves_and_swaps_it_away() {
 
     // The adopted generation is the incumbent of the next overlap, and its
     // retirement works through its cgroup alone.
-    let v2 = host.build("v2");
-    let result = engine
-        .swap(
-            &host.attempt(2, &v2, "v2"),
-            &OpenGate,
-            &node_agent::engine::Cancel::new(),
-        )
-        .await;
+    let result = swap_build(&engine, &host, 2, "v2").await;
     assert_eq!(result.outcome, Outcome::Done, "{result:?}");
     assert!(!alive(before.pid), "the adopted generation was retired");
     assert_eq!(serving(&host).await, Some(("v2".into(), 2)));
@@ -291,14 +296,7 @@ async fn an_overlap_cut_before_the_switch_stops_the_successor_and_keeps_the_incu
     host.assert_only(Some(1));
 
     // The next attempt gets a number above the stopped successor's.
-    let v3 = host.build("v3");
-    let result = engine
-        .swap(
-            &host.attempt(3, &v3, "v3"),
-            &OpenGate,
-            &node_agent::engine::Cancel::new(),
-        )
-        .await;
+    let result = swap_build(&engine, &host, 3, "v3").await;
     assert_eq!(
         (result.outcome, result.generation),
         (Outcome::Done, Some(3))
@@ -688,14 +686,7 @@ async fn a_corrupt_journal_file_is_quarantined_and_hides_no_other_instance() {
         (1, "w1")
     );
     // The counter was rebuilt above what the host shows.
-    let v2 = host.build("v2");
-    let result = engine
-        .swap(
-            &host.attempt(2, &v2, "v2"),
-            &OpenGate,
-            &node_agent::engine::Cancel::new(),
-        )
-        .await;
+    let result = swap_build(&engine, &host, 2, "v2").await;
     assert_eq!(
         (result.outcome, result.generation),
         (Outcome::Done, Some(2))

@@ -69,8 +69,7 @@ async fn successor_answering_500_fails_and_the_incumbent_keeps_serving() {
     assert_eq!(result.outcome, Outcome::Failed, "{result:?}");
     assert!(result.executed);
     assert!(result.reason.contains("500"), "{}", result.reason);
-    assert_eq!(host.who_serves().await, Some(before.clone()));
-    host.assert_only(Some(before.generation));
+    host.assert_still_serves(&before).await;
     host.tear_down().await;
 }
 
@@ -102,8 +101,7 @@ async fn successor_exiting_inside_the_settle_window_fails() {
         .find(|s| s.step == Step::Settle)
         .expect("a settle step");
     assert_eq!(settle.result, StepOutcome::Failed);
-    assert_eq!(host.who_serves().await, Some(before.clone()));
-    host.assert_only(Some(before.generation));
+    host.assert_still_serves(&before).await;
     host.tear_down().await;
 }
 
@@ -124,8 +122,7 @@ async fn superseded_before_the_exec_is_abandoned_with_nothing_executed() {
     assert!(!result.executed, "nothing of b2 ran: {result:?}");
     assert!(result.reason.contains("superseded"), "{}", result.reason);
     assert_eq!(gate.asked(), vec![GatePoint::Admission, GatePoint::Exec]);
-    assert_eq!(host.who_serves().await, Some(before.clone()));
-    host.assert_only(Some(before.generation));
+    host.assert_still_serves(&before).await;
     host.tear_down().await;
 }
 
@@ -149,8 +146,7 @@ async fn superseded_at_the_switch_stops_the_successor_and_keeps_the_incumbent() 
         gate.asked(),
         vec![GatePoint::Admission, GatePoint::Exec, GatePoint::Switch]
     );
-    assert_eq!(host.who_serves().await, Some(before.clone()));
-    host.assert_only(Some(before.generation));
+    host.assert_still_serves(&before).await;
     host.tear_down().await;
 }
 
@@ -246,8 +242,7 @@ async fn a_cancelled_attempt_is_abandoned_and_its_successor_stopped() {
         .find(|s| s.step == Step::Health)
         .expect("a health step");
     assert_eq!(health.result, StepOutcome::Cancelled);
-    assert_eq!(host.who_serves().await, Some(before.clone()));
-    host.assert_only(Some(before.generation));
+    host.assert_still_serves(&before).await;
     host.tear_down().await;
 }
 

@@ -35,15 +35,8 @@ async fn assert_refused(
         (step, StepOutcome::Stale),
         "{result:?}"
     );
-    for words in says {
-        assert!(
-            result.reason.contains(words),
-            "{words:?} not in {:?}",
-            result.reason
-        );
-    }
-    assert_eq!(host.who_serves().await, Some(before.clone()));
-    host.assert_only(Some(before.generation));
+    swap_host::assert_says(&result.reason, says);
+    host.assert_still_serves(&before).await;
     result
 }
 
@@ -130,10 +123,7 @@ async fn a_memory_limit_this_host_cannot_apply_is_refused_naming_the_controller(
 
 #[tokio::test]
 async fn uid_0_is_refused_unless_root_instances_are_allowed() {
-    let host = SwapHost::new("refuse-root");
-    host.install(1, "b1").await;
-    let b2 = host.build("b2");
-    let mut attempt = host.attempt(2, &b2, "b2");
+    let (host, mut attempt) = SwapHost::serving_b1_releasing_b2("refuse-root").await;
     attempt.spec.process.user = Some(0);
     assert_refused(&host, &attempt, Step::Admit, &["root"]).await;
     host.tear_down().await;

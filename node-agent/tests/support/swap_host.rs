@@ -215,6 +215,26 @@ impl SwapHost {
         }
     }
 
+    /// A host where build `b1` serves as generation 1, and attempt 2 that
+    /// releases build `b2` on it.
+    pub async fn serving_b1_releasing_b2(tag: &str) -> (SwapHost, Attempt) {
+        let host = SwapHost::new(tag);
+        host.install(1, "b1").await;
+        let b2 = host.build("b2");
+        let attempt = host.attempt(2, &b2, "b2");
+        (host, attempt)
+    }
+
+    /// Asserts that `before` still answers and is all that is left.
+    pub async fn assert_still_serves(&self, before: &Identity) {
+        assert_eq!(
+            self.who_serves().await.as_ref(),
+            Some(before),
+            "the incumbent serves"
+        );
+        self.assert_only(Some(before.generation));
+    }
+
     /// Stops what serves and checks nothing is left in the subtree.
     pub async fn tear_down(&self) {
         self.engine
@@ -288,6 +308,13 @@ pub fn knob(attempt: &mut Attempt, name: &str, value: &str) {
         name: name.into(),
         value: value.into(),
     });
+}
+
+/// Asserts that `text` contains each of `says`.
+pub fn assert_says(text: &str, says: &[&str]) {
+    for words in says {
+        assert!(text.contains(words), "{words:?} not in {text:?}");
+    }
 }
 
 /// What a generation says about itself.
