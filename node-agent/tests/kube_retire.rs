@@ -21,6 +21,7 @@ use kube_support::{
     fresh_read, list_and_watch, mock_client, object, outcome_status, running_status, unexpected,
 };
 use serde_json::{Value, json};
+use swap_host::alive;
 
 /// The read of `instance`'s InstanceGeneration.
 async fn expect_ig_read(server: &mut ApiServerVerifier, instance: &str) -> Pending {
@@ -62,11 +63,15 @@ fn retirements(agent: &RunningAgent, result: &str) -> bool {
         ))
 }
 
-/// An agent that installed `web` (b1, generation 1) and reported it done;
-/// returns the agent, its watch and the installing attempt.
-async fn installed(node: &TestNode, server: &mut ApiServerVerifier) -> (WatchFeed, Value) {
+/// An agent that installed `web` (b1, generation 1) with attempt `rev` and
+/// reported it done; returns its watch and the installing attempt.
+async fn installed(
+    node: &TestNode,
+    server: &mut ApiServerVerifier,
+    rev: i64,
+) -> (WatchFeed, Value) {
     let b1 = node.build("b1");
-    let install = object(&node.spec("web", 1, &b1, "b1"));
+    let install = object(&node.spec("web", rev, &b1, "b1"));
     let feed = list_and_watch(server, std::slice::from_ref(&install)).await;
     fresh_read(server, &install).await;
     running_status(server, &install).await;
@@ -79,17 +84,12 @@ async fn installed(node: &TestNode, server: &mut ApiServerVerifier) -> (WatchFee
     (feed, install)
 }
 
-/// Whether `pid` names a live process.
-fn alive(pid: u32) -> bool {
-    std::path::Path::new(&format!("/proc/{pid}")).exists()
-}
-
 #[tokio::test]
 async fn deleting_the_instance_generation_stops_its_instance_with_proof_of_exit() {
     let node = TestNode::new("kube-retire");
     let (client, mut server) = mock_client();
     let agent = node.start_agent(client);
-    let (feed, install) = installed(&node, &mut server).await;
+    let (feed, install) = installed(&node, &mut server, 3).await;
     let serving = node.who_serves("web").await.expect("b1 serves");
     let cgroup = node.generation_cgroup("web", 1);
     assert!(cgroup.exists());
@@ -111,8 +111,20 @@ async fn deleting_the_instance_generation_stops_its_instance_with_proof_of_exit(
         "the gauge follows"
     );
 
+    // The object is created again: its first attempt is revision 1, below
+    // the old object's 3, and it runs (nothing remembers those revisions).
+    let b1 = node.build("b1");
+    let again = object(&node.spec("web", 1, &b1, "b1"));
+    feed.added(&again);
+    fresh_read(&mut server, &again).await;
+    running_status(&mut server, &again).await;
+    let status = outcome_status(&mut server, &again).await;
+    assert_eq!(status["outcome"], "done", "{status:#}");
+    assert!(node.who_serves("web").await.is_some(), "web serves again");
+
     agent.stop().await.expect("clean stop");
     assert_eq!(unexpected(server).await, Vec::<String>::new());
+    node.tear_down(&["web"]).await;
 }
 
 #[tokio::test]
@@ -120,7 +132,7 @@ async fn an_instance_whose_object_still_exists_keeps_serving() {
     let node = TestNode::new("kube-keep");
     let (client, mut server) = mock_client();
     let agent = node.start_agent(client);
-    let (feed, install) = installed(&node, &mut server).await;
+    let (feed, install) = installed(&node, &mut server, 1).await;
     let serving = node.who_serves("web").await.expect("b1 serves");
 
     // The attempts are gone but the InstanceGeneration is not (the node
@@ -158,7 +170,7 @@ async fn an_instance_deleted_while_no_agent_ran_is_stopped_by_the_next() {
     let node = TestNode::new("kube-retire-late");
     let (client, mut server) = mock_client();
     let agent = node.start_agent(client);
-    let (_feed, _install) = installed(&node, &mut server).await;
+    let (_feed, _install) = installed(&node, &mut server, 1).await;
     let serving = node.who_serves("web").await.expect("b1 serves");
     agent.stop().await.expect("clean stop");
     assert_eq!(unexpected(server).await, Vec::<String>::new());
@@ -183,7 +195,7 @@ async fn an_agent_watching_one_namespace_leaves_other_namespaces_instances_alone
     let node = TestNode::new("kube-retire-scope");
     let (client, mut server) = mock_client();
     let agent = node.start_agent(client);
-    let (_feed, _install) = installed(&node, &mut server).await;
+    let (_feed, _install) = installed(&node, &mut server, 1).await;
     agent.stop().await.expect("clean stop");
     assert_eq!(unexpected(server).await, Vec::<String>::new());
 

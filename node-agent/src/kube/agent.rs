@@ -372,8 +372,6 @@ impl Running {
         }
         if retirement == Retirement::Stopped {
             self.stop_specs.remove(&instance);
-            // A re-created InstanceGeneration starts its revisions at 1.
-            self.shared.gate.forget(&instance);
         }
         self.shared
             .metrics

@@ -228,15 +228,23 @@ impl Intake {
                 sched_rev: rev,
                 why: "the SwapAttempt was deleted while it ran".into(),
             });
-        } else {
-            // A deleted attempt never comes back under the same name and
-            // revision: forgetting it keeps the memory bounded.
-            slot.decided.remove(&rev);
         }
-        if slot.is_idle() {
-            self.slots.remove(&instance);
-        }
+        // A deleted attempt never comes back under the same name and
+        // revision: forgetting it keeps the memory bounded.
+        slot.decided.remove(&rev);
+        self.forget_if_idle(&instance);
         decisions
+    }
+
+    /// Drops `instance`'s slot once none of its attempts is left to run,
+    /// wait or be remembered, and the gate's newest revision with it: every
+    /// attempt it had is deleted, and a re-created InstanceGeneration of
+    /// the same name issues revisions from 1 again.
+    fn forget_if_idle(&mut self, instance: &InstanceKey) {
+        if self.slots.get(instance).is_some_and(Slot::is_idle) {
+            self.slots.remove(instance);
+            self.gate.forget(instance);
+        }
     }
 
     /// `instance`'s running attempt `sched_rev` ended (whether or not it ran):
@@ -252,6 +260,8 @@ impl Intake {
             return Vec::new();
         }
         let Some(next) = slot.queued.take() else {
+            // Its attempt may have been deleted while it ran.
+            self.forget_if_idle(instance);
             return Vec::new();
         };
         let rev = next.spec.sched_rev;
@@ -440,6 +450,21 @@ mod tests {
         assert!(intake.finished(&key("web"), 1).is_empty(), "2 was dropped");
         intake.offer(attempt("web", 3));
         assert_eq!(words(&intake.delete(&attempt("web", 3))), ["cancel 3"]);
+    }
+
+    #[test]
+    fn once_every_attempt_is_deleted_a_recreated_object_starts_again_at_1() {
+        let (mut intake, gate) = open_intake();
+        assert_eq!(words(&intake.offer(attempt("web", 6))), ["run 6"]);
+        intake.offer(attempt("web", 7));
+        assert_eq!(gate.newest(&key("web")), Some(7));
+        // Both go with their object: the running one is cancelled first.
+        assert_eq!(words(&intake.delete(&attempt("web", 6))), ["cancel 6"]);
+        assert!(intake.delete(&attempt("web", 7)).is_empty());
+        assert_eq!(gate.newest(&key("web")), Some(7), "6 is still running");
+        assert!(intake.finished(&key("web"), 6).is_empty());
+        assert_eq!(gate.newest(&key("web")), None, "nothing of web is left");
+        assert_eq!(words(&intake.offer(attempt("web", 1))), ["run 1"]);
     }
 
     #[test]
