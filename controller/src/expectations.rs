@@ -1,6 +1,9 @@
-//! The SwapAttempts this replica created that its cache has not shown yet.
+//! This replica's own writes that its caches have not shown yet: the status
+//! write of each InstanceGeneration, and the SwapAttempts it created.
 //!
-//! The status write that reserves a revision and the create of its attempt
+//! A cached InstanceGeneration still at the version our last status write
+//! replaced is stale: planning from it could only lose the reservation race
+//! against ourselves. The status write that reserves a revision and the create of its attempt
 //! come back on two different watches, in either order. A reconcile woken by
 //! the status event can find the attempt cache without the attempt it just
 //! created, and a plan made then would issue the node a second attempt for
@@ -25,25 +28,29 @@ pub const PATIENCE: Duration = Duration::from_secs(60);
 /// An InstanceGeneration: (namespace, name).
 pub type IgKey = (String, String);
 
-/// Whether the cache has caught up with this replica's own creates.
+/// Whether the caches have caught up with this replica's own writes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CaughtUp {
-    /// Every attempt created for the IG is in the cache (or none was).
+    /// They show every write (or there was none).
     Yes,
+    /// The cached IG is still the version our status write replaced.
+    StatusUnseen,
     /// These attempts are not in the cache yet.
-    Waiting { missing: Vec<String> },
+    CreatesUnseen { missing: Vec<String> },
     /// These never showed up within [`PATIENCE`]; they are forgotten.
     GaveUp { missing: Vec<String> },
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Pending {
+    /// The resourceVersion our last status write replaced.
+    replaced: Option<String>,
     attempts: HashSet<String>,
-    /// When the oldest of them was created.
-    since: Instant,
+    /// When the oldest of the attempts was created.
+    since: Option<Instant>,
 }
 
-/// Outstanding creates per InstanceGeneration.
+/// Outstanding writes per InstanceGeneration.
 #[derive(Debug)]
 pub struct Expectations {
     patience: Duration,
@@ -64,27 +71,39 @@ impl Expectations {
         }
     }
 
+    /// Records that our status write replaced `ig` at `version`.
+    pub fn status_written(&self, ig: &IgKey, version: &str) {
+        let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        pending.entry(ig.clone()).or_default().replaced = Some(version.to_string());
+    }
+
     /// Records that `attempt` of `ig` was created at `now`.
     pub fn created(&self, ig: &IgKey, attempt: &str, now: Instant) {
         let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
-        pending
-            .entry(ig.clone())
-            .or_insert_with(|| Pending {
-                attempts: HashSet::new(),
-                since: now,
-            })
-            .attempts
-            .insert(attempt.to_string());
+        let entry = pending.entry(ig.clone()).or_default();
+        entry.since.get_or_insert(now);
+        entry.attempts.insert(attempt.to_string());
     }
 
-    /// Checks the outstanding creates of `ig` against the cache (`cached`
-    /// says whether an attempt of that name is in it) and forgets those it
-    /// has shown, or all of them once they are older than the patience.
-    pub fn caught_up(&self, ig: &IgKey, cached: impl Fn(&str) -> bool, now: Instant) -> CaughtUp {
+    /// Checks the writes recorded for `ig` against the caches: the cached
+    /// object's `version`, and `cached` saying whether an attempt of that
+    /// name is in the attempt cache. Forgets what they show, and the creates
+    /// once they are older than the patience.
+    pub fn caught_up(
+        &self,
+        ig: &IgKey,
+        version: Option<&str>,
+        cached: impl Fn(&str) -> bool,
+        now: Instant,
+    ) -> CaughtUp {
         let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(entry) = pending.get_mut(ig) else {
             return CaughtUp::Yes;
         };
+        if entry.replaced.is_some() && entry.replaced.as_deref() == version {
+            return CaughtUp::StatusUnseen;
+        }
+        entry.replaced = None;
         entry.attempts.retain(|attempt| !cached(attempt));
         if entry.attempts.is_empty() {
             pending.remove(ig);
@@ -92,11 +111,12 @@ impl Expectations {
         }
         let mut missing: Vec<String> = entry.attempts.iter().cloned().collect();
         missing.sort();
-        if now.saturating_duration_since(entry.since) >= self.patience {
+        let since = entry.since.unwrap_or(now);
+        if now.saturating_duration_since(since) >= self.patience {
             pending.remove(ig);
             CaughtUp::GaveUp { missing }
         } else {
-            CaughtUp::Waiting { missing }
+            CaughtUp::CreatesUnseen { missing }
         }
     }
 
@@ -123,7 +143,7 @@ mod tests {
     fn an_ig_with_no_creates_is_caught_up() {
         let expectations = Expectations::default();
         assert_eq!(
-            expectations.caught_up(&web(), |_| false, Instant::now()),
+            expectations.caught_up(&web(), None, |_| false, Instant::now()),
             CaughtUp::Yes
         );
     }
@@ -137,24 +157,24 @@ mod tests {
 
         let seen_n1 = |name: &str| name == "web-n1-1";
         assert_eq!(
-            expectations.caught_up(&web(), seen_n1, start),
-            CaughtUp::Waiting {
+            expectations.caught_up(&web(), None, seen_n1, start),
+            CaughtUp::CreatesUnseen {
                 missing: vec!["web-n2-2".into()]
             }
         );
         // Another IG is not held by web's creates.
         assert_eq!(
-            expectations.caught_up(&("apps".into(), "api".into()), |_| false, start),
+            expectations.caught_up(&("apps".into(), "api".into()), None, |_| false, start),
             CaughtUp::Yes
         );
         let seen_n2 = |name: &str| name == "web-n2-2";
         assert_eq!(
-            expectations.caught_up(&web(), seen_n2, start),
+            expectations.caught_up(&web(), None, seen_n2, start),
             CaughtUp::Yes
         );
         // Met expectations are forgotten: the attempt may be pruned later.
         assert_eq!(
-            expectations.caught_up(&web(), |_| false, start),
+            expectations.caught_up(&web(), None, |_| false, start),
             CaughtUp::Yes
         );
     }
@@ -166,19 +186,43 @@ mod tests {
         expectations.created(&web(), "web-n1-1", start);
         let later = start + Duration::from_secs(4);
         assert!(matches!(
-            expectations.caught_up(&web(), |_| false, later),
-            CaughtUp::Waiting { .. }
+            expectations.caught_up(&web(), None, |_| false, later),
+            CaughtUp::CreatesUnseen { .. }
         ));
         let expired = start + Duration::from_secs(5);
         assert_eq!(
-            expectations.caught_up(&web(), |_| false, expired),
+            expectations.caught_up(&web(), None, |_| false, expired),
             CaughtUp::GaveUp {
                 missing: vec!["web-n1-1".into()]
             }
         );
         assert_eq!(
-            expectations.caught_up(&web(), |_| false, expired),
+            expectations.caught_up(&web(), None, |_| false, expired),
             CaughtUp::Yes
+        );
+    }
+
+    #[test]
+    fn a_cached_object_at_the_version_our_status_write_replaced_is_stale() {
+        let expectations = Expectations::default();
+        let now = Instant::now();
+        expectations.status_written(&web(), "100");
+        expectations.created(&web(), "web-n1-5", now);
+        assert_eq!(
+            expectations.caught_up(&web(), Some("100"), |_| true, now),
+            CaughtUp::StatusUnseen,
+            "the attempt is there, but the object is the one we replaced"
+        );
+        assert_eq!(
+            expectations.caught_up(&web(), Some("101"), |_| false, now),
+            CaughtUp::CreatesUnseen {
+                missing: vec!["web-n1-5".into()]
+            }
+        );
+        assert_eq!(
+            expectations.caught_up(&web(), Some("100"), |_| true, now),
+            CaughtUp::Yes,
+            "once the cache moved on, the old version is not held against it"
         );
     }
 
@@ -191,12 +235,12 @@ mod tests {
         expectations.created(&api, "api-n1-1", now);
         expectations.forget(&web());
         assert_eq!(
-            expectations.caught_up(&web(), |_| false, now),
+            expectations.caught_up(&web(), None, |_| false, now),
             CaughtUp::Yes
         );
         assert!(matches!(
-            expectations.caught_up(&api, |_| false, now),
-            CaughtUp::Waiting { .. }
+            expectations.caught_up(&api, None, |_| false, now),
+            CaughtUp::CreatesUnseen { .. }
         ));
     }
 }

@@ -6,7 +6,7 @@
 //!
 //! - [`observe`]: the reads (watch caches, no requests), planned from only
 //!   once [`cache_sync`] says the caches have listed and [`expectations`]
-//!   says they show this replica's own creates;
+//!   says they show this replica's own writes;
 //! - [`scheduler`]: the plan (pure);
 //! - [`apply`]: the writes, in the order that keeps revisions unique;
 //! - [`reconciler`]: one reconcile, read → plan → apply, and its error policy;

@@ -86,14 +86,11 @@ pub struct Context {
     pub nodes: Store<Node>,
     /// Whether those caches (and the IG cache) have had their first list.
     pub caches: CacheSync,
-    /// Attempts this replica created that the attempt cache may not show yet.
+    /// This replica's writes the caches may not show yet.
     pub expectations: Expectations,
     planner: Planner,
     clock: Clock,
     failures: Mutex<HashMap<ObjectRef<WatchedIg>, u32>>,
-    /// Per IG (namespace, name), the resourceVersion this replica's last
-    /// status write replaced: a cached IG still at it is known to be stale.
-    replaced: Mutex<HashMap<IgKey, String>>,
 }
 
 impl Context {
@@ -120,7 +117,6 @@ impl Context {
             planner: Arc::new(scheduler::plan),
             clock: Arc::new(Timestamp::now),
             failures: Mutex::new(HashMap::new()),
-            replaced: Mutex::new(HashMap::new()),
         }
     }
 
@@ -147,25 +143,7 @@ impl Context {
     /// Records that our status write replaced `ig` at its resourceVersion.
     pub(crate) fn note_replaced(&self, ig: &InstanceGeneration) {
         if let Some(version) = ig.resource_version() {
-            self.replaced
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .insert(key_of(ig), version);
-        }
-    }
-
-    /// Whether the cached `ig` is still the version our own write replaced;
-    /// forgets the note once the cache has moved on.
-    fn is_behind_own_write(&self, ig: &InstanceGeneration) -> bool {
-        let mut replaced = self.replaced.lock().unwrap_or_else(PoisonError::into_inner);
-        let key = key_of(ig);
-        match replaced.get(&key) {
-            Some(version) if ig.resource_version().as_ref() == Some(version) => true,
-            Some(_) => {
-                replaced.remove(&key);
-                false
-            }
-            None => false,
+            self.expectations.status_written(&key_of(ig), &version);
         }
     }
 
@@ -175,17 +153,20 @@ impl Context {
             .created(&key_of(ig), attempt, Instant::now());
     }
 
-    /// Whether the attempt cache shows every attempt this replica created
-    /// for `ig`.
-    fn attempts_caught_up(&self, ig: &InstanceGeneration) -> CaughtUp {
+    /// Whether the caches show every write this replica made for `ig`.
+    fn caught_up(&self, ig: &InstanceGeneration) -> CaughtUp {
         let namespace = ig.namespace().unwrap_or_default();
         let cached = |name: &str| {
             self.attempts
                 .get(&ObjectRef::new(name).within(&namespace))
                 .is_some()
         };
-        self.expectations
-            .caught_up(&key_of(ig), cached, Instant::now())
+        self.expectations.caught_up(
+            &key_of(ig),
+            ig.resource_version().as_deref(),
+            cached,
+            Instant::now(),
+        )
     }
 
     fn clear_failures(&self, object: &ObjectRef<WatchedIg>) {
@@ -255,16 +236,16 @@ async fn wait_for_caches(ig: &InstanceGeneration, ctx: &Context) -> Option<Actio
         ctx.metrics.plan_deferred(Deferral::CachesSyncing);
         return Some(Action::requeue(CATCH_UP_RETRY));
     }
-    if ctx.is_behind_own_write(ig) {
-        // Planning from it would only lose the reservation race to our own
-        // write; the watch event of that write re-triggers this IG.
-        debug!(ig = %ig.name_any(), "cache behind our own status write; waiting for it");
-        ctx.metrics.plan_deferred(Deferral::OwnStatusUnseen);
-        return Some(Action::requeue(CATCH_UP_RETRY));
-    }
-    match ctx.attempts_caught_up(ig) {
+    match ctx.caught_up(ig) {
         CaughtUp::Yes => None,
-        CaughtUp::Waiting { missing } => {
+        CaughtUp::StatusUnseen => {
+            // Planning from it would only lose the reservation race to our
+            // own write; the watch event of that write re-triggers this IG.
+            debug!(ig = %ig.name_any(), "cache behind our own status write; waiting for it");
+            ctx.metrics.plan_deferred(Deferral::OwnStatusUnseen);
+            Some(Action::requeue(CATCH_UP_RETRY))
+        }
+        CaughtUp::CreatesUnseen { missing } => {
             // The watch event of each create re-triggers this IG.
             debug!(ig = %ig.name_any(), ?missing, "attempt cache behind our own creates; waiting for it");
             ctx.metrics.plan_deferred(Deferral::OwnCreateUnseen);
