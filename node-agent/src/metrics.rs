@@ -16,7 +16,7 @@
 //! | `genswap_agent_step_duration_seconds` | histogram | `step` | time spent in each swap step |
 //! | `genswap_agent_generations_running` | gauge | | instances with a serving generation on this node |
 //! | `genswap_agent_journal_backlog` | gauge | | outcomes not yet accepted by the API server (or the status file) |
-//! | `genswap_agent_retirements_total` | counter | `result` | serving instances no attempt named any more, looked up: `stopped` (the InstanceGeneration was deleted), `kept` (it exists), `failed` (the lookup or the stop failed; tried again) |
+//! | `genswap_agent_retirements_total` | counter | `result` | serving instances no attempt named any more, looked up: `stopped` (the InstanceGeneration was deleted or no longer selects this node), `kept` (it exists and selects this node), `failed` (the lookup or the stop failed; tried again) |
 //!
 //! `/healthz` answers 200 while the process serves HTTP. `/readyz` answers
 //! 200 once the agent owns the node and its intake has read its source
@@ -74,9 +74,11 @@ struct RetirementLabels {
 /// What became of a serving instance no attempt named any more.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Retirement {
-    /// Its InstanceGeneration was deleted; it was stopped.
+    /// Its InstanceGeneration was deleted or no longer selects this node;
+    /// it was stopped.
     Stopped,
-    /// Its InstanceGeneration exists (or an attempt took it); it serves on.
+    /// Its InstanceGeneration exists and selects this node (or an attempt
+    /// took it); it serves on.
     Kept,
     /// The lookup or the stop failed; it is tried again.
     Failed,

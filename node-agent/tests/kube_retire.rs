@@ -1,10 +1,10 @@
-//! Kubernetes mode: an instance whose InstanceGeneration is deleted is
-//! stopped on the node, with proof of exit; one whose attempts are gone but
-//! whose object still exists (the node left its selector, someone deleted
-//! the attempts) keeps serving; one deleted while no agent ran is stopped
-//! by the next agent; an agent watching one namespace leaves the others'
-//! instances alone. Real engine, cgroup v2 and testapp processes against a
-//! mocked API server.
+//! Kubernetes mode: an instance whose InstanceGeneration is deleted, or
+//! whose selector this node no longer matches, is stopped on the node, with
+//! proof of exit; one whose attempts are gone but whose object still exists
+//! and selects the node (someone deleted the attempts) keeps serving; one
+//! deleted while no agent ran is stopped by the next agent; an agent
+//! watching one namespace leaves the others' instances alone. Real engine,
+//! cgroup v2 and testapp processes against a mocked API server.
 
 #[path = "support/cgroup_guard.rs"]
 mod cgroup_guard;
@@ -17,7 +17,7 @@ mod swap_host;
 use http::{Method, StatusCode};
 use kube_node::TestNode;
 use kube_support::{
-    ApiServerVerifier, GROUP_PATH, NAMESPACE, Pending, RunningAgent, WatchFeed, eventually,
+    ApiServerVerifier, GROUP_PATH, NAMESPACE, NODE, Pending, RunningAgent, WatchFeed, eventually,
     fresh_read, list_and_watch, mock_client, object, outcome_status, running_status, unexpected,
 };
 use serde_json::{Value, json};
@@ -42,15 +42,48 @@ async fn answer_gone(server: &mut ApiServerVerifier, instance: &str) {
     );
 }
 
-fn ig_object(instance: &str) -> Value {
+/// `instance`'s InstanceGeneration, selecting nodes by `node_selector`.
+fn ig_object(instance: &str, node_selector: Value) -> Value {
     json!({
         "apiVersion": "genswap.dev/v1alpha1",
         "kind": "InstanceGeneration",
         "metadata": { "name": instance, "namespace": NAMESPACE, "uid": "uid-1", "generation": 1 },
         "spec": {
+            "nodeSelector": node_selector,
             "build": { "id": "b1", "artifact": { "path": "/opt/b1" }, "sha256": "a".repeat(64) },
         },
     })
+}
+
+/// The read of this node's Node.
+async fn expect_node_read(server: &mut ApiServerVerifier) -> Pending {
+    let path = format!("/api/v1/nodes/{NODE}");
+    server
+        .next_where(&format!("GET {path}"), |r| {
+            r.method == Method::GET && r.path == path
+        })
+        .await
+}
+
+/// The reads of `instance`'s InstanceGeneration (selecting by
+/// `node_selector`) and of this node, labelled `labels`, answered.
+async fn answer_present(
+    server: &mut ApiServerVerifier,
+    instance: &str,
+    node_selector: Value,
+    labels: Value,
+) {
+    expect_ig_read(server, instance)
+        .await
+        .respond_json(StatusCode::OK, &ig_object(instance, node_selector));
+    let node = json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": { "name": NODE, "labels": labels },
+    });
+    expect_node_read(server)
+        .await
+        .respond_json(StatusCode::OK, &node);
 }
 
 fn retirements(agent: &RunningAgent, result: &str) -> bool {
@@ -135,12 +168,16 @@ async fn an_instance_whose_object_still_exists_keeps_serving() {
     let (feed, install) = installed(&node, &mut server, 1).await;
     let serving = node.who_serves("web").await.expect("b1 serves");
 
-    // The attempts are gone but the InstanceGeneration is not (the node
-    // left its selector, or someone deleted the attempts by hand).
+    // The attempts are gone but the InstanceGeneration is not, and it still
+    // selects this node (someone deleted the attempts by hand).
     feed.deleted(&install);
-    expect_ig_read(&mut server, "web")
-        .await
-        .respond_json(StatusCode::OK, &ig_object("web"));
+    answer_present(
+        &mut server,
+        "web",
+        json!({ "pool": "edge" }),
+        json!({ "pool": "edge", "zone": "a" }),
+    )
+    .await;
     eventually("the lookup concluded", || retirements(&agent, "kept")).await;
     assert_eq!(node.who_serves("web").await, Some(serving.clone()));
 
@@ -155,6 +192,71 @@ async fn an_instance_whose_object_still_exists_keeps_serving() {
         "etcd is having a bad day",
     );
     eventually("the failed lookup counted", || {
+        retirements(&agent, "failed")
+    })
+    .await;
+    assert_eq!(node.who_serves("web").await, Some(serving));
+
+    agent.stop().await.expect("clean stop");
+    assert_eq!(unexpected(server).await, Vec::<String>::new());
+    node.tear_down(&["web"]).await;
+}
+
+#[tokio::test]
+async fn a_node_that_leaves_the_selector_stops_its_instance() {
+    let node = TestNode::new("kube-retire-unselected");
+    let (client, mut server) = mock_client();
+    let agent = node.start_agent(client);
+    let (feed, install) = installed(&node, &mut server, 2).await;
+    let serving = node.who_serves("web").await.expect("b1 serves");
+
+    // The node was relabelled out of the selector: the controller deleted
+    // its attempt, and the fresh reads agree.
+    feed.deleted(&install);
+    answer_present(
+        &mut server,
+        "web",
+        json!({ "pool": "edge" }),
+        json!({ "pool": "core" }),
+    )
+    .await;
+    eventually("the instance stopped", || retirements(&agent, "stopped")).await;
+    assert!(!alive(serving.pid), "process {} exited", serving.pid);
+    assert_eq!(node.who_serves("web").await, None, "nothing answers");
+
+    // Relabelled back, the node gets an install attempt from revision 1
+    // again (its status entry went with the selector), and it runs.
+    let b1 = node.build("b1");
+    let again = object(&node.spec("web", 1, &b1, "b1"));
+    feed.added(&again);
+    fresh_read(&mut server, &again).await;
+    running_status(&mut server, &again).await;
+    let status = outcome_status(&mut server, &again).await;
+    assert_eq!(status["outcome"], "done", "{status:#}");
+
+    agent.stop().await.expect("clean stop");
+    assert_eq!(unexpected(server).await, Vec::<String>::new());
+    node.tear_down(&["web"]).await;
+}
+
+#[tokio::test]
+async fn an_instance_on_a_node_whose_object_is_not_found_keeps_serving() {
+    let node = TestNode::new("kube-retire-nonode");
+    let (client, mut server) = mock_client();
+    let agent = node.start_agent(client);
+    let (feed, install) = installed(&node, &mut server, 1).await;
+    let serving = node.who_serves("web").await.expect("b1 serves");
+
+    feed.deleted(&install);
+    expect_ig_read(&mut server, "web")
+        .await
+        .respond_json(StatusCode::OK, &ig_object("web", json!({})));
+    expect_node_read(&mut server).await.respond_status(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        &format!("nodes \"{NODE}\" not found"),
+    );
+    eventually("the lookup counted as failed", || {
         retirements(&agent, "failed")
     })
     .await;

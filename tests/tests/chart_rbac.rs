@@ -66,7 +66,9 @@ fn controller_allowed(watch: Option<&str>, finalizers: bool) -> BTreeSet<Right> 
     allowed.into_iter().collect()
 }
 
-/// What the agent may do: read its attempts, patch their status.
+/// What the agent may do: read its attempts, patch their status, and read
+/// an InstanceGeneration and its Node to tell whether an instance without
+/// attempts is still wanted.
 fn agent_allowed(watch: Option<&str>) -> BTreeSet<Right> {
     let objects = watch.unwrap_or(CLUSTER);
     let mut allowed = rights(
@@ -87,6 +89,7 @@ fn agent_allowed(watch: Option<&str>) -> BTreeSet<Right> {
         "instancegenerations",
         &["get"],
     ));
+    allowed.extend(rights(CLUSTER, "", "nodes", &["get"]));
     allowed.into_iter().collect()
 }
 

@@ -110,6 +110,19 @@ Where the kubelet probes the agent: the agent shares the node's network
 {{- end -}}
 {{- end -}}
 
+{{/* The agent's rules on genswap objects (docs/AGENT.md). */}}
+{{- define "genswap.agent.objectRules" -}}
+- apiGroups: ["genswap.dev"]
+  resources: ["swapattempts"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["genswap.dev"]
+  resources: ["swapattempts/status"]
+  verbs: ["patch"]
+- apiGroups: ["genswap.dev"]
+  resources: ["instancegenerations"]
+  verbs: ["get"]
+{{- end -}}
+
 {{/* The controller's rules on genswap objects and Events (docs/CONTROLLER.md). */}}
 {{- define "genswap.controller.objectRules" -}}
 - apiGroups: ["genswap.dev"]

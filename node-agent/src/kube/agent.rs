@@ -530,20 +530,27 @@ impl Running {
     }
 }
 
-/// Stops `instance` if its InstanceGeneration is gone.
+/// Stops `instance` if its InstanceGeneration is gone or no longer selects
+/// this node.
 async fn retire_instance(
     shared: Arc<Shared>,
     instance: InstanceKey,
     stop: StopSpec,
 ) -> (InstanceKey, Retirement) {
-    let retirement = match retire::look_up(&shared.client, &instance).await {
+    let node_name = &shared.config.node_name;
+    let retirement = match retire::look_up(&shared.client, &instance, node_name).await {
         Owner::Present => Retirement::Kept,
         Owner::Unknown(error) => {
-            tracing::warn!(%instance, %error, "cannot tell whether the InstanceGeneration still exists; the instance keeps serving");
+            tracing::warn!(%instance, %error, "cannot tell whether the instance is still wanted on this node; it keeps serving");
             Retirement::Failed
         }
-        Owner::Gone => {
-            tracing::info!(%instance, "its InstanceGeneration is deleted; stopping the instance");
+        owner @ (Owner::Gone | Owner::Unselected) => {
+            let why = if owner == Owner::Gone {
+                "its InstanceGeneration is deleted"
+            } else {
+                "this node no longer matches its InstanceGeneration's nodeSelector"
+            };
+            tracing::info!(%instance, "{why}; stopping the instance");
             match shared.engine.stop_instance(&instance, &stop).await {
                 Ok(drain) => {
                     tracing::info!(%instance, drain_ms = ?drain.map(|d| d.as_millis()), "instance stopped");

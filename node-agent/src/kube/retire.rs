@@ -1,40 +1,45 @@
-//! Instances whose InstanceGeneration was deleted: stopped on this node, as
-//! a Deployment's pods go with it.
+//! Instances no longer wanted on this node: stopped here, as a
+//! DaemonSet's pod goes when its object is deleted or its node stops
+//! matching.
 //!
 //! Deleting an InstanceGeneration garbage-collects its SwapAttempts (they
-//! carry its ownerReference). An instance that serves here but has no
-//! attempt left in the synced watch cache, and none running, is therefore a
-//! candidate ([`unowned`]). The cache alone is not proof: someone may have
-//! deleted the attempts by hand, or the InstanceGeneration may have been
-//! re-created already. So each candidate's InstanceGeneration is read from
-//! the API server ([`look_up`]); only a 404, or an object already being
-//! deleted, stops the instance, with the stop settings of its last attempt.
-//! Anything else (the object exists, the read failed) leaves it serving.
-//!
-//! A node that merely left the InstanceGeneration's `nodeSelector` keeps
-//! its instance: the controller deletes its attempts, but the object exists.
+//! carry its ownerReference); a node that leaves its `nodeSelector` has its
+//! attempts deleted by the controller. An instance that serves here but has
+//! no attempt left in the synced watch cache, and none running, is therefore
+//! a candidate ([`unowned`]). The cache alone is not proof: someone may have
+//! deleted the attempts by hand, the InstanceGeneration may have been
+//! re-created already, or the node's labels changed back. So each
+//! candidate's InstanceGeneration, and then this node's Node, are read from
+//! the API server ([`look_up`]). Only a 404, an object already being
+//! deleted, or a selector this node's labels no longer match stops the
+//! instance, with the stop settings of its last attempt. Anything else (the
+//! object exists and selects this node, a read failed) leaves it serving.
 
 use std::collections::HashSet;
 use std::time::Duration;
 
+use genswap_controller::scheduler::selects;
 use genswap_crds::{InstanceGeneration, SwapAttempt};
+use k8s_openapi::api::core::v1::Node;
 use kube::api::Api;
 use kube::{Client, ResourceExt};
 
 use crate::gate::InstanceKey;
 
-/// Whether an instance's InstanceGeneration still exists.
+/// Whether an instance is still wanted on this node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Owner {
     /// 404, or being deleted: the instance is not wanted anywhere.
     Gone,
-    /// It exists: keep serving.
+    /// It exists, but its `nodeSelector` does not match this node's labels.
+    Unselected,
+    /// It exists and selects this node: keep serving.
     Present,
     /// The read failed; nothing can be concluded.
     Unknown(String),
 }
 
-/// How long the read of an InstanceGeneration may take.
+/// How long each read (the InstanceGeneration, the Node) may take.
 pub const LOOK_UP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The serving instances no cached attempt of this node names and none
@@ -57,18 +62,39 @@ pub fn unowned<'a>(
         .collect()
 }
 
-/// Reads `instance`'s InstanceGeneration from the API server (never from a
-/// cache: a stale one could stop an instance that is wanted).
-pub async fn look_up(client: &Client, instance: &InstanceKey) -> Owner {
-    let api: Api<InstanceGeneration> = Api::namespaced(client.clone(), instance.namespace());
-    match tokio::time::timeout(LOOK_UP_TIMEOUT, api.get_opt(instance.name())).await {
-        Err(_) => Owner::Unknown(format!(
-            "reading the InstanceGeneration took over {LOOK_UP_TIMEOUT:?}"
-        )),
-        Ok(Err(error)) => Owner::Unknown(error.to_string()),
-        Ok(Ok(None)) => Owner::Gone,
-        Ok(Ok(Some(ig))) if ig.metadata.deletion_timestamp.is_some() => Owner::Gone,
-        Ok(Ok(Some(_))) => Owner::Present,
+/// Reads `instance`'s InstanceGeneration and then `node_name`'s Node from
+/// the API server (never from a cache: a stale one could stop an instance
+/// that is wanted).
+pub async fn look_up(client: &Client, instance: &InstanceKey, node_name: &str) -> Owner {
+    let igs: Api<InstanceGeneration> = Api::namespaced(client.clone(), instance.namespace());
+    let ig = match read(igs.get_opt(instance.name()), "the InstanceGeneration").await {
+        Err(why) => return Owner::Unknown(why),
+        Ok(None) => return Owner::Gone,
+        Ok(Some(ig)) if ig.metadata.deletion_timestamp.is_some() => return Owner::Gone,
+        Ok(Some(ig)) => ig,
+    };
+    let nodes: Api<Node> = Api::all(client.clone());
+    match read(nodes.get_opt(node_name), "this node's Node").await {
+        Err(why) => Owner::Unknown(why),
+        // A node whose object is gone is leaving the cluster; its instances
+        // go with the machine, not by a guess made here.
+        Ok(None) => Owner::Unknown(format!("the Node {node_name} is not found")),
+        Ok(Some(node)) if selects(&ig.spec.node_selector, node.metadata.labels.as_ref()) => {
+            Owner::Present
+        }
+        Ok(Some(_)) => Owner::Unselected,
+    }
+}
+
+/// One read with [`LOOK_UP_TIMEOUT`]; the error says what was read.
+async fn read<T>(
+    request: impl Future<Output = kube::Result<Option<T>>>,
+    what: &str,
+) -> Result<Option<T>, String> {
+    match tokio::time::timeout(LOOK_UP_TIMEOUT, request).await {
+        Err(_) => Err(format!("reading {what} took over {LOOK_UP_TIMEOUT:?}")),
+        Ok(Err(error)) => Err(format!("reading {what}: {error}")),
+        Ok(Ok(object)) => Ok(object),
     }
 }
 
