@@ -1,7 +1,9 @@
 //! Standalone mode and the manifest directory: a file that does not
 //! validate gets a status that says why and disturbs nothing else, a second
-//! file naming the same instance is refused, and a deleted file stops its
-//! instance and leaves nothing behind. Real processes, real cgroups.
+//! file naming the same instance is refused, a deleted file stops its
+//! instance and leaves nothing behind, and a file whose selector leaves
+//! this node stops its instance until it selects the node again. Real
+//! processes, real cgroups.
 
 #[path = "support/cgroup_guard.rs"]
 mod cgroup_guard;
@@ -10,9 +12,10 @@ mod standalone_support;
 #[path = "support/swap_host.rs"]
 mod swap_host;
 
+use genswap_controller::scheduler;
 use genswap_crds::ConditionType;
 use node_agent::standalone::status::reasons;
-use standalone_support::{Manifest, StandaloneHost, key};
+use standalone_support::{Manifest, NODE, StandaloneHost, key};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalid_file_gets_the_reason_and_disturbs_nothing_else() {
@@ -213,6 +216,52 @@ async fn a_file_deleted_while_its_attempt_runs_cancels_it_and_leaves_nothing() {
         "its cgroup is removed"
     );
     assert!(!host.current_sock(&hello).exists());
+
+    host.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_selector_that_leaves_this_node_stops_the_instance_until_it_matches_again() {
+    let host = StandaloneHost::start("unselected");
+    let one = host.build("build-1");
+    let hello = key("hello");
+    let mut manifest = Manifest::new("hello", "build-1", &one);
+    manifest.hostname = Some(NODE.into());
+    host.write("hello.yaml", &manifest.yaml());
+    host.settled_after("hello.yaml", 0).await;
+    let serving = host.who_serves(&hello).await.expect("hello answers");
+
+    manifest.hostname = Some("elsewhere".into());
+    host.write("hello.yaml", &manifest.yaml());
+    let status = host
+        .status(
+            "hello.yaml",
+            "the instance stopped, no node selected",
+            |doc| {
+                doc.condition(ConditionType::Ready)
+                    .is_some_and(|ready| ready.reason == scheduler::reasons::NO_MATCHING_NODES)
+                    && doc.attempts.is_empty()
+            },
+        )
+        .await;
+    assert!(status.status.nodes.is_empty(), "{status:#?}");
+    // The status says what is wanted at once; the stop takes its drain.
+    swap_host::eventually("the generation's process gone", || {
+        !swap_host::alive(serving.pid)
+    })
+    .await;
+    swap_host::eventually("no generation cgroup left", || {
+        host.generation_cgroups(&hello).is_empty()
+    })
+    .await;
+    assert_eq!(host.who_serves(&hello).await, None, "nothing answers");
+
+    // Selecting the node again installs the instance afresh.
+    manifest.hostname = Some(NODE.into());
+    host.write("hello.yaml", &manifest.yaml());
+    host.settled_after("hello.yaml", 0).await;
+    let again = host.who_serves(&hello).await.expect("hello answers again");
+    assert_ne!(again.pid, serving.pid, "a new process serves");
 
     host.stop().await;
 }

@@ -521,6 +521,25 @@ impl Runner {
         self.start_next(key);
         self.save(key).await;
         self.write_status(key).await;
+        self.stop_if_unselected(key);
+    }
+
+    /// A node outside the manifest's `nodeSelector` runs none of its
+    /// instance, as in Kubernetes mode: what serves or runs is stopped, and
+    /// the instance starts afresh from its file (a selector that matches
+    /// again installs it).
+    fn stop_if_unselected(&mut self, key: &InstanceKey) {
+        let Some(instance) = self.instances.get(key) else {
+            return;
+        };
+        let labels = self.node.metadata.labels.as_ref();
+        if scheduler::selects(&instance.ig.spec.node_selector, labels)
+            || (instance.running.is_none() && self.engine.serving(key).is_none())
+        {
+            return;
+        }
+        tracing::info!(instance = %key, "this node no longer matches the nodeSelector; stopping the instance");
+        self.request_removal(key, "this node no longer matches its nodeSelector");
     }
 
     /// Hands the instance's oldest attempt without an outcome to the engine,

@@ -284,6 +284,9 @@ pub struct Manifest {
     pub retry: String,
     pub args: Vec<String>,
     pub health_timeout_seconds: u32,
+    /// The nodes it selects, by `kubernetes.io/hostname` (the one label a
+    /// standalone node always has); `None` selects every node.
+    pub hostname: Option<String>,
 }
 
 impl Manifest {
@@ -300,6 +303,7 @@ impl Manifest {
             retry: String::new(),
             args: Vec::new(),
             health_timeout_seconds: 20,
+            hostname: None,
         }
     }
 
@@ -315,12 +319,15 @@ impl Manifest {
             .map(|a| format!("\"{a}\""))
             .collect::<Vec<_>>()
             .join(", ");
+        let node_selector = self.hostname.as_ref().map_or_else(String::new, |hostname| {
+            format!("\n  nodeSelector:\n    kubernetes.io/hostname: {hostname}")
+        });
         format!(
             "apiVersion: genswap.dev/v1alpha1
 kind: InstanceGeneration
 metadata:
   name: {name}{namespace}
-spec:
+spec:{node_selector}
   build:
     id: {id}
     artifact:
