@@ -15,7 +15,7 @@ mod swap_host;
 use genswap_controller::scheduler;
 use genswap_crds::ConditionType;
 use node_agent::standalone::status::reasons;
-use standalone_support::{Manifest, NODE, StandaloneHost, key};
+use standalone_support::{Manifest, NODE, StandaloneHost, key, labels};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalid_file_gets_the_reason_and_disturbs_nothing_else() {
@@ -226,12 +226,12 @@ async fn a_selector_that_leaves_this_node_stops_the_instance_until_it_matches_ag
     let one = host.build("build-1");
     let hello = key("hello");
     let mut manifest = Manifest::new("hello", "build-1", &one);
-    manifest.hostname = Some(NODE.into());
+    manifest.node_selector = hostname(NODE);
     host.write("hello.yaml", &manifest.yaml());
     host.settled_after("hello.yaml", 0).await;
     let serving = host.who_serves(&hello).await.expect("hello answers");
 
-    manifest.hostname = Some("elsewhere".into());
+    manifest.node_selector = hostname("elsewhere");
     host.write("hello.yaml", &manifest.yaml());
     let status = host
         .status(
@@ -257,11 +257,17 @@ async fn a_selector_that_leaves_this_node_stops_the_instance_until_it_matches_ag
     assert_eq!(host.who_serves(&hello).await, None, "nothing answers");
 
     // Selecting the node again installs the instance afresh.
-    manifest.hostname = Some(NODE.into());
+    manifest.node_selector = hostname(NODE);
     host.write("hello.yaml", &manifest.yaml());
     host.settled_after("hello.yaml", 0).await;
     let again = host.who_serves(&hello).await.expect("hello answers again");
     assert_ne!(again.pid, serving.pid, "a new process serves");
 
     host.stop().await;
+}
+
+/// A selector on `kubernetes.io/hostname`, the one label a standalone node
+/// always has.
+fn hostname(name: &str) -> std::collections::BTreeMap<String, String> {
+    labels(&[("kubernetes.io/hostname", name)])
 }

@@ -1,7 +1,8 @@
 //! Standalone mode across a restart: the scheduler's revisions and failure
 //! book live in the state dir, so a new process continues where the old
 //! one stopped, and the intent journal lets go of every outcome the status
-//! file holds. Real processes, real cgroups.
+//! file holds; a restart with labels the selector no longer matches stops
+//! the instance. Real processes, real cgroups.
 
 #[path = "support/cgroup_guard.rs"]
 mod cgroup_guard;
@@ -11,7 +12,7 @@ mod standalone_support;
 mod swap_host;
 
 use genswap_crds::{Cause, ConditionType, Outcome};
-use standalone_support::{Manifest, StandaloneHost, key};
+use standalone_support::{Manifest, StandaloneHost, key, labels};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_keeps_revisions_and_the_failure_book() {
@@ -73,6 +74,34 @@ async fn a_restart_keeps_revisions_and_the_failure_book() {
     );
     let serving = host.who_serves(&hello).await.expect("build-1 answers");
     assert_eq!(serving.build, "build-1");
+
+    host.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_with_labels_the_selector_misses_stops_the_instance() {
+    let mut host =
+        StandaloneHost::start_labelled("restart-relabel", false, labels(&[("pool", "edge")]));
+    let one = host.build("build-1");
+    let hello = key("hello");
+    let mut manifest = Manifest::new("hello", "build-1", &one);
+    manifest.node_selector = labels(&[("pool", "edge")]);
+    host.write("hello.yaml", &manifest.yaml());
+    host.settled_after("hello.yaml", 0).await;
+    let serving = host.who_serves(&hello).await.expect("hello answers");
+
+    host.restart_labelled(labels(&[("pool", "core")])).await;
+    swap_host::eventually("the generation's process gone", || {
+        !swap_host::alive(serving.pid)
+    })
+    .await;
+    let doc = host
+        .status("hello.yaml", "no node selected", |doc| {
+            doc.status.nodes.is_empty()
+        })
+        .await;
+    assert!(!doc.is_true(ConditionType::Ready), "{doc:#?}");
+    assert_eq!(host.who_serves(&hello).await, None, "nothing answers");
 
     host.stop().await;
 }

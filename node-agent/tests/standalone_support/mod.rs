@@ -43,6 +43,7 @@ pub struct StandaloneHost {
     pub host: Host,
     stop: Option<oneshot::Sender<()>>,
     runner: Option<Runner>,
+    labels: BTreeMap<String, String>,
     tree: TestCgroupTree,
     // Dropped after the tree: nothing runs from it by then.
     temp: tempfile::TempDir,
@@ -58,6 +59,16 @@ impl StandaloneHost {
     /// [`StandaloneHost::start`], choosing whether stopping standalone mode
     /// stops the instances.
     pub fn start_with(tag: &str, stop_on_exit: bool) -> StandaloneHost {
+        StandaloneHost::start_labelled(tag, stop_on_exit, BTreeMap::new())
+    }
+
+    /// [`StandaloneHost::start_with`] on a node with `labels` (besides
+    /// `kubernetes.io/hostname`).
+    pub fn start_labelled(
+        tag: &str,
+        stop_on_exit: bool,
+        labels: BTreeMap<String, String>,
+    ) -> StandaloneHost {
         let temp = tempfile::Builder::new()
             .prefix(&format!("genswap-standalone-{tag}-"))
             .tempdir()
@@ -78,13 +89,14 @@ impl StandaloneHost {
             store_dir: None,
             engine: EngineConfig::default(),
         };
-        let (host, stop, runner) = launch(&settings, &dir, stop_on_exit);
+        let (host, stop, runner) = launch(&settings, &dir, stop_on_exit, &labels);
         StandaloneHost {
             dir,
             staging,
             host,
             stop: Some(stop),
             runner: Some(runner),
+            labels,
             tree,
             temp,
         }
@@ -94,8 +106,14 @@ impl StandaloneHost {
     /// with a new engine, as a restarted process would. The new run stops
     /// every instance when it stops.
     pub async fn restart(&mut self) {
+        self.restart_labelled(self.labels.clone()).await;
+    }
+
+    /// [`StandaloneHost::restart`] on a node that now has `labels`.
+    pub async fn restart_labelled(&mut self, labels: BTreeMap<String, String>) {
         self.end_runner().await;
-        let (host, stop, runner) = launch(&self.host.settings, &self.dir, true);
+        self.labels = labels;
+        let (host, stop, runner) = launch(&self.host.settings, &self.dir, true, &self.labels);
         self.host = host;
         self.stop = Some(stop);
         self.runner = Some(runner);
@@ -239,17 +257,20 @@ fn launch(
     settings: &HostSettings,
     dir: &Path,
     stop_on_exit: bool,
+    labels: &BTreeMap<String, String>,
 ) -> (Host, oneshot::Sender<()>, Runner) {
     let host = Host::build(settings).expect("the host parts");
     let (stop, stopped) = oneshot::channel::<()>();
     let config = StandaloneConfig {
         dir: dir.to_path_buf(),
-        node: NodeIdentity::new(NODE, BTreeMap::new()),
+        node: NodeIdentity::new(NODE, labels.clone()),
         stop_on_exit,
     };
     let runner = tokio::spawn({
         let host = host.clone();
         async move {
+            // As `node-agent standalone` does: adopt what serves first.
+            host.engine.recover().await;
             standalone::run(&host, config, async {
                 let _ = stopped.await;
             })
@@ -284,9 +305,8 @@ pub struct Manifest {
     pub retry: String,
     pub args: Vec<String>,
     pub health_timeout_seconds: u32,
-    /// The nodes it selects, by `kubernetes.io/hostname` (the one label a
-    /// standalone node always has); `None` selects every node.
-    pub hostname: Option<String>,
+    /// The labels of the nodes it selects; empty selects every node.
+    pub node_selector: BTreeMap<String, String>,
 }
 
 impl Manifest {
@@ -303,7 +323,7 @@ impl Manifest {
             retry: String::new(),
             args: Vec::new(),
             health_timeout_seconds: 20,
-            hostname: None,
+            node_selector: BTreeMap::new(),
         }
     }
 
@@ -319,9 +339,16 @@ impl Manifest {
             .map(|a| format!("\"{a}\""))
             .collect::<Vec<_>>()
             .join(", ");
-        let node_selector = self.hostname.as_ref().map_or_else(String::new, |hostname| {
-            format!("\n  nodeSelector:\n    kubernetes.io/hostname: {hostname}")
-        });
+        let node_selector: String = self
+            .node_selector
+            .iter()
+            .map(|(key, value)| format!("\n    {key}: {value}"))
+            .collect();
+        let node_selector = if node_selector.is_empty() {
+            node_selector
+        } else {
+            format!("\n  nodeSelector:{node_selector}")
+        };
         format!(
             "apiVersion: genswap.dev/v1alpha1
 kind: InstanceGeneration
@@ -355,6 +382,14 @@ spec:{node_selector}
             health = self.health_timeout_seconds,
         )
     }
+}
+
+/// Labels (or a selector) from pairs.
+pub fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(key, value)| ((*key).into(), (*value).into()))
+        .collect()
 }
 
 /// The key of an instance in the default namespace.
