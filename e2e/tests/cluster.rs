@@ -14,8 +14,10 @@
 //!    failing build held down (Stalled=True), a retry that succeeds, a bad
 //!    digest abandoned without running anything, and a release waited for
 //!    with `kubectl wait --for=condition=Ready`, checking after each step
-//!    who answers on the instance's `current.sock`; then deletes it and
-//!    waits for the instance to stop.
+//!    who answers on the instance's `current.sock`; then moves its
+//!    `nodeSelector` off the node (the instance stops) and back (it is
+//!    installed again), and finally deletes it and waits for the instance
+//!    to stop.
 //!
 //! Do not point it at a cluster where the genswap chart runs agents: they
 //! would take the suite's attempts for their node too.
@@ -287,14 +289,28 @@ async fn genswap_end_to_end_on_the_cluster_in_kubeconfig() {
     assert!(serves(&ig, "hello-5"), "{:?}", ig.status);
     e2e.expect_serving("hello-5").await;
 
-    // 3g. Deleting the object stops its instance on the node: the garbage
+    // 3g. A selector that no longer matches the node stops its instance:
+    // the controller deletes the node's attempts, the agent reads the
+    // object and its Node fresh. Selecting the node again installs it.
+    let elsewhere = format!("{}-elsewhere", e2e.hostname);
+    e2e.apply(
+        &v5,
+        json!({"nodeSelector": {"kubernetes.io/hostname": elsewhere}}),
+    )
+    .await;
+    e2e.expect_stopped("its nodeSelector left the node").await;
+    e2e.apply(&v5, json!({})).await;
+    e2e.expect_serving("hello-5").await;
+
+    // 3h. Deleting the object stops its instance on the node: the garbage
     // collector takes its attempts, the agent reads the object fresh and
     // finds it gone.
     e2e.igs
         .delete(IG, &DeleteParams::default())
         .await
         .expect("delete the IG");
-    e2e.expect_stopped().await;
+    e2e.expect_stopped("its InstanceGeneration was deleted")
+        .await;
 
     e2e.controller.assert_running();
     e2e.agent.assert_running();
@@ -324,8 +340,9 @@ impl E2e {
     }
 
     /// Server-side applies the IG with this build; `extra` adds `env` (to
-    /// `process`) and `retry`. Fields left out are removed (one manager owns
-    /// the whole spec).
+    /// `process`) and `retry`, and may replace `nodeSelector` (this node's
+    /// hostname). Fields left out are removed (one manager owns the whole
+    /// spec).
     async fn apply(&self, build: &Build, extra: Value) {
         let mut process = json!({"user": INSTANCE_ID, "group": INSTANCE_ID});
         if let Some(env) = extra.get("env") {
@@ -345,6 +362,9 @@ impl E2e {
         });
         if let Some(retry) = extra.get("retry") {
             spec["retry"] = retry.clone();
+        }
+        if let Some(node_selector) = extra.get("nodeSelector") {
+            spec["nodeSelector"] = node_selector.clone();
         }
         let object = json!({
             "apiVersion": "genswap.dev/v1alpha1",
@@ -438,18 +458,19 @@ impl E2e {
         );
     }
 
-    /// Polls `current.sock` until nothing answers on it any more.
-    async fn expect_stopped(&self) {
+    /// Polls `current.sock` until nothing answers on it any more, which
+    /// should follow from `why`.
+    async fn expect_stopped(&self, why: &str) {
         let deadline = Instant::now() + STEP_DEADLINE;
         while Instant::now() < deadline {
             if let Err(gone) = get_over(&self.current_sock) {
-                println!("e2e: the instance stopped with its object ({gone})");
+                println!("e2e: the instance stopped: {why} ({gone})");
                 return;
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         panic!(
-            "{} still answers {STEP_DEADLINE:?} after its InstanceGeneration was deleted{}",
+            "{} still answers {STEP_DEADLINE:?} after {why}{}",
             self.current_sock.display(),
             self.diagnosis()
         );
