@@ -21,7 +21,7 @@ use kube_support::{
     fresh_read, list_and_watch, mock_client, object, outcome_status, running_status, unexpected,
 };
 use serde_json::{Value, json};
-use swap_host::alive;
+use swap_host::{Identity, alive};
 
 /// The read of `instance`'s InstanceGeneration.
 async fn expect_ig_read(server: &mut ApiServerVerifier, instance: &str) -> Pending {
@@ -96,6 +96,36 @@ fn retirements(agent: &RunningAgent, result: &str) -> bool {
         ))
 }
 
+/// A node whose agent installed `web` and reported it done.
+struct Serving {
+    node: TestNode,
+    server: ApiServerVerifier,
+    agent: RunningAgent,
+    /// The agent's watch of its attempts.
+    feed: WatchFeed,
+    /// The installing attempt.
+    install: Value,
+    /// Who answers for `web`.
+    serving: Identity,
+}
+
+/// A fresh node `tag` whose agent installed `web` with attempt `rev`.
+async fn serving_web(tag: &str, rev: i64) -> Serving {
+    let node = TestNode::new(tag);
+    let (client, mut server) = mock_client();
+    let agent = node.start_agent(client);
+    let (feed, install) = installed(&node, &mut server, rev).await;
+    let serving = node.who_serves("web").await.expect("b1 serves");
+    Serving {
+        node,
+        server,
+        agent,
+        feed,
+        install,
+        serving,
+    }
+}
+
 /// An agent that installed `web` (b1, generation 1) with attempt `rev` and
 /// reported it done; returns its watch and the installing attempt.
 async fn installed(
@@ -117,13 +147,41 @@ async fn installed(
     (feed, install)
 }
 
+/// `web` issued again from revision 1 (a re-created object, a node selected
+/// again) runs to done: nothing remembers the old revisions.
+async fn installs_again_from_revision_1(
+    node: &TestNode,
+    server: &mut ApiServerVerifier,
+    feed: &WatchFeed,
+) {
+    let b1 = node.build("b1");
+    let again = object(&node.spec("web", 1, &b1, "b1"));
+    feed.added(&again);
+    fresh_read(server, &again).await;
+    running_status(server, &again).await;
+    let status = outcome_status(server, &again).await;
+    assert_eq!(status["outcome"], "done", "{status:#}");
+    assert!(node.who_serves("web").await.is_some(), "web serves again");
+}
+
+/// Stops the agent, checks it asked the API server nothing unexpected, and
+/// stops `web` if it still serves.
+async fn finish(node: &TestNode, agent: RunningAgent, server: ApiServerVerifier) {
+    agent.stop().await.expect("clean stop");
+    assert_eq!(unexpected(server).await, Vec::<String>::new());
+    node.tear_down(&["web"]).await;
+}
+
 #[tokio::test]
 async fn deleting_the_instance_generation_stops_its_instance_with_proof_of_exit() {
-    let node = TestNode::new("kube-retire");
-    let (client, mut server) = mock_client();
-    let agent = node.start_agent(client);
-    let (feed, install) = installed(&node, &mut server, 3).await;
-    let serving = node.who_serves("web").await.expect("b1 serves");
+    let Serving {
+        node,
+        mut server,
+        agent,
+        feed,
+        install,
+        serving,
+    } = serving_web("kube-retire", 3).await;
     let cgroup = node.generation_cgroup("web", 1);
     assert!(cgroup.exists());
 
@@ -146,27 +204,21 @@ async fn deleting_the_instance_generation_stops_its_instance_with_proof_of_exit(
 
     // The object is created again: its first attempt is revision 1, below
     // the old object's 3, and it runs (nothing remembers those revisions).
-    let b1 = node.build("b1");
-    let again = object(&node.spec("web", 1, &b1, "b1"));
-    feed.added(&again);
-    fresh_read(&mut server, &again).await;
-    running_status(&mut server, &again).await;
-    let status = outcome_status(&mut server, &again).await;
-    assert_eq!(status["outcome"], "done", "{status:#}");
-    assert!(node.who_serves("web").await.is_some(), "web serves again");
+    installs_again_from_revision_1(&node, &mut server, &feed).await;
 
-    agent.stop().await.expect("clean stop");
-    assert_eq!(unexpected(server).await, Vec::<String>::new());
-    node.tear_down(&["web"]).await;
+    finish(&node, agent, server).await;
 }
 
 #[tokio::test]
 async fn an_instance_whose_object_still_exists_keeps_serving() {
-    let node = TestNode::new("kube-keep");
-    let (client, mut server) = mock_client();
-    let agent = node.start_agent(client);
-    let (feed, install) = installed(&node, &mut server, 1).await;
-    let serving = node.who_serves("web").await.expect("b1 serves");
+    let Serving {
+        node,
+        mut server,
+        agent,
+        feed,
+        install,
+        serving,
+    } = serving_web("kube-keep", 1).await;
 
     // The attempts are gone but the InstanceGeneration is not, and it still
     // selects this node (someone deleted the attempts by hand).
@@ -197,18 +249,19 @@ async fn an_instance_whose_object_still_exists_keeps_serving() {
     .await;
     assert_eq!(node.who_serves("web").await, Some(serving));
 
-    agent.stop().await.expect("clean stop");
-    assert_eq!(unexpected(server).await, Vec::<String>::new());
-    node.tear_down(&["web"]).await;
+    finish(&node, agent, server).await;
 }
 
 #[tokio::test]
 async fn a_node_that_leaves_the_selector_stops_its_instance() {
-    let node = TestNode::new("kube-retire-unselected");
-    let (client, mut server) = mock_client();
-    let agent = node.start_agent(client);
-    let (feed, install) = installed(&node, &mut server, 2).await;
-    let serving = node.who_serves("web").await.expect("b1 serves");
+    let Serving {
+        node,
+        mut server,
+        agent,
+        feed,
+        install,
+        serving,
+    } = serving_web("kube-retire-unselected", 2).await;
 
     // The node was relabelled out of the selector: the controller deleted
     // its attempt, and the fresh reads agree.
@@ -226,26 +279,21 @@ async fn a_node_that_leaves_the_selector_stops_its_instance() {
 
     // Relabelled back, the node gets an install attempt from revision 1
     // again (its status entry went with the selector), and it runs.
-    let b1 = node.build("b1");
-    let again = object(&node.spec("web", 1, &b1, "b1"));
-    feed.added(&again);
-    fresh_read(&mut server, &again).await;
-    running_status(&mut server, &again).await;
-    let status = outcome_status(&mut server, &again).await;
-    assert_eq!(status["outcome"], "done", "{status:#}");
+    installs_again_from_revision_1(&node, &mut server, &feed).await;
 
-    agent.stop().await.expect("clean stop");
-    assert_eq!(unexpected(server).await, Vec::<String>::new());
-    node.tear_down(&["web"]).await;
+    finish(&node, agent, server).await;
 }
 
 #[tokio::test]
 async fn an_instance_on_a_node_whose_object_is_not_found_keeps_serving() {
-    let node = TestNode::new("kube-retire-nonode");
-    let (client, mut server) = mock_client();
-    let agent = node.start_agent(client);
-    let (feed, install) = installed(&node, &mut server, 1).await;
-    let serving = node.who_serves("web").await.expect("b1 serves");
+    let Serving {
+        node,
+        mut server,
+        agent,
+        feed,
+        install,
+        serving,
+    } = serving_web("kube-retire-nonode", 1).await;
 
     feed.deleted(&install);
     expect_ig_read(&mut server, "web")
@@ -262,18 +310,19 @@ async fn an_instance_on_a_node_whose_object_is_not_found_keeps_serving() {
     .await;
     assert_eq!(node.who_serves("web").await, Some(serving));
 
-    agent.stop().await.expect("clean stop");
-    assert_eq!(unexpected(server).await, Vec::<String>::new());
-    node.tear_down(&["web"]).await;
+    finish(&node, agent, server).await;
 }
 
 #[tokio::test]
 async fn an_instance_deleted_while_no_agent_ran_is_stopped_by_the_next() {
-    let node = TestNode::new("kube-retire-late");
-    let (client, mut server) = mock_client();
-    let agent = node.start_agent(client);
-    let (_feed, _install) = installed(&node, &mut server, 1).await;
-    let serving = node.who_serves("web").await.expect("b1 serves");
+    let Serving {
+        node,
+        server,
+        agent,
+        feed: _feed,
+        install: _install,
+        serving,
+    } = serving_web("kube-retire-late", 1).await;
     agent.stop().await.expect("clean stop");
     assert_eq!(unexpected(server).await, Vec::<String>::new());
     assert!(alive(serving.pid), "the instance outlives the agent");
