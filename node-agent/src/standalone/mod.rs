@@ -32,6 +32,9 @@
 //!   generations with proof of exit ([`Engine::stop_instance`]), and removes
 //!   its cgroup and run directories, its journal and state files and its
 //!   status file.
+//! - A file whose `nodeSelector` does not match the node's labels has its
+//!   instance stopped the same way, but keeps its file and status
+//!   (`NoMatchingNodes`); it starts afresh when the selector matches again.
 //! - The scheduler's status and attempts are kept in
 //!   `<state dir>/standalone/<namespace>.<name>.yaml` ([`state`]), so a
 //!   restart continues with the same revisions and failure book. The intent
