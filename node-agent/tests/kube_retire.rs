@@ -147,15 +147,16 @@ async fn installed(
     (feed, install)
 }
 
-/// `web` issued again from revision 1 (a re-created object, a node selected
-/// again) runs to done: nothing remembers the old revisions.
-async fn installs_again_from_revision_1(
+/// `web` issued again with attempt `rev` (a re-created object, a node
+/// selected again) runs to done.
+async fn installs_again(
     node: &TestNode,
     server: &mut ApiServerVerifier,
     feed: &WatchFeed,
+    rev: i64,
 ) {
     let b1 = node.build("b1");
-    let again = object(&node.spec("web", 1, &b1, "b1"));
+    let again = object(&node.spec("web", rev, &b1, "b1"));
     feed.added(&again);
     fresh_read(server, &again).await;
     running_status(server, &again).await;
@@ -204,7 +205,7 @@ async fn deleting_the_instance_generation_stops_its_instance_with_proof_of_exit(
 
     // The object is created again: its first attempt is revision 1, below
     // the old object's 3, and it runs (nothing remembers those revisions).
-    installs_again_from_revision_1(&node, &mut server, &feed).await;
+    installs_again(&node, &mut server, &feed, 1).await;
 
     finish(&node, agent, server).await;
 }
@@ -277,9 +278,9 @@ async fn a_node_that_leaves_the_selector_stops_its_instance() {
     assert!(!alive(serving.pid), "process {} exited", serving.pid);
     assert_eq!(node.who_serves("web").await, None, "nothing answers");
 
-    // Relabelled back, the node gets an install attempt from revision 1
-    // again (its status entry went with the selector), and it runs.
-    installs_again_from_revision_1(&node, &mut server, &feed).await;
+    // Relabelled back, the node gets an install attempt with the object's
+    // next revision, and it runs.
+    installs_again(&node, &mut server, &feed, 3).await;
 
     finish(&node, agent, server).await;
 }
