@@ -203,6 +203,7 @@ pub fn classify<T>(result: &Result<T, StepError>, lifetime_ended: bool) -> StepO
             // Refused or failed before the exec: nothing of the build ran,
             // and the cause is the host's or the configuration's.
             SpawnError::RootRefused { .. }
+            | SpawnError::ExecBusy { .. }
             | SpawnError::InvalidSpec { .. }
             | SpawnError::OpenCgroup { .. }
             | SpawnError::Prepare { .. }
@@ -303,6 +304,12 @@ mod tests {
             StepError::Spawn(SpawnError::Setup {
                 generation: 2,
                 step: SetupStep::Uid,
+                source: io_error(),
+            }),
+            StepError::Spawn(SpawnError::ExecBusy {
+                generation: 2,
+                exe: "/store/sha256-ab".into(),
+                tries: 7,
                 source: io_error(),
             }),
             StepError::Switch(SwitchError::TargetMissing {

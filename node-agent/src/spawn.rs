@@ -31,6 +31,18 @@
 //! | Err | a step | [`SpawnError::Setup`] | the child never exec'd: nothing ran |
 //! | Err | none | [`SpawnError::Fork`] | fork or std's own child setup failed: nothing ran |
 //!
+//! # Text file busy
+//!
+//! Linux refuses to exec a file that any process holds open for writing
+//! (`ETXTBSY`). The agent writes store copies itself, and a child that
+//! another thread forks while such a descriptor is open holds a copy of it
+//! until that child's own exec closes it (close-on-exec). So an exec can be
+//! refused for a moment though nothing is wrong with the build. [`spawn`]
+//! tries again a few times, waiting 5 ms, then twice as long each time
+//! (about 0.3 s in all); a file still busy after that is held open by
+//! something else on the host: [`SpawnError::ExecBusy`], not the build's
+//! failure.
+//!
 //! The spawn uses std's `Command`, not tokio's: std's spawn returns Ok
 //! exactly when the exec succeeded, while tokio's may return an error after
 //! a successful exec (registering the child with its reaper), which would
@@ -48,6 +60,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
 
 use nix::errno::Errno;
 use nix::unistd::{Gid, Uid, getegid, geteuid};
@@ -271,6 +284,20 @@ pub enum SpawnError {
         #[source]
         source: io::Error,
     },
+    /// The exec was refused with `ETXTBSY` on every try: some process
+    /// holds the file open for writing. Nothing of the build ran, and the
+    /// build is not to blame.
+    #[error(
+        "exec of {} for generation {generation} refused {tries} times: the file is open for writing elsewhere ({source})",
+        exe.display()
+    )]
+    ExecBusy {
+        generation: u64,
+        exe: PathBuf,
+        tries: u32,
+        #[source]
+        source: io::Error,
+    },
     /// Waiting for the running process failed.
     #[error("waiting for pid {pid} of generation {generation} failed: {source}")]
     Wait {
@@ -283,7 +310,7 @@ pub enum SpawnError {
 
 impl SpawnError {
     /// Nothing of the build ran and the cause is not the build: every
-    /// variant but `Exec` and `Wait`. Stale.
+    /// variant but `Exec` and `Wait` (`ExecBusy` included). Stale.
     pub fn is_refusal(&self) -> bool {
         !matches!(self, SpawnError::Exec { .. } | SpawnError::Wait { .. })
     }
@@ -459,13 +486,60 @@ impl Spawned {
     }
 }
 
+/// How many times an exec refused with `ETXTBSY` is tried in all.
+pub const EXEC_BUSY_TRIES: u32 = 7;
+
+/// The wait before the second try; it doubles before each further one.
+const EXEC_BUSY_FIRST_WAIT: Duration = Duration::from_millis(5);
+
 /// Starts the generation described by `spec`. Must be called inside a
 /// tokio runtime (the exit is awaited through it). See the module docs for
-/// the order of steps and how errors classify.
-pub fn spawn(spec: SpawnSpec) -> Result<Spawned, SpawnError> {
+/// the order of steps, how errors classify, and the retry of a busy file.
+pub async fn spawn(spec: SpawnSpec) -> Result<Spawned, SpawnError> {
+    retry_while_busy(|| spawn_once(&spec), tokio::time::sleep).await
+}
+
+/// Calls `once` until it returns anything but an exec refused with
+/// `ETXTBSY`, [`EXEC_BUSY_TRIES`] times at most, sleeping with `sleep`
+/// between tries. A failed exec leaves nothing behind (std reaps the
+/// child), so another try starts clean.
+async fn retry_while_busy<T, Sleep>(
+    mut once: impl FnMut() -> Result<T, SpawnError>,
+    sleep: impl Fn(Duration) -> Sleep,
+) -> Result<T, SpawnError>
+where
+    Sleep: std::future::Future<Output = ()>,
+{
+    let mut wait = EXEC_BUSY_FIRST_WAIT;
+    let mut tries = 1;
+    loop {
+        match once() {
+            Err(SpawnError::Exec {
+                generation,
+                exe,
+                source,
+            }) if source.raw_os_error() == Some(Errno::ETXTBSY as i32) => {
+                if tries == EXEC_BUSY_TRIES {
+                    return Err(SpawnError::ExecBusy {
+                        generation,
+                        exe,
+                        tries,
+                        source,
+                    });
+                }
+                sleep(wait).await;
+                wait *= 2;
+                tries += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
+fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     let generation = spec.generation;
-    check_root(&spec)?;
-    let plan = Plan::new(&spec)?;
+    check_root(spec)?;
+    let plan = Plan::new(spec)?;
 
     let procs_path = spec.cgroup.procs_file();
     let procs: OwnedFd = OpenOptions::new()
@@ -523,7 +597,7 @@ pub fn spawn(spec: SpawnSpec) -> Result<Spawned, SpawnError> {
             return Err(match reported {
                 Some(EXEC_NEXT) => SpawnError::Exec {
                     generation,
-                    exe: spec.exe,
+                    exe: spec.exe.clone(),
                     source,
                 },
                 Some(code) => match SetupStep::from_code(code) {
@@ -543,11 +617,11 @@ pub fn spawn(spec: SpawnSpec) -> Result<Spawned, SpawnError> {
         exit: ExitWatch::new(child),
         pid,
         resolved_exe: std::fs::canonicalize(&spec.exe).ok(),
-        exe: spec.exe,
+        exe: spec.exe.clone(),
         generation,
-        build: spec.build,
-        socket: spec.socket,
-        cgroup: spec.cgroup,
+        build: spec.build.clone(),
+        socket: spec.socket.clone(),
+        cgroup: spec.cgroup.clone(),
     })
 }
 
@@ -916,6 +990,78 @@ fn read_bytes(path: &Path) -> io::Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn busy(generation: u64) -> SpawnError {
+        SpawnError::Exec {
+            generation,
+            exe: "/store/sha256-ab".into(),
+            source: io::Error::from_raw_os_error(Errno::ETXTBSY as i32),
+        }
+    }
+
+    /// Runs [`retry_while_busy`] over `results` (one per try; a busy exec
+    /// of generation 2 once they run out), recording each wait; returns the
+    /// result, the number of tries and the waits.
+    fn retried(
+        results: Vec<Result<u64, SpawnError>>,
+    ) -> (Result<u64, SpawnError>, u32, Vec<Duration>) {
+        let mut results = results.into_iter();
+        let mut tries = 0;
+        let waits = std::cell::RefCell::new(Vec::new());
+        let result = futures::executor::block_on(retry_while_busy(
+            || {
+                tries += 1;
+                results.next().unwrap_or_else(|| Err(busy(2)))
+            },
+            |wait| {
+                waits.borrow_mut().push(wait);
+                std::future::ready(())
+            },
+        ));
+        (result, tries, waits.into_inner())
+    }
+
+    #[test]
+    fn a_busy_exec_is_tried_again_until_it_starts() {
+        let (result, tries, waits) = retried(vec![Err(busy(2)), Err(busy(2)), Ok(7)]);
+        assert_eq!(result.ok(), Some(7));
+        assert_eq!(tries, 3);
+        assert_eq!(waits, [Duration::from_millis(5), Duration::from_millis(10)]);
+    }
+
+    #[test]
+    fn a_file_busy_on_every_try_is_exec_busy_not_the_builds_failure() {
+        let (result, tries, waits) = retried(vec![Err(busy(2))]);
+        let error = result.expect_err("busy every time");
+        assert!(
+            matches!(
+                error,
+                SpawnError::ExecBusy {
+                    generation: 2,
+                    tries: EXEC_BUSY_TRIES,
+                    ..
+                }
+            ),
+            "{error:?}"
+        );
+        assert!(error.is_refusal() && !error.is_build_failure(), "{error}");
+        assert_eq!(tries, EXEC_BUSY_TRIES);
+        assert_eq!(waits.len() as u32, EXEC_BUSY_TRIES - 1);
+        let total: Duration = waits.iter().sum();
+        assert!(total < Duration::from_secs(1), "{total:?} in all");
+    }
+
+    #[test]
+    fn other_errors_are_not_tried_again() {
+        let not_found = SpawnError::Exec {
+            generation: 2,
+            exe: "/store/sha256-ab".into(),
+            source: io::Error::from_raw_os_error(Errno::ENOENT as i32),
+        };
+        let (result, tries, waits) = retried(vec![Err(not_found)]);
+        assert!(matches!(result, Err(SpawnError::Exec { .. })), "{result:?}");
+        assert_eq!((tries, waits.len()), (1, 0));
+    }
 
     #[test]
     fn setup_step_codes_round_trip_and_differ_from_exec_next() {

@@ -85,7 +85,9 @@ async fn start_generation(
     spec.uid = Some(NOBODY as u32);
     spec.gid = Some(NOBODY as u32);
     spec.working_dir = Some(run_dir);
-    let child = node_agent::spawn::spawn(spec).expect("start the generation");
+    let child = node_agent::spawn::spawn(spec)
+        .await
+        .expect("start the generation");
     let probe = socket.clone();
     let mut answered = false;
     for _ in 0..1500 {

@@ -13,8 +13,8 @@ use std::time::Duration;
 use cgroup_guard::{TestCgroupTree, eventually};
 use node_agent::cgroup::{Cgroup, Tier};
 use node_agent::spawn::{
-    ENV_BUILD, ENV_GENERATION, ENV_SOCKET, Output, SetupStep, SpawnError, SpawnSpec, Spawned,
-    VerifyError, spawn,
+    ENV_BUILD, ENV_GENERATION, ENV_SOCKET, EXEC_BUSY_TRIES, Output, SetupStep, SpawnError,
+    SpawnSpec, Spawned, VerifyError, spawn,
 };
 
 const LONG: Duration = Duration::from_secs(30);
@@ -81,7 +81,9 @@ async fn the_process_and_what_it_forks_are_in_the_generation_cgroup() {
         .proc_path()
         .expect("a real cgroup knows its /proc path")
         .to_owned();
-    let spawned = spawn(sh(cgroup.clone(), 1, "sleep 1000 & wait")).expect("spawned");
+    let spawned = spawn(sh(cgroup.clone(), 1, "sleep 1000 & wait"))
+        .await
+        .expect("spawned");
 
     eventually(LONG, "the shell and its child", || {
         cgroup.pids().map(|p| p.len() == 2).unwrap_or(false)
@@ -120,7 +122,7 @@ async fn the_environment_is_the_specs_plus_the_genswap_values_only() {
         ("GREETING".into(), "hello".into()),
         (ENV_BUILD.into(), "forged".into()),
     ];
-    let spawned = spawn(spec).expect("spawned");
+    let spawned = spawn(spec).await.expect("spawned");
     eventually(LONG, "the exec of sleep", || {
         spawned
             .observe()
@@ -152,7 +154,9 @@ async fn the_environment_is_the_specs_plus_the_genswap_values_only() {
 async fn ids_no_new_privs_and_a_new_session_are_applied() {
     let tree = TestCgroupTree::new("spawn-ids");
     let cgroup = generation(&tree, 3).await;
-    let spawned = spawn(sh(cgroup, 3, "exec sleep 1000")).expect("spawned");
+    let spawned = spawn(sh(cgroup, 3, "exec sleep 1000"))
+        .await
+        .expect("spawned");
     let pid = spawned.pid();
     assert_eq!(status_field(pid, "Uid"), "65534 65534 65534 65534");
     assert_eq!(status_field(pid, "Gid"), "65534 65534 65534 65534");
@@ -175,7 +179,7 @@ async fn root_is_refused_before_anything_runs_unless_allowed() {
     let cgroup = generation(&tree, 4).await;
     let mut explicit = sh(cgroup.clone(), 4, "exec sleep 1000");
     explicit.uid = Some(0);
-    let err = spawn(explicit).expect_err("uid 0 refused");
+    let err = spawn(explicit).await.expect_err("uid 0 refused");
     assert!(matches!(err, SpawnError::RootRefused { .. }), "{err:?}");
     assert!(err.is_refusal() && !err.may_have_run());
     assert!(err.to_string().contains("uid 0"), "{err}");
@@ -183,12 +187,17 @@ async fn root_is_refused_before_anything_runs_unless_allowed() {
     let mut inherited = sh(cgroup.clone(), 4, "exec sleep 1000");
     inherited.uid = None;
     inherited.gid = None;
-    let err = spawn(inherited).expect_err("the agent's root is not inherited");
+    let err = spawn(inherited)
+        .await
+        .expect_err("the agent's root is not inherited");
     assert!(err.to_string().contains("inherit the agent's"), "{err}");
 
     let mut group = sh(cgroup.clone(), 4, "exec sleep 1000");
     group.gid = Some(0);
-    assert!(matches!(spawn(group), Err(SpawnError::RootRefused { .. })));
+    assert!(matches!(
+        spawn(group).await,
+        Err(SpawnError::RootRefused { .. })
+    ));
     assert!(
         !cgroup.is_populated().expect("events"),
         "nothing was started"
@@ -198,7 +207,7 @@ async fn root_is_refused_before_anything_runs_unless_allowed() {
     allowed.uid = None;
     allowed.gid = None;
     allowed.allow_root = true;
-    let spawned = spawn(allowed).expect("root allowed");
+    let spawned = spawn(allowed).await.expect("root allowed");
     assert_eq!(status_field(spawned.pid(), "Uid"), "0 0 0 0");
 }
 
@@ -210,7 +219,7 @@ async fn an_exec_failure_is_the_builds_and_a_setup_failure_is_not() {
 
     let mut missing = sh(cgroup.clone(), 5, "");
     missing.exe = scratch.path().join("no-such-build");
-    let err = spawn(missing).expect_err("missing exe");
+    let err = spawn(missing).await.expect_err("missing exe");
     assert!(
         matches!(&err, SpawnError::Exec { source, .. } if source.kind() == std::io::ErrorKind::NotFound),
         "{err:?}"
@@ -222,12 +231,12 @@ async fn an_exec_failure_is_the_builds_and_a_setup_failure_is_not() {
     fs::set_permissions(&not_executable, fs::Permissions::from_mode(0o644)).expect("chmod");
     let mut spec = sh(cgroup.clone(), 5, "");
     spec.exe = not_executable;
-    let err = spawn(spec).expect_err("not executable");
+    let err = spawn(spec).await.expect_err("not executable");
     assert!(err.is_build_failure(), "{err:?}");
 
     let mut bad_dir = sh(cgroup.clone(), 5, "exec sleep 1000");
     bad_dir.working_dir = Some(scratch.path().join("missing-dir"));
-    let err = spawn(bad_dir).expect_err("missing working dir");
+    let err = spawn(bad_dir).await.expect_err("missing working dir");
     assert!(
         matches!(
             err,
@@ -247,9 +256,51 @@ async fn an_exec_failure_is_the_builds_and_a_setup_failure_is_not() {
     let mut relative = sh(cgroup.clone(), 5, "");
     relative.exe = PathBuf::from("bin/sh");
     assert!(matches!(
-        spawn(relative),
+        spawn(relative).await,
         Err(SpawnError::InvalidSpec { .. })
     ));
+}
+
+#[tokio::test]
+async fn a_build_held_open_for_writing_is_exec_busy_and_runs_once_released() {
+    let tree = TestCgroupTree::new("spawn-busy");
+    let cgroup = generation(&tree, 10).await;
+    let scratch = tempfile::tempdir().expect("temp dir");
+    fs::set_permissions(scratch.path(), fs::Permissions::from_mode(0o755)).expect("chmod");
+    let build = scratch.path().join("build");
+    fs::copy("/bin/sleep", &build).expect("copy sleep");
+    // Open for writing, as a store copy is while it is written (or while a
+    // child forked meanwhile still holds the descriptor).
+    let writer = fs::OpenOptions::new()
+        .write(true)
+        .open(&build)
+        .expect("open the build for writing");
+    let mut spec = sh(cgroup.clone(), 10, "");
+    spec.exe = build.clone();
+    spec.args = vec!["1000".into()];
+
+    let err = spawn(spec.clone()).await.expect_err("the file is busy");
+    assert!(
+        matches!(&err, SpawnError::ExecBusy { tries, .. } if *tries == EXEC_BUSY_TRIES),
+        "{err:?}"
+    );
+    assert!(
+        err.is_refusal() && !err.is_build_failure() && !err.may_have_run(),
+        "{err}"
+    );
+    assert!(
+        !cgroup.is_populated().expect("events"),
+        "nothing was started"
+    );
+
+    drop(writer);
+    let spawned = spawn(spec).await.expect("the released build starts");
+    eventually(LONG, "the exec of the build", || {
+        spawned
+            .observe()
+            .is_ok_and(|observed| observed.exe == build)
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -259,7 +310,7 @@ async fn a_failure_to_join_the_cgroup_means_nothing_ran() {
     let mut spec = SpawnSpec::new("/bin/sh", missing, "/run/x.sock", 6, "b");
     spec.uid = Some(NOBODY);
     spec.gid = Some(NOBODY);
-    let err = spawn(spec).expect_err("no cgroup.procs to open");
+    let err = spawn(spec).await.expect_err("no cgroup.procs to open");
     assert!(matches!(err, SpawnError::OpenCgroup { .. }), "{err:?}");
     assert!(err.is_refusal());
 
@@ -277,7 +328,7 @@ async fn a_failure_to_join_the_cgroup_means_nothing_ran() {
     );
     spec.args = vec![marker.display().to_string()];
     spec.allow_root = true;
-    let err = spawn(spec).expect_err("the join fails in the child");
+    let err = spawn(spec).await.expect_err("the join fails in the child");
     assert!(
         matches!(
             err,
@@ -304,7 +355,7 @@ async fn the_exit_status_and_output_file_reach_the_caller() {
         "echo \"hello from $GENSWAP_GENERATION\"; exit 3",
     );
     spec.stdout = Output::Append(log.clone());
-    let mut spawned = spawn(spec).expect("spawned");
+    let mut spawned = spawn(spec).await.expect("spawned");
     let status = tokio::time::timeout(LONG, spawned.wait())
         .await
         .expect("exits")
@@ -314,7 +365,9 @@ async fn the_exit_status_and_output_file_reach_the_caller() {
     assert_eq!(spawned.wait().await.expect("again").code(), Some(3));
     assert_eq!(fs::read_to_string(&log).expect("log"), "hello from 7\n");
 
-    let mut one_shot = spawn(sh(cgroup.clone(), 7, "exit 0")).expect("spawned");
+    let mut one_shot = spawn(sh(cgroup.clone(), 7, "exit 0"))
+        .await
+        .expect("spawned");
     assert!(one_shot.wait().await.expect("status").success());
     assert!(!cgroup.is_populated().expect("events"));
 }
@@ -323,7 +376,9 @@ async fn the_exit_status_and_output_file_reach_the_caller() {
 async fn verify_notices_a_process_that_is_no_longer_the_build_started() {
     let tree = TestCgroupTree::new("spawn-verify");
     let cgroup = generation(&tree, 8).await;
-    let spawned = spawn(sh(cgroup, 8, "exec sleep 1000")).expect("spawned");
+    let spawned = spawn(sh(cgroup, 8, "exec sleep 1000"))
+        .await
+        .expect("spawned");
     eventually(LONG, "the exec of sleep", || {
         spawned
             .observe()
@@ -349,6 +404,7 @@ async fn a_dropped_handle_still_reaps_its_process() {
         9,
         &format!("while [ ! -e {} ]; do sleep 0.05; done", go.display()),
     ))
+    .await
     .expect("spawned");
     let pid = spawned.pid();
     drop(spawned);

@@ -570,7 +570,9 @@ async fn spawn_successor(
         &cgroup,
         &run_dir,
         ctx.engine.config.allow_root,
-    ) {
+    )
+    .await
+    {
         Ok(child) => child,
         Err(error) => {
             if !parts::may_have_run(&error) {

@@ -238,7 +238,7 @@ pub(super) fn has_exited(running: &mut Running) -> Option<ExitStatus> {
 /// SPEC 5.5 step 5: starts the successor inside its fresh cgroup, with its
 /// own socket, uid/gid and environment. Its working directory defaults to
 /// the instance's run dir, which its uid can use.
-pub(super) fn spawn(
+pub(super) async fn spawn(
     spec: &genswap_crds::SwapAttemptSpec,
     successor: &GenerationRecord,
     staged: &Staged,
@@ -269,7 +269,7 @@ pub(super) fn spawn(
     request.uid = spec.process.user.and_then(|uid| u32::try_from(uid).ok());
     request.gid = spec.process.group.and_then(|gid| u32::try_from(gid).ok());
     request.allow_root = allow_root;
-    crate::spawn::spawn(request).map_err(StepError::Spawn)
+    crate::spawn::spawn(request).await.map_err(StepError::Spawn)
 }
 
 /// Checks that what started is exactly the generation, build and store path
