@@ -588,7 +588,7 @@ async fn spawn_successor(
         kind: ctx.attempt.spec.kind,
         process: Process::Spawned(Box::new(child)),
     };
-    if let Err(error) = parts::verify_identity(&mut running, staged) {
+    if let Err(error) = parts::verify_identity(&mut running, staged).await {
         if let Err((_, stop_error)) = parts::stop_generation(running, &ctx.attempt.spec.stop).await
         {
             tracing::error!(

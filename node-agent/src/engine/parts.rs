@@ -235,6 +235,10 @@ pub(super) fn has_exited(running: &mut Running) -> Option<ExitStatus> {
     }
 }
 
+/// How long a process that does not look like what was started is given
+/// to show it is exiting (to be reaped) before that counts as a mismatch.
+const EXITING_GRACE: Duration = Duration::from_secs(1);
+
 /// SPEC 5.5 step 5: starts the successor inside its fresh cgroup, with its
 /// own socket, uid/gid and environment. Its working directory defaults to
 /// the instance's run dir, which its uid can use.
@@ -274,11 +278,14 @@ pub(super) async fn spawn(
 
 /// Checks that what started is exactly the generation, build and store path
 /// the attempt chose, as the kernel reports it: the executable, the
-/// generation's own cgroup and the `GENSWAP_*` values. A process that
-/// already exited cannot be inspected; its exit is the health step's to
-/// report.
-pub(super) fn verify_identity(running: &mut Running, staged: &Staged) -> Result<(), StepError> {
-    let Process::Spawned(child) = &running.process else {
+/// generation's own cgroup and the `GENSWAP_*` values. A process that has
+/// exited, or exits within [`EXITING_GRACE`] of a failed check, cannot be
+/// inspected reliably; its exit is the health step's to report.
+pub(super) async fn verify_identity(
+    running: &mut Running,
+    staged: &Staged,
+) -> Result<(), StepError> {
+    let Process::Spawned(child) = &mut running.process else {
         return Err(StepError::Internal(
             "only a generation this agent started can be checked against its start",
         ));
@@ -311,15 +318,18 @@ pub(super) fn verify_identity(running: &mut Running, staged: &Staged) -> Result<
             chosen.socket.display()
         ));
     }
-    match child.verify() {
-        Ok(_) => Ok(()),
-        Err(error @ VerifyError::Mismatch { .. }) => mismatch(error.to_string()),
-        Err(error @ VerifyError::Unreadable { .. }) => {
-            if has_exited(running).is_some() {
-                Ok(())
-            } else {
-                mismatch(format!("it cannot be inspected: {error}"))
-            }
-        }
+    let Err(error) = child.verify() else {
+        return Ok(());
+    };
+    // A process on its way out loses `/proc/<pid>/exe`, and reads of its
+    // environment come back cut short, a moment before it can be reaped:
+    // what it showed then proves nothing. Once it is reaped, its exit is
+    // the health step's to report.
+    if let Ok(Ok(_)) = tokio::time::timeout(EXITING_GRACE, child.wait()).await {
+        return Ok(());
+    }
+    match error {
+        VerifyError::Mismatch { .. } => mismatch(error.to_string()),
+        VerifyError::Unreadable { .. } => mismatch(format!("it cannot be inspected: {error}")),
     }
 }
