@@ -165,16 +165,19 @@ async fn a_build_that_never_binds_its_socket_fails_at_the_health_deadline() {
 #[tokio::test]
 async fn a_build_that_hangs_on_every_request_fails_at_the_health_deadline() {
     let (host, mut attempt) = SwapHost::serving_b1_releasing_b2("build-hang").await;
-    attempt.spec.health.timeout_seconds = 2;
+    // The build must bind before the deadline for it to show the hang:
+    // 5 s leaves room on a loaded machine.
+    attempt.spec.health.timeout_seconds = 5;
     knob(&mut attempt, "TESTAPP_HANG", "1");
-    assert_build_failed(&host, &attempt, &["within 2s", "no answer within"]).await;
+    assert_build_failed(&host, &attempt, &["within 5s", "no answer within"]).await;
     host.tear_down().await;
 }
 
 #[tokio::test]
 async fn a_failing_build_that_ignores_sigterm_is_killed_and_leaves_nothing() {
     let (host, mut attempt) = SwapHost::serving_b1_releasing_b2("build-ignore-term").await;
-    attempt.spec.health.timeout_seconds = 2;
+    // Long enough for the build to bind and answer 500 on a loaded machine.
+    attempt.spec.health.timeout_seconds = 5;
     attempt.spec.stop.timeout_seconds = 1;
     knob(&mut attempt, "TESTAPP_STATUS", "500");
     knob(&mut attempt, "TESTAPP_IGNORE_SIGTERM", "1");
@@ -195,7 +198,7 @@ async fn a_failing_build_that_forks_children_takes_them_all_down() {
     host.install(1, "b1").await;
     let b2 = host.build("b2");
     let mut attempt = host.attempt(2, &b2, "b2");
-    attempt.spec.health.timeout_seconds = 2;
+    attempt.spec.health.timeout_seconds = 5;
     attempt.spec.stop.timeout_seconds = 1;
     knob(&mut attempt, "TESTAPP_STATUS", "500");
     knob(&mut attempt, "TESTAPP_FORK_CHILDREN", "3");

@@ -63,7 +63,8 @@ async fn successor_answering_500_fails_and_the_incumbent_keeps_serving() {
     let b2 = host.build("b2");
     let mut attempt = host.attempt(2, &b2, "b2");
     knob(&mut attempt, "TESTAPP_STATUS", "500");
-    attempt.spec.health.timeout_seconds = 2;
+    // Long enough for the build to bind and answer 500 on a loaded machine.
+    attempt.spec.health.timeout_seconds = 5;
     let result = host.swap(&attempt).await;
 
     assert_eq!(result.outcome, Outcome::Failed, "{result:?}");
