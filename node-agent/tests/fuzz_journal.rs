@@ -54,6 +54,20 @@ struct Template {
     _dir: tempfile::TempDir,
 }
 
+impl Template {
+    /// The first journal file: its name, bytes, instance and entry.
+    fn first_file(&self) -> (&str, &Vec<u8>, InstanceKey, &InstanceEntry) {
+        let (name, bytes) = &self.files[0];
+        let instance: InstanceKey = name
+            .strip_suffix(".json")
+            .expect("a .json name")
+            .parse()
+            .expect("an instance key");
+        let entry = entry_of(&self.entries, &instance).expect("its entry");
+        (name, bytes, instance, entry)
+    }
+}
+
 fn template() -> &'static Template {
     static TEMPLATE: OnceLock<Template> = OnceLock::new();
     TEMPLATE.get_or_init(|| {
@@ -423,13 +437,7 @@ fn every_single_bit_flip_is_reported_or_read_as_this_instance() {
         .or_else(|_| tempfile::tempdir())
         .expect("temp dir");
     let journal = Journal::open(dir.path()).expect("journal");
-    let (name, original) = &template.files[0];
-    let instance: InstanceKey = name
-        .strip_suffix(".json")
-        .expect("a .json name")
-        .parse()
-        .expect("an instance key");
-    let expected = entry_of(&template.entries, &instance).expect("its entry");
+    let (name, original, instance, expected) = template.first_file();
     let path = journal.dir().join(name);
     let (mut corrupt, mut changed, mut same) = (0usize, 0usize, 0usize);
     for at in 0..original.len() {
@@ -476,13 +484,7 @@ fn every_single_bit_flip_is_reported_or_read_as_this_instance() {
 fn a_file_without_a_checksum_is_read_only_when_it_holds_nothing_else() {
     let template = template();
     let (_dir, journal) = fresh();
-    let (name, original) = &template.files[0];
-    let instance: InstanceKey = name
-        .strip_suffix(".json")
-        .expect("a .json name")
-        .parse()
-        .expect("an instance key");
-    let expected = entry_of(&template.entries, &instance).expect("its entry");
+    let (name, original, instance, expected) = template.first_file();
     let path = journal.dir().join(name);
 
     let text = String::from_utf8(original.clone()).expect("utf-8");
