@@ -95,6 +95,10 @@ pub struct GenerationRecord {
     /// When it began serving, unix millis; `None` before it serves.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serving_since_ms: Option<i64>,
+    /// How it is stopped (signal, timeout), from the attempt that started
+    /// it; `None` in journals written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<StopSpec>,
 }
 
 /// Which attempt a record is about.

@@ -134,6 +134,7 @@ fn generation(instance: &InstanceKey, n: u64, build: &str) -> GenerationRecord {
         config_rev: String::new(),
         restart_id: String::new(),
         serving_since_ms: Some(1_750_000_000_000),
+        stop: None,
     }
 }
 

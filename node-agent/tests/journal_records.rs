@@ -26,6 +26,7 @@ fn generation(n: u64, build: &str) -> GenerationRecord {
         config_rev: "c1".into(),
         restart_id: String::new(),
         serving_since_ms: None,
+        stop: None,
     }
 }
 

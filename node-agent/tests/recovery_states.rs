@@ -108,6 +108,7 @@ async fn start_generation(
         config_rev: String::new(),
         restart_id: String::new(),
         serving_since_ms: None,
+        stop: None,
     };
     (record, child)
 }
@@ -262,6 +263,34 @@ async fn a_restarted_engine_adopts_what_serves_and_swaps_it_away() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generations_stop_settings_are_journaled_with_it_and_survive_a_restart() {
+    let host = SwapHost::new("rec-stop-spec");
+    let v1 = host.build("v1");
+    let mut attempt = host.attempt(1, &v1, "v1");
+    attempt.spec.stop = StopSpec {
+        signal: StopSignal::Quit,
+        timeout_seconds: 7,
+    };
+    let result = host.swap(&attempt).await;
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    let serving = host.engine.serving(&host.instance).expect("v1 serves");
+    assert_eq!(serving.stop, attempt.spec.stop);
+
+    let engine = restarted(&host);
+    engine.recover().await;
+    let adopted = engine.serving(&host.instance).expect("v1 adopted");
+    assert_eq!(
+        adopted.stop, attempt.spec.stop,
+        "a restarted agent stops it as its attempt said"
+    );
+    engine
+        .stop_instance(&host.instance, &adopted.stop)
+        .await
+        .expect("stop");
+    host.assert_only(None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_overlap_cut_before_the_switch_stops_the_successor_and_keeps_the_incumbent() {
     let host = SwapHost::new("rec-ov-before");
     let v1 = installed(&host).await;
@@ -322,6 +351,7 @@ async fn an_overlap_cut_before_the_exec_was_not_executed() {
         config_rev: String::new(),
         restart_id: String::new(),
         serving_since_ms: None,
+        stop: None,
     };
     let record = release_record(&host.instance, Mode::Overlap, Some(v1), successor, &[]);
     journal_in_flight(&host, &record);
@@ -420,6 +450,7 @@ async fn a_hold_cut_while_stopping_the_incumbent_finishes_the_stop() {
         config_rev: String::new(),
         restart_id: String::new(),
         serving_since_ms: None,
+        stop: None,
     };
     let record = release_record(
         &host.instance,

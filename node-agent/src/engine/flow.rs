@@ -297,6 +297,7 @@ impl<'a> Run<'a> {
             config_rev: self.attempt.spec.config_rev.clone(),
             restart_id: self.attempt.spec.restart_id.clone(),
             serving_since_ms: None,
+            stop: Some(self.attempt.spec.stop.clone()),
         });
         Ok(n)
     }

@@ -124,6 +124,9 @@ pub struct ServingGeneration {
     pub cgroup: PathBuf,
     /// Its main process.
     pub pid: u32,
+    /// How it is stopped: the stop settings of the attempt that started it
+    /// (the defaults for a generation journaled before they were recorded).
+    pub stop: StopSpec,
 }
 
 /// Why an engine operation outside an attempt failed.
@@ -202,6 +205,7 @@ impl Running {
             socket: self.record.socket.clone(),
             cgroup: self.record.cgroup.clone(),
             pid: self.process.pid(),
+            stop: self.record.stop.clone().unwrap_or_default(),
         }
     }
 }

@@ -1178,6 +1178,8 @@ fn record_from_host(
             config_rev: String::new(),
             restart_id: String::new(),
             serving_since_ms: None,
+            // Not on the host: the defaults stop it.
+            stop: None,
         }
     })
 }
@@ -1234,6 +1236,7 @@ mod tests {
             config_rev: String::new(),
             restart_id: String::new(),
             serving_since_ms: None,
+            stop: None,
         }
     }
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use genswap_crds::{Outcome, StopSpec, SwapAttempt};
+use genswap_crds::{Outcome, SwapAttempt};
 use kube::Client;
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store, reflector};
@@ -89,9 +89,6 @@ struct Running {
     in_flight: HashMap<InstanceKey, InFlight>,
     runners: JoinSet<()>,
     reports: JoinSet<()>,
-    /// The stop settings of each instance's newest attempt seen, for
-    /// stopping it once its InstanceGeneration is gone.
-    stop_specs: HashMap<InstanceKey, (i64, StopSpec)>,
     /// Instances whose InstanceGeneration is being looked up or stopped.
     retiring: HashSet<InstanceKey>,
     /// Instances whose last lookup or stop failed: retried on a timer.
@@ -168,7 +165,6 @@ impl KubeAgent {
             in_flight: Default::default(),
             runners: JoinSet::new(),
             reports: JoinSet::new(),
-            stop_specs: HashMap::new(),
             retiring: HashSet::new(),
             retire_failed: HashSet::new(),
             retirements: JoinSet::new(),
@@ -281,7 +277,6 @@ impl Running {
     fn on_watch_event(&mut self, event: watcher::Event<SwapAttempt>, readiness: &Readiness) {
         match event {
             watcher::Event::Apply(attempt) => {
-                self.note_stop_spec(&attempt);
                 let decisions = self.intake.offer(Arc::new(attempt));
                 self.execute(decisions);
             }
@@ -292,10 +287,7 @@ impl Running {
             }
             // Decided once the list is complete, so the newest revision of
             // every instance is known before anything runs.
-            watcher::Event::InitApply(attempt) => {
-                self.note_stop_spec(&attempt);
-                self.intake.observe(&attempt);
-            }
+            watcher::Event::InitApply(attempt) => self.intake.observe(&attempt),
             watcher::Event::Init => {}
             watcher::Event::InitDone => {
                 readiness.set_synced(true);
@@ -303,19 +295,6 @@ impl Running {
                 self.offer_all();
                 self.retire_unowned(Candidates::All);
             }
-        }
-    }
-
-    fn note_stop_spec(&mut self, attempt: &SwapAttempt) {
-        let namespace = attempt.metadata.namespace.clone().unwrap_or_default();
-        let Ok(instance) = InstanceKey::new(namespace, attempt.spec.instance.clone()) else {
-            return;
-        };
-        let rev = attempt.spec.sched_rev;
-        let newest = self.stop_specs.get(&instance).map(|(newest, _)| *newest);
-        if newest.is_none_or(|newest| rev >= newest) {
-            self.stop_specs
-                .insert(instance, (rev, attempt.spec.stop.clone()));
         }
     }
 
@@ -344,15 +323,9 @@ impl Running {
                 || (which == Candidates::FailedBefore && !self.retire_failed.contains(key))
         });
         for instance in candidates {
-            let stop = self
-                .stop_specs
-                .get(&instance)
-                .map(|(_, stop)| stop.clone())
-                .unwrap_or_default();
             self.retiring.insert(instance.clone());
             let shared = self.shared.clone();
-            self.retirements
-                .spawn(retire_instance(shared, instance, stop));
+            self.retirements.spawn(retire_instance(shared, instance));
         }
     }
 
@@ -369,9 +342,6 @@ impl Running {
             self.retire_failed.insert(instance.clone());
         } else {
             self.retire_failed.remove(&instance);
-        }
-        if retirement == Retirement::Stopped {
-            self.stop_specs.remove(&instance);
         }
         self.shared
             .metrics
@@ -502,7 +472,7 @@ impl Running {
                 () = tokio::time::sleep_until(deadline) => {
                     tracing::warn!(
                         left = self.retirements.len(),
-                        "stopping instances whose InstanceGeneration is gone did not finish in time; the next agent looks again"
+                        "stopping instances no longer wanted on this node did not finish in time; the next agent looks again"
                     );
                     self.retirements.abort_all();
                     while self.retirements.join_next().await.is_some() {}
@@ -532,11 +502,7 @@ impl Running {
 
 /// Stops `instance` if its InstanceGeneration is gone or no longer selects
 /// this node.
-async fn retire_instance(
-    shared: Arc<Shared>,
-    instance: InstanceKey,
-    stop: StopSpec,
-) -> (InstanceKey, Retirement) {
+async fn retire_instance(shared: Arc<Shared>, instance: InstanceKey) -> (InstanceKey, Retirement) {
     let node_name = &shared.config.node_name;
     let retirement = match retire::look_up(&shared.client, &instance, node_name).await {
         Owner::Present => Retirement::Kept,
@@ -551,6 +517,13 @@ async fn retire_instance(
                 "this node no longer matches its InstanceGeneration's nodeSelector"
             };
             tracing::info!(%instance, "{why}; stopping the instance");
+            // As the attempt that started it said: journaled with the
+            // generation, so it holds across agent restarts.
+            let stop = shared
+                .engine
+                .serving(&instance)
+                .map(|serving| serving.stop)
+                .unwrap_or_default();
             match shared.engine.stop_instance(&instance, &stop).await {
                 Ok(drain) => {
                     tracing::info!(%instance, drain_ms = ?drain.map(|d| d.as_millis()), "instance stopped");

@@ -12,7 +12,7 @@
 //! candidate's InstanceGeneration, and then this node's Node, are read from
 //! the API server ([`look_up`]). Only a 404, an object already being
 //! deleted, or a selector this node's labels no longer match stops the
-//! instance, with the stop settings of its last attempt. Anything else (the
+//! instance, with the stop settings it was started with. Anything else (the
 //! object exists and selects this node, a read failed) leaves it serving.
 
 use std::collections::HashSet;
