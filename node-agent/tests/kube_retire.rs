@@ -65,17 +65,18 @@ async fn expect_node_read(server: &mut ApiServerVerifier) -> Pending {
         .await
 }
 
-/// The reads of `instance`'s InstanceGeneration (selecting by
-/// `node_selector`) and of this node, labelled `labels`, answered.
-async fn answer_present(
+/// `web`'s attempt `install` is deleted, and the fresh reads that follow
+/// find `web` selecting `pool: edge` and this node labelled `labels`.
+async fn attempt_deleted_on_node_labelled(
     server: &mut ApiServerVerifier,
-    instance: &str,
-    node_selector: Value,
+    feed: &WatchFeed,
+    install: &Value,
     labels: Value,
 ) {
-    expect_ig_read(server, instance)
+    feed.deleted(install);
+    expect_ig_read(server, "web")
         .await
-        .respond_json(StatusCode::OK, &ig_object(instance, node_selector));
+        .respond_json(StatusCode::OK, &ig_object("web", json!({ "pool": "edge" })));
     let node = json!({
         "apiVersion": "v1",
         "kind": "Node",
@@ -223,11 +224,10 @@ async fn an_instance_whose_object_still_exists_keeps_serving() {
 
     // The attempts are gone but the InstanceGeneration is not, and it still
     // selects this node (someone deleted the attempts by hand).
-    feed.deleted(&install);
-    answer_present(
+    attempt_deleted_on_node_labelled(
         &mut server,
-        "web",
-        json!({ "pool": "edge" }),
+        &feed,
+        &install,
         json!({ "pool": "edge", "zone": "a" }),
     )
     .await;
@@ -266,14 +266,7 @@ async fn a_node_that_leaves_the_selector_stops_its_instance() {
 
     // The node was relabelled out of the selector: the controller deleted
     // its attempt, and the fresh reads agree.
-    feed.deleted(&install);
-    answer_present(
-        &mut server,
-        "web",
-        json!({ "pool": "edge" }),
-        json!({ "pool": "core" }),
-    )
-    .await;
+    attempt_deleted_on_node_labelled(&mut server, &feed, &install, json!({ "pool": "core" })).await;
     eventually("the instance stopped", || retirements(&agent, "stopped")).await;
     assert!(!alive(serving.pid), "process {} exited", serving.pid);
     assert_eq!(node.who_serves("web").await, None, "nothing answers");
