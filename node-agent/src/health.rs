@@ -88,6 +88,28 @@ pub enum Observation {
     Http(String),
 }
 
+impl Observation {
+    /// The try got a connection accepted: what it saw is about the server.
+    fn connected(&self) -> bool {
+        matches!(
+            self,
+            Observation::Status(_) | Observation::Hung(_) | Observation::Http(_)
+        )
+    }
+
+    /// Whether this try's observation, rather than `last`, is the reason
+    /// to give. A hang the deadline cut short may only have been a slow
+    /// answer: it says less than an earlier try that connected (a 5xx, a
+    /// broken exchange, a full hang), but more than one that could not
+    /// connect at all (not bound, refused).
+    fn outranks(&self, last: Option<&Observation>, cut_short: bool) -> bool {
+        match self {
+            Observation::Hung(_) if cut_short => !last.is_some_and(Observation::connected),
+            _ => true,
+        }
+    }
+}
+
 impl fmt::Display for Observation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -208,10 +230,12 @@ pub async fn wait_healthy_with(
                     elapsed: start.elapsed(),
                 });
             }
-            // A try the deadline cut short says less than what came before
-            // it (a 500, a refusal): that stays the reason.
-            Err(Observation::Hung(_)) if limit < policy.request_timeout && last.is_some() => {}
-            Err(observation) => last = Some(observation),
+            Err(observation) => {
+                let cut_short = limit < policy.request_timeout;
+                if observation.outranks(last.as_ref(), cut_short) {
+                    last = Some(observation);
+                }
+            }
         }
         let now = Instant::now();
         if now >= deadline {
@@ -338,6 +362,23 @@ async fn exchange(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hang_cut_short_by_the_deadline_outranks_only_tries_that_never_connected() {
+        let cut = Observation::Hung(Duration::from_millis(1200));
+        // Bound late, then hung: the hang is the news.
+        assert!(cut.outranks(Some(&Observation::NoSocket), true));
+        assert!(cut.outranks(Some(&Observation::Refused), true));
+        assert!(cut.outranks(Some(&Observation::Connect("reset".into())), true));
+        assert!(cut.outranks(None, true));
+        // An answer, a broken exchange or a full hang before says more.
+        assert!(!cut.outranks(Some(&Observation::Status(500)), true));
+        assert!(!cut.outranks(Some(&Observation::Http("closed".into())), true));
+        assert!(!cut.outranks(Some(&Observation::Hung(Duration::from_secs(5))), true));
+        // A full-length hang, or anything else, is always the latest news.
+        assert!(cut.outranks(Some(&Observation::Status(500)), false));
+        assert!(Observation::NoSocket.outranks(Some(&Observation::Status(500)), true));
+    }
 
     #[test]
     fn observations_read_as_reasons() {

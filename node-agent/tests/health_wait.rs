@@ -146,6 +146,35 @@ async fn a_hung_app_times_out_as_hung() {
 }
 
 #[tokio::test]
+async fn an_app_that_binds_late_and_hangs_times_out_as_hung_not_unbound() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = socket_in(&dir);
+    // Shorter than one try's own timeout: the deadline cuts the hang short.
+    let mut wait = std::pin::pin!(wait_healthy(
+        &socket,
+        "/",
+        Duration::from_secs(2),
+        std::future::pending()
+    ));
+    // The first try runs now and finds no socket.
+    assert!(futures::poll!(&mut wait).is_pending());
+    assert!(!socket.exists());
+
+    let _app = TestApp::start(&socket, &[(testapp::knob::HANG, "1")]);
+    let err = wait.await.expect_err("never answers");
+    assert!(
+        matches!(
+            err,
+            HealthError::Timeout {
+                last: Observation::Hung(_),
+                ..
+            }
+        ),
+        "the hang, not the missing socket before it, is the reason: {err:?}"
+    );
+}
+
+#[tokio::test]
 async fn an_app_that_never_binds_times_out_naming_the_missing_socket() {
     let dir = tempfile::tempdir().expect("temp dir");
     let socket = socket_in(&dir);
