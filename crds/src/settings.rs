@@ -299,11 +299,11 @@ impl Default for StopSpec {
 pub struct ResourcesSpec {
     /// memory.max, a Kubernetes quantity of bytes such as `512Mi`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).sign() > 0").message("resources.memoryMax must be a positive quantity such as 512Mi"))]
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && sign(quantity(string(self))) > 0").message("resources.memoryMax must be a positive quantity such as 512Mi"))]
     pub memory_max: Option<Quantity>,
     /// cpu.max in cores, a Kubernetes quantity such as `500m` or `2`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).sign() > 0").message("resources.cpuMax must be a positive quantity of cores such as 500m"))]
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && sign(quantity(string(self))) > 0").message("resources.cpuMax must be a positive quantity of cores such as 500m"))]
     pub cpu_max: Option<Quantity>,
     /// pids.max.
     #[serde(default, skip_serializing_if = "Option::is_none")]
