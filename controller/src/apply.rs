@@ -178,7 +178,7 @@ pub async fn apply_plan(
         if !ctx.leadership.is_leader() {
             return Ok(stepped_down(Write::Create, done));
         }
-        match create_attempt(&attempts, attempt).await {
+        match create_attempt(&attempts, attempt, &ctx.field_manager).await {
             Ok(()) => {
                 ctx.note_created(ig, &attempt.name_any());
                 done.created += 1;
@@ -340,8 +340,17 @@ async fn write_status(
     }
 }
 
-async fn create_attempt(api: &Api<SwapAttempt>, attempt: &SwapAttempt) -> Result<(), ApplyError> {
-    match api.create(&PostParams::default(), attempt).await {
+async fn create_attempt(
+    api: &Api<SwapAttempt>,
+    attempt: &SwapAttempt,
+    field_manager: &str,
+) -> Result<(), ApplyError> {
+    // Named, so managedFields say who owns the spec rather than `unknown`.
+    let params = PostParams {
+        field_manager: Some(field_manager.to_string()),
+        ..PostParams::default()
+    };
+    match api.create(&params, attempt).await {
         Ok(_) => Ok(()),
         // Only a lost response of our own earlier create can leave it there:
         // the revision in its name was never reserved twice.

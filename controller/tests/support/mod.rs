@@ -415,6 +415,11 @@ impl ApiServerVerifier {
             request.uri().path(),
             format!("/apis/genswap.dev/v1alpha1/namespaces/{NAMESPACE}/swapattempts")
         );
+        let query = query_pairs(&request);
+        assert!(
+            query.contains(&("fieldManager".into(), FIELD_MANAGER.into())),
+            "the create names the controller's field manager: {query:?}"
+        );
         let body = body_json(request).await;
         assert_eq!(
             body["metadata"]["name"],
