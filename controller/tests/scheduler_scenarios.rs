@@ -517,6 +517,10 @@ fn a_failed_canary_halts_the_rollout_and_stalls() {
             && stalled.contains("spec.retry"),
         "{stalled}"
     );
+    assert!(
+        stalled.contains("; not rolled out: a, b, c;") && !stalled.contains("stopped"),
+        "the rollout stopped, not the nodes: {stalled}"
+    );
 
     // Never attempted again on its own, however long we wait.
     world.advance(3600);

@@ -169,8 +169,10 @@ fn stall_message(ctx: &Context<'_>, progress: &Progress<'_>, book: &FailureBook)
     } else {
         format!("; nothing serves on {}", names(&progress.down))
     };
+    // The rollout is what stopped, not the nodes: they keep whatever they
+    // ran before (status.nodes says what).
     format!(
-        "build {} ({}) is held down after failing on {}{down}; stopped: {}; \
+        "build {} ({}) is held down after failing on {}{down}; not rolled out: {}; \
          change spec.retry to attempt it once more, or choose another build",
         ctx.desired.build,
         mode_name(ctx.mode),
