@@ -534,7 +534,7 @@ async fn pick_node(client: &Client) -> Node {
                         .any(|c| c.type_ == "Ready" && c.status == "True")
                 })
         })
-        .expect("the cluster has a Ready node")
+        .expect("the cluster has a Ready node (or set GENSWAP_E2E_NODE to a Node's name)")
 }
 
 async fn create_namespace(client: &Client, name: &str) {
