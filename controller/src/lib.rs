@@ -11,7 +11,8 @@
 //! - [`apply`]: the writes, in the order that keeps revisions unique;
 //! - [`reconciler`]: one reconcile, read → plan → apply, and its error policy;
 //! - [`run`]: the kube-runtime Controller and its watches ([`node_index`]
-//!   decides which IGs a Node event concerns);
+//!   decides which IGs a Node event concerns, [`watch_backoff`] how a watch
+//!   reconnects);
 //! - [`leader`], [`metrics`], [`http`], [`shutdown`], [`cli`]: operations.
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
@@ -29,3 +30,4 @@ pub mod reconciler;
 pub mod run;
 pub mod scheduler;
 pub mod shutdown;
+pub mod watch_backoff;

@@ -33,6 +33,7 @@ use crate::node_index::{NodeLabelIndex, affected};
 use crate::observe::trim_node;
 use crate::reconciler::{Context, WatchedIg, error_policy, reconcile};
 use crate::scheduler::LABEL_INSTANCE;
+use crate::watch_backoff::watch_backoff;
 
 /// The name this controller records Events under.
 pub const CONTROLLER_NAME: &str = "genswap-controller";
@@ -67,29 +68,37 @@ pub async fn run_controller(
 
     let (ig_store, ig_writer) = reflector::store();
     let ig_events = watcher(igs, watcher::Config::default())
-        .default_backoff()
+        .backoff(watch_backoff())
         .reflect(ig_writer);
-    let ig_events = caches
-        .track(Cache::InstanceGenerations, ig_events)
-        .applied_objects();
+    let ig_events = without_errors(
+        "InstanceGeneration",
+        caches
+            .track(Cache::InstanceGenerations, ig_events)
+            .applied_objects(),
+    );
 
     let (attempt_store, attempt_writer) = reflector::store();
     let attempt_events = watcher(attempts, watcher::Config::default().labels(LABEL_INSTANCE))
-        .default_backoff()
+        .backoff(watch_backoff())
         .reflect(attempt_writer);
-    let attempt_events = caches
-        .track(Cache::SwapAttempts, attempt_events)
-        .touched_objects();
+    let attempt_events = without_errors(
+        "SwapAttempt",
+        caches
+            .track(Cache::SwapAttempts, attempt_events)
+            .touched_objects(),
+    );
 
     let (node_store, node_writer) = reflector::store();
     let node_events = watcher(nodes, watcher::Config::default())
-        .default_backoff()
+        .backoff(watch_backoff())
         .modify(trim_node)
         .reflect(node_writer);
     let node_events = caches.track(Cache::Nodes, node_events);
 
     let controller = Controller::for_stream(ig_events, ig_store.clone())
-        .with_config(controller::Config::default().concurrency(settings.concurrency));
+        .with_config(controller::Config::default().concurrency(settings.concurrency))
+        // Unused while the streams carry no errors; bounded all the same.
+        .trigger_backoff(watch_backoff());
     tokio::spawn(mark_ready_when_synced(readiness, caches.clone()));
 
     let reporter = Reporter {
@@ -140,6 +149,21 @@ where
         Some(namespace) => Api::namespaced(client.clone(), namespace),
         None => Api::all(client.clone()),
     }
+}
+
+/// Logs and drops a watch's errors. The watch has already slept its own
+/// backoff; an error reaching the Controller would make it back off every
+/// trigger stream again, with kube-runtime's default of up to a minute.
+fn without_errors<K: Send + 'static>(
+    watched: &'static str,
+    events: impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+) -> impl Stream<Item = Result<K, watcher::Error>> + Send + 'static {
+    events.filter(move |event| {
+        if let Err(error) = event {
+            warn!(%error, watched, "watch error; retrying with backoff");
+        }
+        futures::future::ready(event.is_ok())
+    })
 }
 
 /// Maps Node watch events to the IGs they concern (see [`crate::node_index`]).

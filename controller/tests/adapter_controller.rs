@@ -211,3 +211,58 @@ async fn a_lagging_attempt_watch_never_gets_a_node_a_second_attempt() {
 
     stop_and_join(stop, controller).await;
 }
+
+/// How long the API server is away in the outage test.
+const OUTAGE: Duration = Duration::from_secs(5 * 60);
+/// How soon after its return everything must have converged.
+const CONVERGENCE: Duration = Duration::from_secs(10);
+
+// Virtual time: the minutes of outage and every backoff sleep pass at once,
+// and the convergence time measured is the controller's own.
+#[tokio::test(start_paused = true)]
+async fn after_a_long_outage_the_controller_converges_within_seconds_of_the_server_returning() {
+    let cluster = seeded();
+    let metrics = Arc::new(Metrics::new());
+    let leadership = Leadership::follower(metrics.clone());
+    leadership.set(true);
+    let (stop, controller) = start(&cluster, &metrics, &leadership, &Readiness::default());
+    eventually("the canary attempt on n1", &cluster, DEADLINE, |c| {
+        c.get(Kind::Attempt, "web-n1-1").is_some()
+    })
+    .await;
+
+    lock(&cluster).go_down();
+    tokio::time::sleep(OUTAGE).await;
+    // The agent's outcome, written the moment the server is back.
+    let back = tokio::time::Instant::now();
+    {
+        let mut c = lock(&cluster);
+        c.come_back();
+        c.report_done("web-n1-1", 1);
+    }
+    eventually(
+        "the attempt on n2 after the outage",
+        &cluster,
+        OUTAGE,
+        |c| c.get(Kind::Attempt, "web-n2-2").is_some(),
+    )
+    .await;
+    let converged = back.elapsed();
+    let requests_while_down = lock(&cluster).requests_while_down;
+    eprintln!(
+        "after a {OUTAGE:?} outage: next attempt issued {converged:?} after the server came back; {requests_while_down} requests while down"
+    );
+    assert!(
+        converged <= CONVERGENCE,
+        "the controller took {converged:?} to act after the server came back"
+    );
+    // Three watches, each trying at most once per backoff ceiling once it
+    // has doubled up to it: the down server was not hammered.
+    let per_watch = OUTAGE.as_millis() / genswap_controller::watch_backoff::CEILING.as_millis() + 4;
+    assert!(
+        requests_while_down as u128 <= 3 * per_watch,
+        "{requests_while_down} requests in {OUTAGE:?}"
+    );
+
+    stop_and_join(stop, controller).await;
+}

@@ -36,6 +36,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::channel::mpsc;
+use genswap_controller::watch_backoff;
 use genswap_crds::EnvVar;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::combinators::BoxBody;
@@ -53,10 +54,9 @@ use tokio::time::Instant;
 const OUTAGE: Duration = Duration::from_secs(5 * 60);
 /// Generous real-time bound for the phases that run real swaps.
 const REAL_DEADLINE: Duration = Duration::from_secs(30);
-/// The watcher's backoff (kube-runtime's default): 800 ms doubling to 30 s,
-/// jitter only added.
-const WATCH_BACKOFF_FIRST: Duration = Duration::from_millis(800);
-const WATCH_BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// Once the API server is back, how long until every outcome it missed is
+/// accepted (the report backoff's 4 s ceiling, the watch backoff's 5 s).
+const CONVERGENCE: Duration = Duration::from_secs(10);
 
 type ResponseBody = BoxBody<Bytes, Infallible>;
 type Handle = tower_test::mock::Handle<Request<kube::client::Body>, Response<ResponseBody>>;
@@ -424,7 +424,7 @@ async fn an_api_server_unreachable_for_minutes_loses_and_duplicates_no_outcome()
     let mut api = FakeApi::new(handle, &[web1, db1]);
     let mut config = KubeAgentConfig::new(NODE, &node.lock_path);
     config.shutdown_timeout = REAL_DEADLINE;
-    // The production schedule: 200 ms doubling to 30 s.
+    // The production schedule: 200 ms doubling to 4 s.
     let backoff = ReportBackoff::default();
     assert_eq!(config.report_backoff, backoff);
     let agent = start_agent(
@@ -519,8 +519,8 @@ async fn an_api_server_unreachable_for_minutes_loses_and_duplicates_no_outcome()
         node.pending()
     );
 
-    // Back up (still in virtual time, so backoff sleeps of up to 30 s pass
-    // at once): each outcome goes through once, and is acknowledged.
+    // Back up (still in virtual time, so backoff sleeps pass at once): each
+    // outcome goes through once, and is acknowledged.
     api.come_back();
     let recovered_at = Instant::now();
     let deadline = recovered_at + Duration::from_secs(10 * 60);
@@ -533,6 +533,32 @@ async fn an_api_server_unreachable_for_minutes_loses_and_duplicates_no_outcome()
     // Let the agent run on a while: a duplicate would show up now.
     api.serve_for(Instant::now() + Duration::from_secs(60))
         .await;
+    // Converged soon after the server came back: the outcomes written and
+    // the watch open again, each within its backoff's ceiling.
+    let accepted_at = |kind: &dyn Fn(&Kind) -> bool| {
+        api.log
+            .iter()
+            .find(|s| s.at >= recovered_at && kind(&s.kind) && s.answer == Answer::Ok)
+            .map(|s| s.at - recovered_at)
+            .expect("answered after recovery")
+    };
+    let outcomes_after = [name("web", 2), name("db", 2)]
+        .iter()
+        .map(|attempt| accepted_at(&|k| *k == Kind::Outcome(attempt.clone())))
+        .max()
+        .expect("two outcomes");
+    let watch_after = accepted_at(&|k| matches!(k, Kind::Watch));
+    eprintln!(
+        "after the outage: outcomes accepted {outcomes_after:?} and the watch open {watch_after:?} after the server came back"
+    );
+    assert!(
+        outcomes_after <= CONVERGENCE,
+        "the outcomes took {outcomes_after:?} to reach the server after it came back"
+    );
+    assert!(
+        watch_after <= CONVERGENCE,
+        "the watch took {watch_after:?} to reopen after the server came back"
+    );
     tokio::time::resume();
 
     let mut agent = agent;
@@ -601,7 +627,7 @@ async fn an_api_server_unreachable_for_minutes_loses_and_duplicates_no_outcome()
 
     // No spinning during the outage: the outcome writes stay within the
     // report backoff (each sleep at least half its ceiling) and never stop
-    // for long (a sleep is at most the 30 s ceiling, a hung write is cut at
+    // for long (a sleep is at most the 4 s ceiling, a hung write is cut at
     // REQUEST_TIMEOUT).
     for attempt in [name("web", 2), name("db", 2)] {
         let tries: Vec<Instant> = during
@@ -642,9 +668,9 @@ async fn an_api_server_unreachable_for_minutes_loses_and_duplicates_no_outcome()
         .filter(|s| matches!(s.kind, Kind::List | Kind::Watch))
         .count();
     let allowed = 1 + most_tries(OUTAGE, |retry| {
-        WATCH_BACKOFF_FIRST
+        watch_backoff::FIRST
             .saturating_mul(1u32.checked_shl(retry.min(16)).unwrap_or(u32::MAX))
-            .min(WATCH_BACKOFF_MAX)
+            .min(watch_backoff::CEILING)
     });
     assert!(
         restarts <= allowed,

@@ -3,8 +3,8 @@
 //! real one does, so nothing written between a list and its watch is lost),
 //! takes the controller's writes (keeping the resourceVersion precondition of
 //! a status apply) and holds a Lease. A test can hold back one kind's watch
-//! events to play a lagging watch. It is reachable through a mocked client or
-//! over real HTTP on loopback.
+//! events to play a lagging watch, or take the whole server down. It is
+//! reachable through a mocked client or over real HTTP on loopback.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
@@ -73,6 +73,10 @@ pub struct Cluster {
     /// Every genswap write the controller sent, as "METHOD path".
     pub writes: Vec<String>,
     pub event_reasons: Vec<String>,
+    /// While set, every request fails with 503 (see [`Cluster::go_down`]).
+    down: bool,
+    /// Requests that arrived while down.
+    pub requests_while_down: usize,
 }
 
 /// A cluster shared by the test and the server side.
@@ -108,6 +112,17 @@ impl Cluster {
             .or_default()
             .push((self.resource_version, Bytes::from(line)));
         self.deliver(kind);
+    }
+
+    /// The server becomes unreachable: open watches are cut and every
+    /// request fails with 503 until [`come_back`](Self::come_back).
+    pub fn go_down(&mut self) {
+        self.down = true;
+        self.watchers.clear();
+    }
+
+    pub fn come_back(&mut self) {
+        self.down = false;
     }
 
     /// Holds back `kind`'s watch events: lists stay current, watches lag.
@@ -188,7 +203,11 @@ impl Cluster {
         content_type: &str,
         body: Value,
     ) -> Response<ResponseBody> {
-        for kind in [Kind::Ig, Kind::Attempt, Kind::Node] {
+        if self.down {
+            self.requests_while_down += 1;
+            return failure(503, "ServiceUnavailable");
+        }
+        for kind in [Kind::Ig, Kind::Attempt, Kind::Node, Kind::Lease] {
             if method == Method::GET && path == kind.collection() {
                 return self.list_or_watch(kind, query);
             }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use genswap_controller::watch_backoff::watch_backoff;
 use genswap_crds::{Outcome, SwapAttempt};
 use kube::Client;
 use kube::api::Api;
@@ -139,7 +140,7 @@ impl KubeAgent {
             writer,
             watcher(api, watcher::Config::default().fields(&selector)),
         )
-        .default_backoff()
+        .backoff(watch_backoff())
         .boxed();
 
         let (ended_tx, mut ended_rx) = mpsc::unbounded_channel();

@@ -123,7 +123,7 @@ pub struct KubeArgs {
     pub report_retry_initial_ms: u64,
 
     /// The longest delay between retries of a status write, in ms.
-    #[arg(long, default_value_t = 30_000)]
+    #[arg(long, default_value_t = 4_000)]
     pub report_retry_max_ms: u64,
 
     /// On shutdown, how long to keep writing outcomes before exiting (what

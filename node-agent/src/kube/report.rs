@@ -58,11 +58,13 @@ pub struct ReportBackoff {
 }
 
 impl Default for ReportBackoff {
-    /// 200 ms doubling to 30 s.
+    /// 200 ms doubling to 4 s: short enough that an outcome reaches the API
+    /// server within a few seconds of its coming back after an outage, and
+    /// still at most one write per pending outcome every 2 to 4 s while down.
     fn default() -> Self {
         Self {
             initial: Duration::from_millis(200),
-            max: Duration::from_secs(30),
+            max: Duration::from_secs(4),
         }
     }
 }
