@@ -8,14 +8,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::Stream;
-use kube::Client;
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client};
 use kube_lease_manager::{LeaseCreateMode, LeaseManager, LeaseManagerError, LeaseParams};
 use thiserror::Error;
 use tokio::sync::watch;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::metrics::Metrics;
+use crate::watch_backoff::watch_backoff;
 
 /// Whether this replica may write, shared by the lease task and the reconciler.
 #[derive(Clone, Debug)]
@@ -121,6 +124,11 @@ pub fn validate_timing(duration_seconds: u64, grace_seconds: u64) -> Result<(), 
 ///
 /// On shutdown it steps down first and releases the Lease after, so no write
 /// can follow the release.
+///
+/// A follower also watches the Lease: kube-lease-manager sleeps until the
+/// expiry it last read, so a Lease released by a leader that shut down
+/// would otherwise sit free for up to a lease duration. Seeing it free, the
+/// follower reads it again and takes it at once.
 pub async fn hold_lease(
     client: Client,
     settings: LeaseSettings,
@@ -129,6 +137,7 @@ pub async fn hold_lease(
 ) -> Result<(), LeaseError> {
     settings.validate()?;
     tokio::pin!(shutdown);
+    let mut released = Box::pin(releases(&client, &settings));
     loop {
         let manager = tokio::select! {
             () = &mut shutdown => return Ok(()),
@@ -144,7 +153,7 @@ pub async fn hold_lease(
                 }
             }
         };
-        loop {
+        let freed = loop {
             tokio::select! {
                 () = &mut shutdown => {
                     leadership.set(false);
@@ -158,10 +167,15 @@ pub async fn hold_lease(
                     Err(error) => {
                         leadership.set(false);
                         warn!(%error, "leader Lease error; stepped down");
-                        break;
+                        break false;
                     }
                 },
+                Some(()) = released.next(), if !leadership.is_leader() => break true,
             }
+        };
+        if freed {
+            info!(lease = %settings.name, "the leader Lease was released; campaigning now");
+            continue;
         }
         // Best effort: if the Lease is still ours, free it for the other
         // replica rather than make it wait for expiry.
@@ -171,6 +185,35 @@ pub async fn hold_lease(
             () = tokio::time::sleep(RETRY_AFTER_ERROR) => {}
         }
     }
+}
+
+/// Yields each time the Lease is seen with no holder (released, or deleted).
+fn releases(client: &Client, settings: &LeaseSettings) -> impl Stream<Item = ()> + Send + 'static {
+    let api: Api<Lease> = Api::namespaced(client.clone(), &settings.namespace);
+    let config = watcher::Config::default().fields(&format!("metadata.name={}", settings.name));
+    watcher(api, config)
+        .backoff(watch_backoff())
+        .filter_map(|event| async move {
+            match event {
+                Ok(watcher::Event::Apply(lease) | watcher::Event::InitApply(lease)) => {
+                    is_free(&lease).then_some(())
+                }
+                Ok(watcher::Event::Delete(_)) => Some(()),
+                Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
+                Err(error) => {
+                    debug!(%error, "watching the leader Lease failed; retrying with backoff");
+                    None
+                }
+            }
+        })
+}
+
+fn is_free(lease: &Lease) -> bool {
+    lease
+        .spec
+        .as_ref()
+        .and_then(|spec| spec.holder_identity.as_deref())
+        .is_none_or(str::is_empty)
 }
 
 async fn build_manager(

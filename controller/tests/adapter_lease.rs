@@ -15,6 +15,7 @@ use http::{Method, Request, Response, StatusCode};
 use kube::Client;
 use kube::client::Body;
 use serde_json::{Map, Value, json};
+use support::cluster::ResponseBody;
 
 const NAMESPACE: &str = "genswap-system";
 const LEASE: &str = "genswap-controller";
@@ -72,7 +73,7 @@ struct Replica {
 }
 
 fn replica(store: &Arc<Mutex<LeaseStore>>) -> Replica {
-    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<ResponseBody>>();
     let cut_off = Arc::new(AtomicBool::new(false));
     let store = store.clone();
     let partitioned = cut_off.clone();
@@ -95,9 +96,10 @@ fn replica(store: &Arc<Mutex<LeaseStore>>) -> Replica {
     }
 }
 
-async fn answer(store: &Mutex<LeaseStore>, request: Request<Body>) -> Response<Body> {
+async fn answer(store: &Mutex<LeaseStore>, request: Request<Body>) -> Response<ResponseBody> {
     let method = request.method().clone();
     let path = request.uri().path().to_string();
+    let query = request.uri().query().unwrap_or_default().to_string();
     let content_type = request
         .headers()
         .get(http::header::CONTENT_TYPE)
@@ -117,7 +119,26 @@ async fn answer(store: &Mutex<LeaseStore>, request: Request<Body>) -> Response<B
     let leases = format!("/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases");
     let lease = format!("{leases}/{LEASE}");
     let mut store = store.lock().unwrap_or_else(PoisonError::into_inner);
+    let watch = query.split('&').any(|pair| pair == "watch=true");
     match (method, path) {
+        // A follower's watch of the Lease: this store streams no events
+        // (the hand-over test below uses support::cluster, which does).
+        (Method::GET, p) if p == leases && watch => Response::builder()
+            .status(StatusCode::OK)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(ResponseBody::from_stream(futures::stream::pending::<
+                Result<bytes::Bytes, std::io::Error>,
+            >()))
+            .expect("response builds"),
+        (Method::GET, p) if p == leases => respond(
+            StatusCode::OK,
+            json!({
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "LeaseList",
+                "metadata": {"resourceVersion": store.resource_version.to_string()},
+                "items": store.spec.is_some().then(|| store.object()).into_iter().collect::<Vec<_>>(),
+            }),
+        ),
         (Method::GET, p) if p == lease => match store.spec {
             Some(_) => respond(StatusCode::OK, store.object()),
             None => respond(
@@ -156,11 +177,13 @@ async fn answer(store: &Mutex<LeaseStore>, request: Request<Body>) -> Response<B
     }
 }
 
-fn respond(code: StatusCode, body: Value) -> Response<Body> {
+fn respond(code: StatusCode, body: Value) -> Response<ResponseBody> {
     Response::builder()
         .status(code)
         .header(http::header::CONTENT_TYPE, "application/json")
-        .body(Body::from(serde_json::to_vec(&body).expect("serializes")))
+        .body(ResponseBody::from(
+            serde_json::to_vec(&body).expect("serializes"),
+        ))
         .expect("response builds")
 }
 
@@ -242,6 +265,74 @@ async fn one_leader_steps_down_when_cut_off_and_the_other_takes_over() {
     tokio::time::timeout(DEADLINE, task_a)
         .await
         .expect("replica-a stops in time")
+        .expect("task joined")
+        .expect("lease task ended cleanly");
+}
+
+/// Long enough that waiting for expiry could not pass for a hand-over.
+const LONG_LEASE_SECONDS: u64 = 60;
+/// A generous bound for the graceful hand-over (whose goal is 2 s), far
+/// below the lease duration a follower would otherwise wait out.
+const HAND_OVER_DEADLINE: Duration = Duration::from_secs(10);
+
+#[tokio::test]
+async fn a_released_lease_is_taken_by_the_follower_without_waiting_for_expiry() {
+    use support::cluster::{Kind, client, lock};
+    let cluster = support::cluster::seeded();
+    let long = |identity: &str| LeaseSettings {
+        name: support::cluster::LEASE.into(),
+        namespace: support::cluster::NS.into(),
+        identity: identity.into(),
+        duration_seconds: LONG_LEASE_SECONDS,
+        grace_seconds: 20,
+    };
+    let leader_a = Leadership::follower(Arc::new(Metrics::new()));
+    let (stop_a, stopped_a) = shutdown::channel();
+    let task_a = tokio::spawn(hold_lease(
+        client(&cluster),
+        long("replica-a"),
+        leader_a.clone(),
+        stopped_a.wait(),
+    ));
+    eventually("replica-a leads", || leader_a.is_leader()).await;
+
+    let leader_b = Leadership::follower(Arc::new(Metrics::new()));
+    let (stop_b, stopped_b) = shutdown::channel();
+    let task_b = tokio::spawn(hold_lease(
+        client(&cluster),
+        long("replica-b"),
+        leader_b.clone(),
+        stopped_b.wait(),
+    ));
+    // Both watch the Lease once their managers have read it: B now waits,
+    // as a follower, for a claim that runs LONG_LEASE_SECONDS.
+    eventually("both replicas watch the Lease", || {
+        lock(&cluster).open_watches(Kind::Lease) == 2
+    })
+    .await;
+    assert!(!leader_b.is_leader());
+
+    // A shuts down gracefully: it steps down and releases the Lease.
+    let released = tokio::time::Instant::now();
+    stop_a.fire();
+    tokio::time::timeout(DEADLINE, task_a)
+        .await
+        .expect("replica-a stops in time")
+        .expect("task joined")
+        .expect("lease task ended cleanly");
+    support::poll_until("replica-b takes over", HAND_OVER_DEADLINE, || {
+        leader_b.is_leader()
+    })
+    .await;
+    let hand_over = released.elapsed();
+    eprintln!("graceful hand-over: replica-b led {hand_over:?} after replica-a's shutdown began");
+    assert_eq!(lock(&cluster).lease_holder().as_deref(), Some("replica-b"));
+    assert!(!leader_a.is_leader());
+
+    stop_b.fire();
+    tokio::time::timeout(DEADLINE, task_b)
+        .await
+        .expect("replica-b stops in time")
         .expect("task joined")
         .expect("lease task ended cleanly");
 }

@@ -61,7 +61,7 @@ fn controller_allowed(watch: Option<&str>, finalizers: bool) -> BTreeSet<Right> 
         NAMESPACE,
         "coordination.k8s.io",
         "leases",
-        &["get", "create", "patch"],
+        &["get", "list", "watch", "create", "patch"],
     ));
     allowed.into_iter().collect()
 }

@@ -125,6 +125,11 @@ impl Cluster {
         self.down = false;
     }
 
+    /// How many watches of `kind` are open.
+    pub fn open_watches(&self, kind: Kind) -> usize {
+        self.watchers.get(&kind).map_or(0, Vec::len)
+    }
+
     /// Holds back `kind`'s watch events: lists stay current, watches lag.
     pub fn hold_watch(&mut self, kind: Kind) {
         self.held.insert(kind);
