@@ -407,9 +407,9 @@ fn backoff_doubles_to_its_ceiling_and_jitters_below_it() {
     let backoff = ReportBackoff::default();
     assert_eq!(backoff.ceiling(0), Duration::from_millis(200));
     assert_eq!(backoff.ceiling(1), Duration::from_millis(400));
-    assert_eq!(backoff.ceiling(7), Duration::from_millis(25_600));
-    assert_eq!(backoff.ceiling(8), Duration::from_secs(30));
-    assert_eq!(backoff.ceiling(u32::MAX), Duration::from_secs(30));
+    assert_eq!(backoff.ceiling(4), Duration::from_millis(3_200));
+    assert_eq!(backoff.ceiling(5), Duration::from_secs(4));
+    assert_eq!(backoff.ceiling(u32::MAX), Duration::from_secs(4));
     let delays: Vec<Duration> = (0..50).map(|_| backoff.delay(3)).collect();
     for delay in &delays {
         assert!(
