@@ -24,6 +24,7 @@ pub mod health;
 pub mod host;
 pub mod journal;
 pub mod kube;
+pub mod logs;
 pub mod metrics;
 pub mod ownership;
 pub mod sandbox;

@@ -38,6 +38,12 @@ enum Command {
     /// release, with a client sending requests throughout. Cleans up after
     /// itself.
     Demo(DemoArgs),
+    /// Prints an instance's log: the stdout and stderr of one of its
+    /// generations, as written under the log dir.
+    Logs(node_agent::logs::read::LogsArgs),
+    /// The log shim the agent starts for each generation (not for people).
+    #[command(hide = true)]
+    LogShim(node_agent::logs::shim::ShimArgs),
 }
 
 #[derive(Args, Debug)]
@@ -87,11 +93,12 @@ struct DemoArgs {
 }
 
 impl Command {
-    fn host(&self) -> &HostArgs {
+    fn host(&self) -> Option<&HostArgs> {
         match self {
-            Command::Run(args) => &args.host,
-            Command::Standalone(args) => &args.host,
-            Command::Demo(args) => &args.host,
+            Command::Run(args) => Some(&args.host),
+            Command::Standalone(args) => Some(&args.host),
+            Command::Demo(args) => Some(&args.host),
+            Command::Logs(_) | Command::LogShim(_) => None,
         }
     }
 }
@@ -139,13 +146,42 @@ enum MainError {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Neither needs the runtime, the log subscriber or the host parts; the
+    // shim must not write to the output it was given (it is /dev/null).
+    match &cli.command {
+        Command::LogShim(args) => {
+            node_agent::logs::shim::run(args);
+            return ExitCode::SUCCESS;
+        }
+        Command::Logs(args) => {
+            let mut out = std::io::stdout().lock();
+            return match node_agent::logs::read::print(args, &mut out) {
+                Ok(()) => ExitCode::SUCCESS,
+                // A closed reader (`| head`) is the end, not an error.
+                Err(node_agent::logs::read::ReadError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::BrokenPipe =>
+                {
+                    ExitCode::SUCCESS
+                }
+                Err(error) => {
+                    eprintln!("node-agent logs: {error}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        _ => {}
+    }
     // The demo talks to a human on stdout and its failing builds are part
     // of the story: only the agent's own errors go to the log.
     let default_level = match cli.command {
         Command::Demo(_) => "error",
         _ => "info",
     };
-    if let Err(error) = host::init_tracing(cli.command.host().log_format, default_level) {
+    let log_format = cli
+        .command
+        .host()
+        .map_or(host::LogFormat::Text, |host| host.log_format);
+    if let Err(error) = host::init_tracing(log_format, default_level) {
         eprintln!("node-agent: {error}");
         return ExitCode::FAILURE;
     }
@@ -191,6 +227,7 @@ fn run(command: Command) -> Result<(), MainError> {
                     Err(MainError::DemoUnexpected)
                 }
             }
+            Command::Logs(_) | Command::LogShim(_) => Ok(()),
         }
     })
 }
@@ -323,7 +360,7 @@ mod tests {
             "/sys/fs/cgroup/genswap",
         ])
         .expect("run flags parse");
-        assert!(cli.command.host().no_host_namespaces);
+        assert!(cli.command.host().is_some_and(|h| h.no_host_namespaces));
         let Command::Run(args) = cli.command else {
             panic!("not run");
         };

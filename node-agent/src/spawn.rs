@@ -82,15 +82,18 @@ pub const ENV_BUILD: &str = "GENSWAP_BUILD";
 const EXEC_NEXT: u8 = b'x';
 
 /// Where a generation's stdout or stderr goes.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default)]
 pub enum Output {
-    /// The agent's own stream.
+    /// The agent's own stream (tests only: an instance must never share
+    /// the agent's output, SPEC 5.11).
     #[default]
     Inherit,
     /// Discarded.
     Null,
     /// Appended to this file, created (mode 0640) when missing.
     Append(PathBuf),
+    /// This descriptor, such as the write end of a log shim's pipe.
+    Fd(std::sync::Arc<OwnedFd>),
 }
 
 /// What to start, as whom, and where.
@@ -734,6 +737,14 @@ fn stdio_for(output: &Output, generation: u64) -> Result<Stdio, SpawnError> {
     match output {
         Output::Inherit => Ok(Stdio::inherit()),
         Output::Null => Ok(Stdio::null()),
+        Output::Fd(fd) => fd
+            .try_clone()
+            .map(Stdio::from)
+            .map_err(|source| SpawnError::Prepare {
+                generation,
+                what: "duplicate the output descriptor".into(),
+                source,
+            }),
         Output::Append(path) => OpenOptions::new()
             .append(true)
             .create(true)
@@ -930,6 +941,13 @@ impl Drop for ExitWatch {
             }
         }
     }
+}
+
+/// Reaps `child` once it exits, in the background: through a pidfd awaited
+/// by a task where a runtime runs (no thread held for its whole life), else
+/// on a thread.
+pub(crate) fn reap_when_exited(child: std::process::Child) {
+    drop(ExitWatch::new(child));
 }
 
 fn sigchld_waker() -> ExitWaker {

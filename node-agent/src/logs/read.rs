@@ -1,0 +1,190 @@
+//! `node-agent logs`: prints a generation's log, oldest line first.
+
+use std::fs::File;
+use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+use thiserror::Error;
+
+use super::cri;
+use super::file::{current_path, files_of, generations_in};
+use super::{DEFAULT_LOG_DIR, instance_dir};
+use crate::gate::InstanceKey;
+
+/// `node-agent logs NAMESPACE/NAME`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct LogsArgs {
+    /// The instance, as `NAMESPACE/NAME`.
+    pub instance: String,
+    /// Which generation (default: the newest with a log).
+    #[arg(long, conflicts_with = "previous")]
+    pub generation: Option<u64>,
+    /// The generation before the newest.
+    #[arg(long)]
+    pub previous: bool,
+    /// Keep printing lines as they are written.
+    #[arg(long, short = 'f')]
+    pub follow: bool,
+    /// Print the CRI records as stored (time, stream, tag, text).
+    #[arg(long)]
+    pub raw: bool,
+    /// The agent's log directory.
+    #[arg(long, env = "GENSWAP_LOG_DIR", value_name = "DIR", default_value = DEFAULT_LOG_DIR)]
+    pub log_dir: PathBuf,
+}
+
+#[derive(Debug, Error)]
+pub enum ReadError {
+    #[error("{0:?} is not NAMESPACE/NAME")]
+    BadInstance(String),
+    #[error("no logs of {instance} in {dir}")]
+    NoLogs { instance: String, dir: PathBuf },
+    #[error("{instance} has no {which} generation with a log (it has: {have:?})")]
+    NoGeneration {
+        instance: String,
+        which: String,
+        have: Vec<u64>,
+    },
+    #[error("reading {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Prints what `args` asks for to `out`.
+pub fn print(args: &LogsArgs, out: &mut impl Write) -> Result<(), ReadError> {
+    let (namespace, name) = args
+        .instance
+        .split_once('/')
+        .filter(|(ns, n)| !ns.is_empty() && !n.is_empty())
+        .ok_or_else(|| ReadError::BadInstance(args.instance.clone()))?;
+    let key = InstanceKey::new(namespace, name)
+        .map_err(|_| ReadError::BadInstance(args.instance.clone()))?;
+    let dir = instance_dir(&args.log_dir, &key);
+    let have = generations_in(&dir);
+    if have.is_empty() {
+        return Err(ReadError::NoLogs {
+            instance: args.instance.clone(),
+            dir,
+        });
+    }
+    let generation = match (args.generation, args.previous) {
+        (Some(n), _) => have.contains(&n).then_some(n),
+        (None, true) => have.len().checked_sub(2).map(|i| have[i]),
+        (None, false) => have.last().copied(),
+    }
+    .ok_or_else(|| ReadError::NoGeneration {
+        instance: args.instance.clone(),
+        which: match (args.generation, args.previous) {
+            (Some(n), _) => format!("{n}th"),
+            (None, true) => "previous".into(),
+            (None, false) => "newest".into(),
+        },
+        have: have.clone(),
+    })?;
+    for path in files_of(&dir, generation) {
+        let file = File::open(&path).map_err(|source| ReadError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        copy_lines(BufReader::new(file), args.raw, out, &path)?;
+    }
+    if args.follow {
+        follow(&dir, generation, args.raw, out)?;
+    }
+    Ok(())
+}
+
+fn copy_lines(
+    mut reader: impl BufRead,
+    raw: bool,
+    out: &mut impl Write,
+    path: &Path,
+) -> Result<(), ReadError> {
+    let io = |source| ReadError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        if reader.read_until(b'\n', &mut line).map_err(io)? == 0 {
+            return Ok(());
+        }
+        if !line.ends_with(b"\n") {
+            // A record still being written: the follower reads it whole.
+            return Ok(());
+        }
+        write_line(&line[..line.len() - 1], raw, out).map_err(io)?;
+    }
+}
+
+fn write_line(line: &[u8], raw: bool, out: &mut impl Write) -> io::Result<()> {
+    if raw {
+        out.write_all(line)?;
+        return out.write_all(b"\n");
+    }
+    match cri::parse(line) {
+        Ok(record) => {
+            out.write_all(record.text)?;
+            if record.full {
+                out.write_all(b"\n")?;
+            }
+            Ok(())
+        }
+        // Not a record: print it as it is rather than hide it.
+        Err(_) => {
+            out.write_all(line)?;
+            out.write_all(b"\n")
+        }
+    }
+}
+
+/// Prints what is appended to the current file, and the new file after a
+/// rotation, until interrupted. Driven by inotify on the directory.
+fn follow(dir: &Path, generation: u64, raw: bool, out: &mut impl Write) -> Result<(), ReadError> {
+    let path = current_path(dir, generation);
+    let io = |source| ReadError::Io {
+        path: path.clone(),
+        source,
+    };
+    let inotify = Inotify::init(InitFlags::IN_CLOEXEC).map_err(|e| io(e.into()))?;
+    inotify
+        .add_watch(
+            dir,
+            AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_CREATE | AddWatchFlags::IN_MOVED_TO,
+        )
+        .map_err(|e| io(e.into()))?;
+    let mut file = File::open(&path).map_err(io)?;
+    let mut position = file.seek(SeekFrom::End(0)).map_err(io)?;
+    let mut pending = Vec::new();
+    loop {
+        out.flush().map_err(io)?;
+        inotify.read_events().map_err(|e| io(e.into()))?;
+        // A rotation renamed the file away: finish it, then read the new one.
+        let rotated = File::open(&path)
+            .and_then(|f| Ok(f.metadata()?.len() < position || !same_file(&f, &file)?))
+            .unwrap_or(false);
+        let mut chunk = Vec::new();
+        file.read_to_end(&mut chunk).map_err(io)?;
+        position += chunk.len() as u64;
+        pending.extend_from_slice(&chunk);
+        while let Some(newline) = pending.iter().position(|b| *b == b'\n') {
+            write_line(&pending[..newline], raw, out).map_err(io)?;
+            pending.drain(..=newline);
+        }
+        if rotated {
+            file = File::open(&path).map_err(io)?;
+            position = 0;
+        }
+    }
+}
+
+fn same_file(a: &File, b: &File) -> io::Result<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let (a, b) = (a.metadata()?, b.metadata()?);
+    Ok(a.ino() == b.ino() && a.dev() == b.dev())
+}
