@@ -101,6 +101,8 @@ impl Agent {
             .arg(&dirs.run)
             .arg("--staging-root")
             .arg(&dirs.staging)
+            .arg("--log-dir")
+            .arg(dirs.run.with_file_name("logs"))
             .arg("--cgroup-root")
             .arg(&dirs.cgroup_root)
             .args(["--node-name", "bench"])

@@ -142,7 +142,9 @@ async fn genswap_end_to_end_on_the_cluster_in_kubeconfig() {
         .arg("--state-dir")
         .arg(&state_dir)
         .arg("--staging-root")
-        .arg(&staging);
+        .arg(&staging)
+        .arg("--log-dir")
+        .arg(dir.path().join("logs"));
     let controller = ChildGuard::spawn(
         "genswap-controller",
         controller_cmd,

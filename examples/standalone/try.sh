@@ -69,6 +69,7 @@ HINT
       --state-dir "$work/state" \
       --run-dir "$work/run" \
       --staging-root "$staging" \
+      --log-dir "$work/logs" \
       --stop-on-exit
     ;;
   release)

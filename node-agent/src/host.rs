@@ -23,6 +23,7 @@ use crate::cgroup::{CgroupError, CgroupManager, discover_mount};
 use crate::engine::{Engine, EngineConfig, EngineParts};
 use crate::gate::NewestRevisionGate;
 use crate::journal::{Journal, JournalError};
+use crate::logs::{LogError, LogSettings, LogSink};
 use crate::stage::{StageError, Stager, StagerConfig, Store, StoreError};
 use crate::switch::RunLayout;
 
@@ -71,6 +72,17 @@ pub struct HostArgs {
     /// `demo` never join them.
     #[arg(long, env = "GENSWAP_NO_HOST_NAMESPACES")]
     pub no_host_namespaces: bool,
+    /// Where each generation's stdout and stderr are written
+    /// (`<dir>/<namespace>_<name>/<N>.log`, CRI format).
+    #[arg(long, env = "GENSWAP_LOG_DIR", value_name = "DIR", default_value = crate::logs::DEFAULT_LOG_DIR)]
+    pub log_dir: PathBuf,
+    /// A generation's log file is rotated past this size (a quantity of
+    /// bytes such as `10Mi`).
+    #[arg(long, env = "GENSWAP_LOG_MAX_SIZE", value_name = "SIZE", default_value = "10Mi", value_parser = parse_log_size)]
+    pub log_max_size: u64,
+    /// Log files kept per generation, the current one included (at least 2).
+    #[arg(long, env = "GENSWAP_LOG_MAX_FILES", value_name = "N", default_value_t = crate::logs::DEFAULT_MAX_FILES, value_parser = clap::value_parser!(u32).range(2..))]
+    pub log_max_files: u32,
     /// Log line format (to stderr; the level comes from `RUST_LOG`, default
     /// info).
     #[arg(long, env = "GENSWAP_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
@@ -108,7 +120,22 @@ impl HostArgs {
                 allow_root: self.allow_root_instances,
                 swaps_on: self.swap == Swaps::On,
             },
+            logs: LogSettings {
+                dir: self.log_dir.clone(),
+                max_size: self.log_max_size,
+                max_files: self.log_max_files,
+                shim: PathBuf::from(crate::logs::SELF_EXE),
+            },
         }
+    }
+}
+
+/// `--log-max-size`: a Kubernetes quantity of bytes, at least one.
+fn parse_log_size(text: &str) -> Result<u64, String> {
+    match crate::cgroup::parse_memory_quantity(text) {
+        Ok(0) => Err("the log size must be at least 1 byte".into()),
+        Ok(bytes) => Ok(bytes),
+        Err(error) => Err(error.to_string()),
     }
 }
 
@@ -127,6 +154,8 @@ pub struct HostSettings {
     pub store_dir: Option<PathBuf>,
     /// Root instances and swaps on/off.
     pub engine: EngineConfig,
+    /// Where generations' output is written.
+    pub logs: LogSettings,
 }
 
 impl HostSettings {
@@ -178,6 +207,9 @@ pub enum HostError {
         #[source]
         source: io::Error,
     },
+    /// The log directory or the shims' cgroup could not be set up.
+    #[error("cannot set up the instances' logs: {0}")]
+    Logs(#[source] LogError),
     /// The log subscriber could not be installed.
     #[error("cannot set up logging: {0}")]
     Logging(String),
@@ -226,12 +258,14 @@ impl Host {
         let stager = Stager::new(store, StagerConfig::new(&settings.staging_root))
             .map_err(HostError::Stager)?;
         let journal = Journal::open(&settings.state_dir).map_err(HostError::Journal)?;
+        let logs = LogSink::new(settings.logs.clone(), &cgroups).map_err(HostError::Logs)?;
         let engine = Engine::new(
             EngineParts {
                 cgroups,
                 layout: RunLayout::new(&settings.run_dir),
                 stager,
                 journal,
+                logs,
             },
             settings.engine.clone(),
         );
@@ -390,6 +424,10 @@ mod tests {
             staging_root: dir.path().join("staging"),
             store_dir: None,
             engine: EngineConfig::default(),
+            logs: LogSettings {
+                dir: dir.path().join("logs"),
+                ..LogSettings::default()
+            },
         };
         let Err(error) = Host::build(&settings) else {
             panic!("a root in a plain directory was accepted");
@@ -402,6 +440,33 @@ mod tests {
             !dir.path().join("run").exists(),
             "nothing was created before the refusal"
         );
+    }
+
+    #[test]
+    fn the_log_flags_reach_the_settings() {
+        let cli = Cli::try_parse_from(["node-agent"]).expect("defaults parse");
+        assert_eq!(cli.host.settings().logs, LogSettings::default());
+        let cli = Cli::try_parse_from([
+            "node-agent",
+            "--log-dir",
+            "/tmp/l",
+            "--log-max-size",
+            "1Mi",
+            "--log-max-files",
+            "3",
+        ])
+        .expect("flags parse");
+        assert_eq!(
+            cli.host.settings().logs,
+            LogSettings {
+                dir: PathBuf::from("/tmp/l"),
+                max_size: 1024 * 1024,
+                max_files: 3,
+                shim: PathBuf::from(crate::logs::SELF_EXE),
+            }
+        );
+        assert!(Cli::try_parse_from(["node-agent", "--log-max-files", "1"]).is_err());
+        assert!(Cli::try_parse_from(["node-agent", "--log-max-size", "0"]).is_err());
     }
 
     #[test]

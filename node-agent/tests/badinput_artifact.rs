@@ -225,8 +225,10 @@ fn engine_with(host: &SwapHost, tune: impl FnOnce(&mut StagerConfig)) -> Engine 
             .expect("the instance cgroup's parent"),
     )
     .expect("the cgroup manager");
+    let logs = swap_host::test_log_sink(&host.log_dir(), &cgroups);
     Engine::new(
         EngineParts {
+            logs,
             cgroups,
             layout: RunLayout::new(&host.run_dir),
             stager,

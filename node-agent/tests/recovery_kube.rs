@@ -22,6 +22,7 @@ use kube_support::{NAMESPACE, attempt_object, eventually, mock_client, start_age
 use node_agent::cgroup::CgroupManager;
 use node_agent::engine::{Attempt, Cancel, Engine, EngineConfig, EngineParts};
 use node_agent::journal::{AttemptRef, Journal, Phase, Record};
+use node_agent::logs::{LogSettings, LogSink};
 use node_agent::stage::{Stager, StagerConfig, Store};
 use node_agent::switch::RunLayout;
 use serde_json::json;
@@ -42,9 +43,16 @@ fn restarted(node: &TestNode) -> Engine {
         .expect("the cgroup root")
         .to_path_buf();
     let base = node.staging.parent().expect("the node's temp dir");
+    let cgroups = CgroupManager::open(root).expect("the test cgroup root");
+    let logs = LogSink::new(
+        LogSettings::in_dir(base.join("logs"), env!("CARGO_BIN_EXE_node-agent")),
+        &cgroups,
+    )
+    .expect("log sink");
     Engine::new(
         EngineParts {
-            cgroups: CgroupManager::open(root).expect("the test cgroup root"),
+            logs,
+            cgroups,
             layout: RunLayout::new(base.join("run")),
             stager: Stager::new(
                 Store::open(base.join("store")).expect("store"),

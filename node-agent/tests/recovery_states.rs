@@ -41,9 +41,12 @@ fn restarted(host: &SwapHost) -> Engine {
         .parent()
         .expect("the staging root has a parent")
         .join("store");
+    let cgroups = CgroupManager::open(root).expect("the test cgroup root");
+    let logs = swap_host::test_log_sink(&host.log_dir(), &cgroups);
     Engine::new(
         EngineParts {
-            cgroups: CgroupManager::open(root).expect("the test cgroup root"),
+            logs,
+            cgroups,
             layout: RunLayout::new(&host.run_dir),
             stager: Stager::new(
                 Store::open(store).expect("store"),

@@ -372,6 +372,7 @@ fn the_agent_runs_on_every_node_with_the_host_access_spec_5_9_needs_and_no_more(
         &settings.run_dir,
         &settings.state_dir,
         &settings.staging_root,
+        &settings.logs.dir,
     ] {
         assert_eq!(
             host_path_of_mount(path).as_deref().map(Path::new),

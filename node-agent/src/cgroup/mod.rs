@@ -7,6 +7,7 @@
 //! <root>/                         CgroupManager (e.g. <mount>/genswap)
 //!   <namespace>.<instance>/       InstanceCgroup: carries the tier limits, never a process
 //!     gen-<N>/                    Cgroup: one generation's process tree
+//!   logs/                         the log shims (crate::logs), no limits
 //! ```
 //!
 //! Directories are created on demand. Controllers (memory, cpu, pids) are
@@ -367,6 +368,10 @@ impl CgroupManager {
     pub fn list(&self) -> Result<Vec<InstanceListing>, CgroupError> {
         let mut listings = Vec::new();
         for (dir_name, path) in child_dirs(&self.root)? {
+            // The log shims' own cgroup (crate::logs), not an instance.
+            if dir_name == crate::logs::SHIM_CGROUP {
+                continue;
+            }
             let Some((namespace, name)) = dir_name.split_once('.') else {
                 tracing::warn!(path = %path.display(), "a cgroup under the genswap root is not <namespace>.<instance>; not adopted");
                 continue;

@@ -37,6 +37,7 @@ use crate::cgroup::{CgroupError, discover_mount};
 use crate::engine::EngineConfig;
 use crate::gate::InstanceKey;
 use crate::host::{Host, HostError, HostSettings};
+use crate::logs::LogSettings;
 use crate::sandbox::{Sandbox, SandboxError};
 use crate::standalone::files::write_atomically;
 use crate::standalone::{
@@ -261,6 +262,10 @@ async fn run_in(sandbox: &Sandbox) -> Result<DemoReport, DemoError> {
         engine: EngineConfig {
             allow_root: false,
             swaps_on: true,
+        },
+        logs: LogSettings {
+            dir: dir.join("logs"),
+            ..LogSettings::default()
         },
     };
     let host = Host::build(&settings)?;

@@ -564,6 +564,26 @@ async fn spawn_successor(
             return Err(error);
         }
     };
+    let serving = ctx.engine.serving(key).map(|s| s.generation);
+    // A fork, an exec and a wait for the shim's ready byte: off the runtime.
+    let (logs, log_key, n) = (ctx.engine.logs.clone(), key.clone(), successor.n);
+    let started = tokio::task::spawn_blocking(move || logs.start(&log_key, n, serving)).await;
+    let output = match started {
+        Ok(Ok(output)) => Some(output),
+        Err(join) => {
+            tracing::warn!(instance = %key, error = %join, "starting the log shim panicked; the generation's output is discarded");
+            None
+        }
+        Ok(Err(error)) => {
+            tracing::warn!(
+                instance = %key,
+                generation = successor.n,
+                error = %reason_of(&error),
+                "no log for this generation: its output is discarded"
+            );
+            None
+        }
+    };
     let child = match parts::spawn(
         &ctx.attempt.spec,
         successor,
@@ -571,6 +591,7 @@ async fn spawn_successor(
         &cgroup,
         &run_dir,
         ctx.engine.config.allow_root,
+        output,
     )
     .await
     {

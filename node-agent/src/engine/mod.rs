@@ -72,6 +72,7 @@ pub use types::{Attempt, Step, StepRecord, SwapResult, effective_mode};
 use crate::cgroup::{Cgroup, CgroupError, CgroupManager, Tier};
 use crate::gate::{AttemptGate, InstanceKey};
 use crate::journal::{GenerationRecord, Journal, JournalError};
+use crate::logs::LogSink;
 use crate::spawn::Spawned;
 use crate::stage::Stager;
 use crate::switch::RunLayout;
@@ -105,6 +106,8 @@ pub struct EngineParts {
     pub stager: Stager,
     /// The per-instance intent journal.
     pub journal: Journal,
+    /// Where generations' stdout and stderr go.
+    pub logs: LogSink,
 }
 
 /// What serves an instance now, as the engine knows it.
@@ -228,6 +231,7 @@ pub struct Engine {
     layout: RunLayout,
     stager: Stager,
     journal: Arc<Journal>,
+    logs: LogSink,
     config: EngineConfig,
     instances: Mutex<HashMap<InstanceKey, InstanceState>>,
 }
@@ -240,6 +244,7 @@ impl Engine {
             layout: parts.layout,
             stager: parts.stager,
             journal: Arc::new(parts.journal),
+            logs: parts.logs,
             config,
             instances: Mutex::new(HashMap::new()),
         }
@@ -259,6 +264,11 @@ impl Engine {
     /// acknowledges them once the API server accepted them.
     pub fn journal(&self) -> &Journal {
         &self.journal
+    }
+
+    /// Where generations' output goes.
+    pub fn logs(&self) -> &LogSink {
+        &self.logs
     }
 
     /// The cgroup subtree the engine runs instances in.

@@ -17,7 +17,8 @@ use crate::cgroup::{Cgroup, CgroupError, Controller, RaiseRecord, StopReport, st
 use crate::classify::StepError;
 use crate::gate::InstanceKey;
 use crate::journal::{GenerationRecord, SavedLimits};
-use crate::spawn::{SpawnSpec, Spawned, VerifyError};
+use crate::logs::GenerationOutput;
+use crate::spawn::{Output, SpawnSpec, Spawned, VerifyError};
 use crate::switch::{CURRENT_SOCKET, RunLayout};
 
 pub(super) use crate::stage::Staged;
@@ -249,6 +250,7 @@ pub(super) async fn spawn(
     cgroup: &Cgroup,
     run_dir: &Path,
     allow_root: bool,
+    output: Option<GenerationOutput>,
 ) -> Result<Spawned, StepError> {
     let mut request = SpawnSpec::new(
         &staged.path,
@@ -273,6 +275,15 @@ pub(super) async fn spawn(
     request.uid = spec.process.user.and_then(|uid| u32::try_from(uid).ok());
     request.gid = spec.process.group.and_then(|gid| u32::try_from(gid).ok());
     request.allow_root = allow_root;
+    // Never the agent's own output: an agent restart would close it under
+    // the instance (SPEC 5.11). Without a log shim the output is dropped.
+    (request.stdout, request.stderr) = match output {
+        Some(output) => (
+            Output::Fd(Arc::new(output.stdout)),
+            Output::Fd(Arc::new(output.stderr)),
+        ),
+        None => (Output::Null, Output::Null),
+    };
     crate::spawn::spawn(request).await.map_err(StepError::Spawn)
 }
 

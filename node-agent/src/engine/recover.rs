@@ -474,9 +474,14 @@ impl Engine {
         }
         if journal_readable {
             // Directories `list` skips (names that are no instance): never
-            // genswap's, so nothing in them is tracked.
+            // genswap's, so nothing in them is tracked. The log shims'
+            // cgroup is the exception: its shims outlive the agent on
+            // purpose, and killing one would break its instance's pipes.
             for path in child_dirs(self.cgroups.root()) {
-                if !listed_paths.contains(&path) {
+                let shims = path
+                    .file_name()
+                    .is_some_and(|n| n == crate::logs::SHIM_CGROUP);
+                if !listed_paths.contains(&path) && !shims {
                     self.stop_untracked(&path, &mut report).await;
                 }
             }

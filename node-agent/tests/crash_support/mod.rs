@@ -146,6 +146,8 @@ impl Node {
             .arg(&self.state_dir)
             .arg("--staging-root")
             .arg(&self.staging)
+            .arg("--log-dir")
+            .arg(self.temp.path().join("logs"))
             // Nothing from the test's environment steers the agent.
             .env_clear()
             .env("RUST_LOG", "info")
@@ -214,7 +216,11 @@ impl Node {
     /// dir, and a journal that holds no outcome, no attempt in flight, no
     /// temp or quarantined file.
     pub async fn assert_clean(&self, build: Option<&str>) {
-        let root_children = dir_names(&self.cgroup_root());
+        // The log shims' cgroup stays: it is the node's, not an instance's.
+        let root_children: Vec<String> = dir_names(&self.cgroup_root())
+            .into_iter()
+            .filter(|name| name != node_agent::logs::SHIM_CGROUP)
+            .collect();
         let generations = dir_names(&self.instance_cgroup());
         let run_files = dir_names(&RunLayout::new(&self.run_dir).instance_dir(&self.key));
         let identity = self.who_serves().await;
@@ -543,12 +549,18 @@ pub async fn poll_until(timeout: Duration, mut condition: impl FnMut() -> bool) 
     }
 }
 
+/// The instances' processes under `dir`: the log shims' own cgroup is not
+/// searched (each shim outlives its generation by the moment it takes to
+/// read the end of its pipes; `logs_shims` tests them).
 fn collect_pids(dir: &Path, pids: &mut Vec<u32>) {
     if let Ok(text) = fs::read_to_string(dir.join("cgroup.procs")) {
         pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
     }
     if let Ok(entries) = fs::read_dir(dir) {
         for entry in entries.filter_map(Result::ok) {
+            if entry.file_name() == node_agent::logs::SHIM_CGROUP {
+                continue;
+            }
             if entry.file_type().is_ok_and(|t| t.is_dir()) {
                 collect_pids(&entry.path(), pids);
             }

@@ -18,6 +18,7 @@ use genswap_crds::{StopSpec, SwapAttemptSpec};
 use node_agent::engine::{Engine, EngineConfig, EngineParts};
 use node_agent::gate::{InstanceKey, NewestRevisionGate};
 use node_agent::journal::Journal;
+use node_agent::logs::{LogSettings, LogSink};
 use node_agent::ownership::default_lock_path;
 use node_agent::stage::{Stager, StagerConfig, Store};
 use node_agent::switch::RunLayout;
@@ -56,11 +57,18 @@ impl TestNode {
             StagerConfig::new(&staging),
         )
         .expect("stager");
+        let cgroups = tree.manager();
+        let logs = LogSink::new(
+            LogSettings::in_dir(dir.path().join("logs"), env!("CARGO_BIN_EXE_node-agent")),
+            &cgroups,
+        )
+        .expect("log sink");
         let parts = EngineParts {
-            cgroups: tree.manager(),
+            cgroups,
             layout: RunLayout::new(dir.path().join("run")),
             stager,
             journal: Journal::open(&state_dir).expect("journal"),
+            logs,
         };
         TestNode {
             engine: Arc::new(Engine::new(parts, EngineConfig::default())),

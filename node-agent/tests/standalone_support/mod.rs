@@ -22,6 +22,7 @@ use genswap_crds::ConditionType;
 use node_agent::engine::EngineConfig;
 use node_agent::gate::InstanceKey;
 use node_agent::host::{Host, HostSettings};
+use node_agent::logs::LogSettings;
 use node_agent::standalone::{
     self, NodeIdentity, StandaloneConfig, StandaloneError, StatusDocument,
 };
@@ -88,6 +89,7 @@ impl StandaloneHost {
             staging_root: staging.clone(),
             store_dir: None,
             engine: EngineConfig::default(),
+            logs: LogSettings::in_dir(temp.path().join("logs"), env!("CARGO_BIN_EXE_node-agent")),
         };
         let (host, stop, runner) = launch(&settings, &dir, stop_on_exit, &labels);
         StandaloneHost {
@@ -280,12 +282,18 @@ fn launch(
     (host, stop, runner)
 }
 
+/// The instances' processes under `dir`: the log shims' own cgroup is not
+/// searched (each shim outlives its generation by the moment it takes to
+/// read the end of its pipes; `logs_shims` tests them).
 fn collect_pids(dir: &Path, pids: &mut Vec<u32>) {
     if let Ok(text) = fs::read_to_string(dir.join("cgroup.procs")) {
         pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
     }
     if let Ok(entries) = fs::read_dir(dir) {
         for entry in entries.filter_map(Result::ok) {
+            if entry.file_name() == node_agent::logs::SHIM_CGROUP {
+                continue;
+            }
             if entry.file_type().is_ok_and(|t| t.is_dir()) {
                 collect_pids(&entry.path(), pids);
             }

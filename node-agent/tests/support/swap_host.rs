@@ -23,6 +23,7 @@ use genswap_crds::{
 use node_agent::engine::{Attempt, Cancel, Engine, EngineConfig, EngineParts, SwapResult};
 use node_agent::gate::{AttemptGate, AttemptId, GatePoint, GateRefusal, InstanceKey};
 use node_agent::journal::Journal;
+use node_agent::logs::{LogSettings, LogSink};
 use node_agent::stage::{Stager, StagerConfig, Store};
 use node_agent::switch::RunLayout;
 
@@ -70,11 +71,14 @@ impl SwapHost {
             StagerConfig::new(&staging),
         )
         .expect("stager");
+        let cgroups = tree.manager();
+        let logs = test_log_sink(&dir.path().join("logs"), &cgroups);
         let parts = EngineParts {
-            cgroups: tree.manager(),
+            cgroups,
             layout: RunLayout::new(&run_dir),
             stager,
             journal: Journal::open(&state_dir).expect("journal"),
+            logs,
         };
         SwapHost {
             engine: Engine::new(parts, config),
@@ -168,7 +172,7 @@ impl SwapHost {
         found
     }
 
-    /// Every pid anywhere in the test's cgroup subtree.
+    /// Every instance pid anywhere in the test's cgroup subtree.
     pub fn pids_in_tree(&self) -> Vec<u32> {
         let mut pids = Vec::new();
         collect_pids(self.tree.path(), &mut pids);
@@ -245,12 +249,18 @@ impl SwapHost {
     }
 }
 
+/// The instances' processes under `dir`: the log shims' own cgroup is not
+/// searched (each shim outlives its generation by the moment it takes to
+/// read the end of its pipes; `logs_shims` tests them).
 fn collect_pids(dir: &Path, pids: &mut Vec<u32>) {
     if let Ok(text) = fs::read_to_string(dir.join("cgroup.procs")) {
         pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
     }
     if let Ok(entries) = fs::read_dir(dir) {
         for entry in entries.filter_map(Result::ok) {
+            if entry.file_name() == node_agent::logs::SHIM_CGROUP {
+                continue;
+            }
             if entry.file_type().is_ok_and(|t| t.is_dir()) {
                 collect_pids(&entry.path(), pids);
             }
@@ -394,6 +404,22 @@ impl AttemptGate for SupersedeAt {
         } else {
             Ok(())
         }
+    }
+}
+
+/// A log sink writing under `dir`, whose shims are the built `node-agent`.
+pub fn test_log_sink(dir: &Path, cgroups: &node_agent::cgroup::CgroupManager) -> LogSink {
+    LogSink::new(
+        LogSettings::in_dir(dir, env!("CARGO_BIN_EXE_node-agent")),
+        cgroups,
+    )
+    .expect("log sink")
+}
+
+impl SwapHost {
+    /// The log dir this host's engine writes under.
+    pub fn log_dir(&self) -> PathBuf {
+        self.run_dir.with_file_name("logs")
     }
 }
 

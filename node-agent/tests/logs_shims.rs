@@ -1,0 +1,532 @@
+//! A generation's stdout and stderr (SPEC 5.11): written by a log shim to
+//! `<log dir>/<namespace>_<name>/<N>.log` in CRI format, rotated, dropped
+//! and counted on a full disk, readable with `node-agent logs`, and never
+//! tied to the agent's own output: the issue's reproduction, a C server
+//! with the default SIGPIPE that logs every request, keeps serving after
+//! the agent and the reader of its output are killed together, as a
+//! DaemonSet pod restart kills them.
+//!
+//! Real processes throughout: the shims are the built `node-agent`, the
+//! instances testapp and a C program compiled here, on real cgroup v2.
+
+#[path = "support/cgroup_guard.rs"]
+mod cgroup_guard;
+#[path = "support/swap_host.rs"]
+mod swap_host;
+
+use std::fs;
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use cgroup_guard::{TestCgroupTree, eventually};
+use node_agent::gate::InstanceKey;
+use node_agent::logs::file::{current_path, dropped_path, files_of, read_dropped};
+use node_agent::logs::{LogSettings, LogSink, SHIM_CGROUP, cri};
+use sha2::{Digest, Sha256};
+use swap_host::SwapHost;
+
+const DEADLINE: Duration = Duration::from_secs(30);
+const AGENT: &str = env!("CARGO_BIN_EXE_node-agent");
+
+fn shim_pids(cgroup_root: &Path) -> Vec<u32> {
+    fs::read_to_string(cgroup_root.join(SHIM_CGROUP).join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+/// Every line of `files`, each checked to be a CRI record.
+fn records(files: &[PathBuf]) -> Vec<(cri::Stream, bool, String)> {
+    let mut out = Vec::new();
+    for file in files {
+        let text = fs::read(file).expect("a readable log file");
+        assert!(
+            text.is_empty() || text.ends_with(b"\n"),
+            "{} ends inside a record",
+            file.display()
+        );
+        for line in text.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+            let record = cri::parse(line).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+            out.push((
+                record.stream,
+                record.full,
+                String::from_utf8_lossy(record.text).into_owned(),
+            ));
+        }
+    }
+    out
+}
+
+fn logs_command(log_dir: &Path, args: &[&str]) -> String {
+    let output = Command::new(AGENT)
+        .arg("logs")
+        .args(args)
+        .arg("--log-dir")
+        .arg(log_dir)
+        .output()
+        .expect("run node-agent logs");
+    assert!(
+        output.status.success(),
+        "node-agent logs {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).expect("text")
+}
+
+#[tokio::test]
+async fn a_generations_output_is_its_own_cri_log_and_logs_reads_it() {
+    let host = SwapHost::new("logs-cri");
+    let log_dir = host.log_dir();
+    host.install(1, "b1").await;
+    let first = host.who_serves().await.expect("b1 serves");
+    let instance_dir = log_dir.join("default_app");
+    eventually(DEADLINE, "testapp's start line in 1.log", || {
+        fs::read_to_string(current_path(&instance_dir, 1))
+            .is_ok_and(|text| text.contains(&format!("genswap-testapp[{}]", first.pid)))
+    })
+    .await;
+    let gen1 = records(&files_of(&instance_dir, 1));
+    assert!(
+        gen1.iter()
+            .all(|(stream, full, _)| *stream == cri::Stream::Stderr && *full),
+        "testapp logs whole lines to stderr: {gen1:?}"
+    );
+
+    // The overlap's successor gets a log of its own; the retiring
+    // generation's drain lines end up in its own file.
+    let b2 = host.build("b2");
+    let result = host.swap(&host.attempt(2, &b2, "b2")).await;
+    assert_eq!(result.outcome, genswap_crds::Outcome::Done, "{result:?}");
+    eventually(DEADLINE, "the drain of generation 1 in its log", || {
+        fs::read_to_string(current_path(&instance_dir, 1))
+            .is_ok_and(|text| text.contains("drain finished"))
+    })
+    .await;
+
+    let newest = logs_command(&log_dir, &["default/app"]);
+    let second = host.who_serves().await.expect("b2 serves");
+    assert!(
+        newest.contains(&format!("genswap-testapp[{}]", second.pid)),
+        "{newest}"
+    );
+    assert!(
+        !newest.contains(" stderr F "),
+        "the text only, without the CRI prefix: {newest}"
+    );
+    let previous = logs_command(&log_dir, &["default/app", "--previous"]);
+    assert!(previous.contains("drain finished"), "{previous}");
+    assert_eq!(
+        previous,
+        logs_command(&log_dir, &["default/app", "--generation", "1"])
+    );
+    let raw = logs_command(&log_dir, &["default/app", "--raw"]);
+    assert!(
+        raw.lines().all(|line| cri::parse(line.as_bytes()).is_ok()),
+        "{raw}"
+    );
+
+    host.tear_down().await;
+    let root = host.instance_cgroup();
+    let root = root.parent().expect("the cgroup root");
+    eventually(DEADLINE, "every shim to exit after its generation", || {
+        shim_pids(root).is_empty()
+    })
+    .await;
+}
+
+/// A sink over a fresh cgroup tree, for tests that write to a shim directly.
+fn sink(
+    tag: &str,
+    settings: impl FnOnce(&Path) -> LogSettings,
+) -> (TestCgroupTree, LogSink, tempfile::TempDir) {
+    let tree = TestCgroupTree::new(tag);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sink = LogSink::new(settings(dir.path()), &tree.manager()).expect("log sink");
+    (tree, sink, dir)
+}
+
+fn key() -> InstanceKey {
+    InstanceKey::new("default", "app").expect("key")
+}
+
+/// Writes `lines` to `fd` from a thread: returns once all were written.
+fn write_lines(
+    fd: std::os::fd::OwnedFd,
+    lines: impl Iterator<Item = String> + Send + 'static,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut file = fs::File::from(fd);
+        for line in lines {
+            file.write_all(line.as_bytes()).expect("the shim reads");
+        }
+    })
+}
+
+#[tokio::test]
+async fn the_shim_rotates_by_size_and_keeps_at_most_the_configured_files() {
+    let (tree, sink, dir) = sink("logs-rotate", |dir| LogSettings {
+        max_size: 4096,
+        max_files: 3,
+        ..LogSettings::in_dir(dir.join("logs"), AGENT)
+    });
+    let output = sink.start(&key(), 1, None).expect("shim starts");
+    let root = tree.path().join("genswap");
+    assert_eq!(
+        shim_pids(&root).len(),
+        1,
+        "the shim is in the shims' cgroup"
+    );
+    let out = write_lines(output.stdout, (0..2000).map(|i| format!("line {i:05}\n")));
+    let err = write_lines(output.stderr, (0..5).map(|i| format!("err {i}\n")));
+    out.join().expect("stdout written");
+    err.join().expect("stderr written");
+    eventually(DEADLINE, "the shim to exit once both pipes closed", || {
+        shim_pids(&root).is_empty()
+    })
+    .await;
+
+    let instance_dir = dir.path().join("logs").join("default_app");
+    let files = files_of(&instance_dir, 1);
+    assert_eq!(files.len(), 3, "{files:?}");
+    for file in &files {
+        assert!(fs::metadata(file).expect("exists").len() <= 4096);
+    }
+    let kept: Vec<u32> = records(&files)
+        .into_iter()
+        .filter(|(stream, _, _)| *stream == cri::Stream::Stdout)
+        .map(|(_, full, text)| {
+            assert!(full);
+            text.strip_prefix("line ")
+                .and_then(|n| n.parse().ok())
+                .expect("a numbered line")
+        })
+        .collect();
+    assert_eq!(kept.last(), Some(&1999), "the newest line is kept");
+    assert!(
+        kept.windows(2).all(|w| w[1] == w[0] + 1),
+        "what is kept is contiguous: rotation lost nothing it kept"
+    );
+    assert_eq!(read_dropped(&dropped_path(&instance_dir, 1)), 0);
+}
+
+/// A small tmpfs, unmounted on drop.
+struct SmallDisk(PathBuf);
+
+impl SmallDisk {
+    fn mount(at: &Path, size: &str) -> SmallDisk {
+        fs::create_dir_all(at).expect("mount point");
+        let status = Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size}"),
+                "genswap-test-logs",
+            ])
+            .arg(at)
+            .status()
+            .expect("run mount");
+        assert!(status.success(), "mounting a tmpfs (the tests run as root)");
+        SmallDisk(at.to_path_buf())
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+#[tokio::test]
+async fn a_full_disk_drops_whole_records_counts_them_and_never_blocks_the_writer() {
+    let (tree, sink, dir) = sink("logs-full", |dir| {
+        LogSettings::in_dir(dir.join("logs"), AGENT)
+    });
+    let disk = SmallDisk::mount(&dir.path().join("logs"), "64k");
+    let output = sink.start(&key(), 1, None).expect("shim starts");
+    // About 2 MB into 64 KiB: most records cannot be written.
+    let writer = write_lines(
+        output.stdout,
+        (0..50_000).map(|i| format!("a line of output that fills the disk {i:06}\n")),
+    );
+    drop(output.stderr);
+    let started = std::time::Instant::now();
+    while !writer.is_finished() {
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the instance's writes blocked on a full disk"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    writer.join().expect("every write returned");
+    let root = tree.path().join("genswap");
+    eventually(DEADLINE, "the shim to exit", || shim_pids(&root).is_empty()).await;
+
+    let instance_dir = dir.path().join("logs").join("default_app");
+    let dropped = read_dropped(&dropped_path(&instance_dir, 1));
+    let kept = records(&files_of(&instance_dir, 1));
+    assert!(dropped > 0, "records were dropped and counted");
+    assert!(!kept.is_empty(), "what fitted was written");
+    assert_eq!(
+        kept.len() as u64 + dropped,
+        50_000,
+        "every record is either in the file, whole, or counted"
+    );
+    drop(disk);
+}
+
+/// The issue's server: a C program with the default SIGPIPE disposition,
+/// serving HTTP on `GENSWAP_SOCKET` and logging a line per request to
+/// stdout, flushed at once, as a Go, C or Python daemon does.
+const SIGPIPE_SERVER: &str = r#"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+int main(void) {
+    const char *path = getenv("GENSWAP_SOCKET");
+    if (!path) return 2;
+    int s = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un addr;
+    memset(&addr, 0, sizeof addr);
+    addr.sun_family = AF_UNIX;
+    strncpy(addr.sun_path, path, sizeof addr.sun_path - 1);
+    unlink(path);
+    if (bind(s, (struct sockaddr *)&addr, sizeof addr) < 0) { perror("bind"); return 1; }
+    if (listen(s, 64) < 0) { perror("listen"); return 1; }
+    printf("listening on %s\n", path);
+    fflush(stdout);
+    unsigned long served = 0;
+    for (;;) {
+        int c = accept(s, NULL, NULL);
+        if (c < 0) continue;
+        char buf[4096];
+        if (read(c, buf, sizeof buf) < 0) { close(c); continue; }
+        served++;
+        printf("request %lu\n", served);
+        fflush(stdout);
+        const char *reply = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok";
+        if (write(c, reply, strlen(reply)) < 0) perror("write");
+        close(c);
+    }
+}
+"#;
+
+fn compile_server(dir: &Path) -> PathBuf {
+    let source = dir.join("sigpipe-server.c");
+    let binary = dir.join("sigpipe-server");
+    fs::write(&source, SIGPIPE_SERVER).expect("write the C source");
+    let status = Command::new("cc")
+        .arg("-O1")
+        .arg("-o")
+        .arg(&binary)
+        .arg(&source)
+        .status()
+        .expect("run cc (the machine has a C compiler)");
+    assert!(status.success(), "cc compiles the server");
+    binary
+}
+
+/// One GET through `socket`; the status line, or why there was none.
+fn get(socket: &Path) -> Result<String, String> {
+    let mut stream = UnixStream::connect(socket).map_err(|e| format!("connect: {e}"))?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .map_err(|e| e.to_string())?;
+    stream
+        .write_all(b"GET / HTTP/1.1\r\nHost: genswap\r\n\r\n")
+        .map_err(|e| format!("write: {e}"))?;
+    let mut reply = String::new();
+    stream
+        .read_to_string(&mut reply)
+        .map_err(|e| format!("read: {e}"))?;
+    reply
+        .lines()
+        .next()
+        .filter(|line| !line.is_empty())
+        .map(str::to_string)
+        .ok_or_else(|| "an empty reply".into())
+}
+
+fn requests_logged(log: &Path) -> usize {
+    fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|line| line.contains(" stdout F request "))
+        .count()
+}
+
+fn kill_cgroup(cgroup: &Path) {
+    fs::write(cgroup.join("cgroup.kill"), "1").expect("cgroup.kill");
+}
+
+fn populated(cgroup: &Path) -> bool {
+    fs::read_to_string(cgroup.join("cgroup.events"))
+        .unwrap_or_default()
+        .contains("populated 1")
+}
+
+#[tokio::test]
+async fn an_instance_with_default_sigpipe_keeps_serving_when_the_agent_and_its_log_reader_die() {
+    let tree = TestCgroupTree::new("logs-sigpipe");
+    let temp = tempfile::Builder::new()
+        .prefix("genswap-logs-sigpipe-")
+        .tempdir()
+        .expect("temp dir");
+    // The instance runs as nobody: it must reach the store and the run dir.
+    fs::set_permissions(temp.path(), fs::Permissions::from_mode(0o755)).expect("chmod");
+    let [manifests, staging, logs] = ["manifests", "staging", "logs"].map(|d| temp.path().join(d));
+    for dir in [&manifests, &staging] {
+        fs::create_dir(dir).expect("dir");
+    }
+    let binary = compile_server(temp.path());
+    let artifact = staging.join("sigpipe-server");
+    fs::copy(&binary, &artifact).expect("stage the build");
+    let sha256 = hex::encode(Sha256::digest(fs::read(&artifact).expect("read the build")));
+    fs::write(
+        manifests.join("server.yaml"),
+        format!(
+            "apiVersion: genswap.dev/v1alpha1
+kind: InstanceGeneration
+metadata: {{name: server, namespace: default}}
+spec:
+  build:
+    id: c-1
+    artifact: {{path: {}}}
+    sha256: {sha256}
+  process: {{user: 65534, group: 65534}}
+  health: {{path: /, timeoutSeconds: 10}}
+",
+            artifact.display()
+        ),
+    )
+    .expect("write the manifest");
+
+    // The "pod": the agent and the reader of its output in one cgroup of
+    // their own, as a DaemonSet pod's container and the runtime's log pipe.
+    let pod = tree.path().join("pod");
+    fs::create_dir(&pod).expect("the pod cgroup");
+    let agent = format!(
+        "'{AGENT}' '{}' 2>&1 | cat > /dev/null",
+        agent_args(&manifests, &tree, temp.path(), &staging, &logs).join("' '")
+    );
+    let mut pod_shell = cgroup_guard::start_in(&pod, &agent);
+    let current = temp.path().join("run/default.server/current.sock");
+    eventually(
+        DEADLINE,
+        "the C server to serve through current.sock",
+        || get(&current).is_ok_and(|status| status.starts_with("HTTP/1.1 200")),
+    )
+    .await;
+    let log = current_path(&logs.join("default_server"), 1);
+    let pid: u32 = fs::read_to_string(
+        tree.path()
+            .join("genswap/default.server/gen-1/cgroup.procs"),
+    )
+    .expect("the generation's processes")
+    .lines()
+    .next()
+    .and_then(|l| l.trim().parse().ok())
+    .expect("the server's pid");
+
+    // The pod restarts: everything in its cgroup is killed at once.
+    let killed_at = std::time::SystemTime::now();
+    kill_cgroup(&pod);
+    eventually(DEADLINE, "the pod cgroup to empty", || !populated(&pod)).await;
+    let _ = pod_shell.wait().await;
+
+    for round in 0..5 {
+        let status =
+            get(&current).unwrap_or_else(|e| panic!("request {round} after the agent died: {e}"));
+        assert!(status.starts_with("HTTP/1.1 200"), "{status}");
+    }
+    assert!(
+        swap_host::alive(pid),
+        "the server is alive, not killed by SIGPIPE"
+    );
+    // The health check's and ours: every line, also those written while
+    // no agent ran, is in its log.
+    eventually(
+        DEADLINE,
+        "the requests after the agent's death in the log",
+        || requests_logged(&log) >= 6,
+    )
+    .await;
+    assert!(
+        records(std::slice::from_ref(&log))
+            .iter()
+            .all(|(stream, _, _)| *stream == cri::Stream::Stdout),
+        "the server wrote to stdout"
+    );
+
+    // The next agent recovers the node and adopts the server; its shim is
+    // left alone, and the server's lines keep reaching its log.
+    let mut next = Command::new(AGENT)
+        .args(agent_args(&manifests, &tree, temp.path(), &staging, &logs))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the next agent");
+    let status = manifests.join("status/server.yaml");
+    eventually(DEADLINE, "the next agent to report the server", || {
+        fs::read_to_string(&status).is_ok_and(|s| s.contains("AllNodesReady"))
+            && fs::metadata(&status)
+                .and_then(|m| m.modified())
+                .is_ok_and(|at| at > killed_at)
+    })
+    .await;
+    let logged = requests_logged(&log);
+    for round in 0..3 {
+        let status =
+            get(&current).unwrap_or_else(|e| panic!("request {round} after recovery: {e}"));
+        assert!(status.starts_with("HTTP/1.1 200"), "{status}");
+    }
+    eventually(DEADLINE, "the requests after recovery in the log", || {
+        requests_logged(&log) >= logged + 3
+    })
+    .await;
+    assert!(swap_host::alive(pid), "the same process serves");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(next.id()).expect("a pid")),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("stop the next agent");
+    let _ = next.wait();
+    // The tree's teardown kills the instance and its shim.
+}
+
+fn agent_args(
+    manifests: &Path,
+    tree: &TestCgroupTree,
+    temp: &Path,
+    staging: &Path,
+    logs: &Path,
+) -> Vec<String> {
+    [
+        "standalone".to_string(),
+        "--dir".into(),
+        manifests.display().to_string(),
+        "--node-name".into(),
+        "node-a".into(),
+        "--cgroup-root".into(),
+        tree.path().join("genswap").display().to_string(),
+        "--run-dir".into(),
+        temp.join("run").display().to_string(),
+        "--state-dir".into(),
+        temp.join("state").display().to_string(),
+        "--staging-root".into(),
+        staging.display().to_string(),
+        "--log-dir".into(),
+        logs.display().to_string(),
+    ]
+    .into()
+}
