@@ -16,6 +16,7 @@
 //! | `genswap_agent_step_duration_seconds` | histogram | `step` | time spent in each swap step |
 //! | `genswap_agent_generations_running` | gauge | | instances with a serving generation on this node |
 //! | `genswap_agent_journal_backlog` | gauge | | outcomes not yet accepted by the API server (or the status file) |
+//! | `genswap_agent_log_records_dropped_total` | counter | `instance` | records of instances' output their log shims could not write (a full disk), read from the `<N>.dropped` files at each scrape |
 //! | `genswap_agent_retirements_total` | counter | `result` | serving instances no attempt named any more, looked up: `stopped` (the InstanceGeneration was deleted or no longer selects this node), `kept` (it exists and selects this node), `failed` (the lookup or the stop failed; tried again) |
 //!
 //! `/healthz` answers 200 while the process serves HTTP. `/readyz` answers
@@ -24,8 +25,11 @@
 //! otherwise.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::future::Future;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use genswap_controller::http::{self, Exposition, ReadinessCheck};
@@ -63,6 +67,12 @@ struct AttemptLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StepLabels {
     step: String,
+}
+
+/// Labels of `log_records_dropped_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct InstanceLabels {
+    instance: String,
 }
 
 /// Labels of `retirements_total`.
@@ -111,6 +121,12 @@ pub struct AgentMetrics {
     generations_running: Gauge,
     journal_backlog: Gauge,
     retirements: Family<RetirementLabels, Counter>,
+    log_drops: Family<InstanceLabels, Counter>,
+    /// The log dir whose drop counters are read at each scrape, and the
+    /// count last read from each file: the counter grows by the difference,
+    /// so it keeps counting when old generations' files are deleted.
+    log_dir: Option<PathBuf>,
+    drops_seen: Mutex<HashMap<PathBuf, u64>>,
 }
 
 impl Default for AgentMetrics {
@@ -128,6 +144,12 @@ impl AgentMetrics {
         let generations_running = Gauge::default();
         let journal_backlog = Gauge::default();
         let retirements = Family::<RetirementLabels, Counter>::default();
+        let log_drops = Family::<InstanceLabels, Counter>::default();
+        registry.register(
+            "log_records_dropped",
+            "Records of instances' output their log shims could not write (a full disk)",
+            log_drops.clone(),
+        );
         registry.register(
             "attempts",
             "Swap attempts ended on this node, by outcome and the mode that ran",
@@ -161,6 +183,46 @@ impl AgentMetrics {
             generations_running,
             journal_backlog,
             retirements,
+            log_drops,
+            log_dir: None,
+            drops_seen: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Also exposes the drop counts of the log shims writing under `dir`.
+    pub fn with_log_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.log_dir = Some(dir.into());
+        self
+    }
+
+    /// Reads every `<log dir>/<namespace>_<name>/<N>.dropped` and adds what
+    /// each grew by since the last read.
+    fn observe_log_drops(&self, dir: &Path) {
+        let mut seen = self
+            .drops_seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for instance_dir in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let name = instance_dir.file_name().to_string_lossy().replace('_', "/");
+            for file in std::fs::read_dir(instance_dir.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let path = file.path();
+                if path.extension().is_none_or(|ext| ext != "dropped") {
+                    continue;
+                }
+                let now = crate::logs::file::read_dropped(&path);
+                let before = seen.insert(path, now).unwrap_or(0);
+                if now > before {
+                    self.log_drops
+                        .get_or_create(&InstanceLabels {
+                            instance: name.clone(),
+                        })
+                        .inc_by(now - before);
+                }
+            }
         }
     }
 
@@ -219,6 +281,9 @@ impl AgentMetrics {
 
     /// The registry in the OpenMetrics text format.
     pub fn encode(&self) -> Result<String, std::fmt::Error> {
+        if let Some(dir) = &self.log_dir {
+            self.observe_log_drops(dir);
+        }
         let mut text = String::new();
         encode(&mut text, &self.registry)?;
         Ok(text)
@@ -312,4 +377,49 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), HttpError> {
     http::serve(listener, http::router(metrics, readiness), shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dropped_line(metrics: &AgentMetrics) -> Option<String> {
+        metrics
+            .encode()
+            .expect("encodes")
+            .lines()
+            .find(|l| l.starts_with("genswap_agent_log_records_dropped_total{"))
+            .map(str::to_string)
+    }
+
+    #[test]
+    fn log_drops_are_counted_from_the_shims_files_and_never_go_down() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let instance = dir.path().join("default_app");
+        std::fs::create_dir(&instance).expect("instance dir");
+        let write = |n: u64, count: u64| {
+            std::fs::write(
+                instance.join(format!("{n}.dropped")),
+                format!("{count:020}\n"),
+            )
+            .expect("write a counter")
+        };
+        let metrics = AgentMetrics::new().with_log_dir(dir.path());
+        assert_eq!(dropped_line(&metrics), None, "nothing dropped, no series");
+        write(1, 3);
+        assert_eq!(
+            dropped_line(&metrics).as_deref(),
+            Some("genswap_agent_log_records_dropped_total{instance=\"default/app\"} 3")
+        );
+        write(1, 5);
+        // Generation 1's file is pruned; generation 2 drops one.
+        assert!(dropped_line(&metrics).is_some_and(|l| l.ends_with(" 5")));
+        std::fs::remove_file(instance.join("1.dropped")).expect("prune");
+        write(2, 1);
+        assert!(
+            dropped_line(&metrics).is_some_and(|l| l.ends_with(" 6")),
+            "{:?}",
+            dropped_line(&metrics)
+        );
+    }
 }

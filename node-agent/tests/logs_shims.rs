@@ -277,6 +277,14 @@ async fn a_full_disk_drops_whole_records_counts_them_and_never_blocks_the_writer
         50_000,
         "every record is either in the file, whole, or counted"
     );
+    let metrics = node_agent::metrics::AgentMetrics::new().with_log_dir(dir.path().join("logs"));
+    let text = metrics.encode().expect("metrics encode");
+    assert!(
+        text.contains(&format!(
+            "genswap_agent_log_records_dropped_total{{instance=\"default/app\"}} {dropped}"
+        )),
+        "{text}"
+    );
     drop(disk);
 }
 

@@ -278,7 +278,7 @@ pub async fn run(
     config.validate()?;
     let shutdown = shutdown_signal()?;
     let client = client_for(&config).await?;
-    let metrics = Arc::new(AgentMetrics::new());
+    let metrics = Arc::new(AgentMetrics::new().with_log_dir(&engine.logs().settings().dir));
     let readiness = Readiness::new();
     let listener = metrics::bind(config.metrics_addr)
         .await
