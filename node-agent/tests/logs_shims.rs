@@ -538,3 +538,70 @@ fn agent_args(
     ]
     .into()
 }
+
+#[tokio::test]
+async fn logs_follow_prints_every_record_once_across_rotations() {
+    let (tree, sink, dir) = sink("logs-follow", |dir| LogSettings {
+        max_size: 300,
+        max_files: 5,
+        ..LogSettings::in_dir(dir.join("logs"), AGENT)
+    });
+    let output = sink.start(&key(), 1, None).expect("shim starts");
+    drop(output.stderr);
+    let instance_dir = dir.path().join("logs").join("default_app");
+    let mut stdout = fs::File::from(output.stdout);
+    let mut write = |i: usize| {
+        stdout
+            .write_all(format!("line {i:03}\n").as_bytes())
+            .expect("the shim reads")
+    };
+    for i in 0..5 {
+        write(i);
+    }
+    eventually(DEADLINE, "the first lines in the log", || {
+        fs::read_to_string(current_path(&instance_dir, 1)).is_ok_and(|t| t.contains("line 004"))
+    })
+    .await;
+
+    let mut follower = tokio::process::Command::new(AGENT)
+        .args(["logs", "default/app", "--follow", "--log-dir"])
+        .arg(dir.path().join("logs"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start node-agent logs --follow");
+    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(
+        follower.stdout.take().expect("its stdout"),
+    ));
+    let mut next_line = async || {
+        tokio::time::timeout(DEADLINE, lines.next_line())
+            .await
+            .expect("the follower printed a line in time")
+            .expect("read the follower")
+            .expect("the follower is still running")
+    };
+    // What was there before it started, in order.
+    for i in 0..5 {
+        assert_eq!(next_line().await, format!("line {i:03}"));
+    }
+    // Then each record as it is written; a record is about 45 bytes, so the
+    // file is rotated every few lines while it is followed.
+    for i in 5..60 {
+        write(i);
+        assert_eq!(
+            next_line().await,
+            format!("line {i:03}"),
+            "after a rotation too"
+        );
+    }
+    assert!(
+        files_of(&instance_dir, 1).len() > 2,
+        "the writes rotated the file while it was followed"
+    );
+    follower.start_kill().expect("stop the follower");
+    let _ = follower.wait().await;
+    drop(stdout);
+    let root = tree.path().join("genswap");
+    eventually(DEADLINE, "the shim to exit", || shim_pids(&root).is_empty()).await;
+}

@@ -85,39 +85,56 @@ pub fn print(args: &LogsArgs, out: &mut impl Write) -> Result<(), ReadError> {
         },
         have: have.clone(),
     })?;
+    let mut last = None;
     for path in files_of(&dir, generation) {
         let file = File::open(&path).map_err(|source| ReadError::Io {
             path: path.clone(),
             source,
         })?;
-        copy_lines(BufReader::new(file), args.raw, out, &path)?;
+        let consumed = copy_lines(BufReader::new(&file), args.raw, out, &path)?;
+        last = Some((file, consumed));
     }
     if args.follow {
-        follow(&dir, generation, args.raw, out)?;
+        // On from exactly where the read stopped: nothing appended since
+        // is skipped, and a record half-written then is read whole.
+        // The newest file read may have been rotated away since: follow
+        // drains it before it moves on to the current one.
+        let (file, position) = match last {
+            Some((file, consumed)) => (file, consumed),
+            None => {
+                let path = current_path(&dir, generation);
+                let file = File::open(&path).map_err(|source| ReadError::Io { path, source })?;
+                (file, 0)
+            }
+        };
+        follow(&dir, generation, file, position, args.raw, out)?;
     }
     Ok(())
 }
 
+/// Prints the complete records `reader` holds; returns the bytes they took.
 fn copy_lines(
     mut reader: impl BufRead,
     raw: bool,
     out: &mut impl Write,
     path: &Path,
-) -> Result<(), ReadError> {
+) -> Result<u64, ReadError> {
     let io = |source| ReadError::Io {
         path: path.to_path_buf(),
         source,
     };
     let mut line = Vec::new();
+    let mut consumed = 0u64;
     loop {
         line.clear();
         if reader.read_until(b'\n', &mut line).map_err(io)? == 0 {
-            return Ok(());
+            return Ok(consumed);
         }
         if !line.ends_with(b"\n") {
             // A record still being written: the follower reads it whole.
-            return Ok(());
+            return Ok(consumed);
         }
+        consumed += line.len() as u64;
         write_line(&line[..line.len() - 1], raw, out).map_err(io)?;
     }
 }
@@ -143,9 +160,18 @@ fn write_line(line: &[u8], raw: bool, out: &mut impl Write) -> io::Result<()> {
     }
 }
 
-/// Prints what is appended to the current file, and the new file after a
-/// rotation, until interrupted. Driven by inotify on the directory.
-fn follow(dir: &Path, generation: u64, raw: bool, out: &mut impl Write) -> Result<(), ReadError> {
+/// Prints what is appended to `file` from `position` on, then to the new
+/// current file after each rotation, until interrupted. Driven by inotify
+/// on the directory: the watch is set before the first read, so no write
+/// between the two goes unnoticed.
+fn follow(
+    dir: &Path,
+    generation: u64,
+    mut file: File,
+    position: u64,
+    raw: bool,
+    out: &mut impl Write,
+) -> Result<(), ReadError> {
     let path = current_path(dir, generation);
     let io = |source| ReadError::Io {
         path: path.clone(),
@@ -158,28 +184,31 @@ fn follow(dir: &Path, generation: u64, raw: bool, out: &mut impl Write) -> Resul
             AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_CREATE | AddWatchFlags::IN_MOVED_TO,
         )
         .map_err(|e| io(e.into()))?;
-    let mut file = File::open(&path).map_err(io)?;
-    let mut position = file.seek(SeekFrom::End(0)).map_err(io)?;
+    file.seek(SeekFrom::Start(position)).map_err(io)?;
     let mut pending = Vec::new();
     loop {
-        out.flush().map_err(io)?;
-        inotify.read_events().map_err(|e| io(e.into()))?;
-        // A rotation renamed the file away: finish it, then read the new one.
+        // Whether a rotation moved `file` away is asked before it is read
+        // to its end: whatever was written to it before the rename is read
+        // now, and the new file from its start after.
         let rotated = File::open(&path)
-            .and_then(|f| Ok(f.metadata()?.len() < position || !same_file(&f, &file)?))
+            .and_then(|current| Ok(!same_file(&current, &file)?))
             .unwrap_or(false);
         let mut chunk = Vec::new();
         file.read_to_end(&mut chunk).map_err(io)?;
-        position += chunk.len() as u64;
         pending.extend_from_slice(&chunk);
         while let Some(newline) = pending.iter().position(|b| *b == b'\n') {
             write_line(&pending[..newline], raw, out).map_err(io)?;
             pending.drain(..=newline);
         }
         if rotated {
-            file = File::open(&path).map_err(io)?;
-            position = 0;
+            if let Ok(current) = File::open(&path) {
+                file = current;
+                pending.clear();
+                continue;
+            }
         }
+        out.flush().map_err(io)?;
+        inotify.read_events().map_err(|e| io(e.into()))?;
     }
 }
 
