@@ -200,12 +200,10 @@ fn follow(
             write_line(&pending[..newline], raw, out).map_err(io)?;
             pending.drain(..=newline);
         }
-        if rotated {
-            if let Ok(current) = File::open(&path) {
-                file = current;
-                pending.clear();
-                continue;
-            }
+        if rotated && let Ok(current) = File::open(&path) {
+            file = current;
+            pending.clear();
+            continue;
         }
         out.flush().map_err(io)?;
         inotify.read_events().map_err(|e| io(e.into()))?;
