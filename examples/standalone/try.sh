@@ -8,6 +8,7 @@
 #                                          rewrite the manifest to release it
 #   examples/standalone/try.sh status      print the status file
 #   examples/standalone/try.sh ask         one request through current.sock
+#   examples/standalone/try.sh logs [ARGS] the instance's output (node-agent logs)
 #
 # Everything lives in $GENSWAP_EXAMPLE_DIR (default /tmp/genswap-standalone);
 # Ctrl-C stops standalone mode, which stops the instance (--stop-on-exit).
@@ -61,6 +62,7 @@ Standalone mode over $instances (Ctrl-C stops it and the instance).
 In another terminal:
   $0 status               # $instances/status/hello.yaml
   $0 ask                  # curl --unix-socket $socket http://hello/
+  $0 logs --follow        # its output, from $work/logs/default_hello/
   $0 release 2            # overlap release to build hello-2
   $0 release 3 hold       # hold release to build hello-3
 HINT
@@ -82,6 +84,10 @@ HINT
     ;;
   ask)
     curl -sS --unix-socket "$socket" http://hello/
+    ;;
+  logs)
+    shift
+    exec "$(target_dir)/debug/node-agent" logs default/hello --log-dir "$work/logs" "$@"
     ;;
   *)
     sed -n '2,14p' "$0"
