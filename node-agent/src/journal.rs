@@ -101,6 +101,31 @@ pub struct GenerationRecord {
     pub stop: Option<StopSpec>,
 }
 
+/// How a serving generation ended between attempts (SPEC 5.10).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct ExitRecord {
+    /// Its generation N.
+    pub generation: u64,
+    /// Its build id.
+    pub build: String,
+    /// The main process's exit code, when it exited by itself and this
+    /// agent was its parent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// The signal that killed it, when one did and this agent was its
+    /// parent. Neither is known for a generation adopted after a restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    /// The kernel's OOM killer killed a process of its cgroup
+    /// (`memory.events` `oom_kill`; false where there is no memory
+    /// controller).
+    #[serde(default)]
+    pub oom_killed: bool,
+    /// When the exit was noticed, unix millis.
+    pub at_ms: i64,
+}
+
 /// Which attempt a record is about.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
@@ -326,6 +351,9 @@ pub struct InstanceEntry {
     /// acknowledged, oldest first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unreported: Vec<Record>,
+    /// How the last serving generation that exited between attempts ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_exit: Option<ExitRecord>,
 }
 
 impl InstanceEntry {
@@ -337,6 +365,7 @@ impl InstanceEntry {
             serving: None,
             attempt: None,
             unreported: Vec::new(),
+            last_exit: None,
         }
     }
 
@@ -637,6 +666,28 @@ impl Journal {
         self.update(instance, |entry| {
             entry.serving = serving;
             entry.bump_above_known();
+            Ok(((), true))
+        })
+    }
+
+    /// Records that the serving generation `exit.generation` exited between
+    /// attempts: nothing serves, and how it ended. Does nothing when another
+    /// generation is recorded as serving.
+    pub fn record_exit(
+        &self,
+        instance: &InstanceKey,
+        exit: ExitRecord,
+    ) -> Result<(), JournalError> {
+        self.update(instance, |entry| {
+            if entry
+                .serving
+                .as_ref()
+                .is_some_and(|serving| serving.n != exit.generation)
+            {
+                return Ok(((), false));
+            }
+            entry.serving = None;
+            entry.last_exit = Some(exit);
             Ok(((), true))
         })
     }

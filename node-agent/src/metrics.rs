@@ -16,6 +16,7 @@
 //! | `genswap_agent_step_duration_seconds` | histogram | `step` | time spent in each swap step |
 //! | `genswap_agent_generations_running` | gauge | | instances with a serving generation on this node |
 //! | `genswap_agent_journal_backlog` | gauge | | outcomes not yet accepted by the API server (or the status file) |
+//! | `genswap_agent_generation_exits_total` | counter | `reason` | serving generations that exited between attempts: `exited` (by themselves, with a code), `signaled`, `oom_killed`, `unknown` (adopted after an agent restart: not this agent's child) |
 //! | `genswap_agent_log_records_dropped_total` | counter | `instance` | records of instances' output their log shims could not write (a full disk), read from the `<N>.dropped` files at each scrape |
 //! | `genswap_agent_retirements_total` | counter | `result` | serving instances no attempt named any more, looked up: `stopped` (the InstanceGeneration was deleted or no longer selects this node), `kept` (it exists and selects this node), `failed` (the lookup or the stop failed; tried again) |
 //!
@@ -67,6 +68,12 @@ struct AttemptLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StepLabels {
     step: String,
+}
+
+/// Labels of `generation_exits_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ExitLabels {
+    reason: String,
 }
 
 /// Labels of `log_records_dropped_total`.
@@ -122,6 +129,7 @@ pub struct AgentMetrics {
     journal_backlog: Gauge,
     retirements: Family<RetirementLabels, Counter>,
     log_drops: Family<InstanceLabels, Counter>,
+    generation_exits: Family<ExitLabels, Counter>,
     /// The log dir whose drop counters are read at each scrape, and the
     /// count last read from each file: the counter grows by the difference,
     /// so it keeps counting when old generations' files are deleted.
@@ -145,6 +153,12 @@ impl AgentMetrics {
         let journal_backlog = Gauge::default();
         let retirements = Family::<RetirementLabels, Counter>::default();
         let log_drops = Family::<InstanceLabels, Counter>::default();
+        let generation_exits = Family::<ExitLabels, Counter>::default();
+        registry.register(
+            "generation_exits",
+            "Serving generations that exited between attempts, by how",
+            generation_exits.clone(),
+        );
         registry.register(
             "log_records_dropped",
             "Records of instances' output their log shims could not write (a full disk)",
@@ -184,9 +198,19 @@ impl AgentMetrics {
             journal_backlog,
             retirements,
             log_drops,
+            generation_exits,
             log_dir: None,
             drops_seen: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Counts a serving generation's exit between attempts.
+    pub fn record_generation_exit(&self, reason: &str) {
+        self.generation_exits
+            .get_or_create(&ExitLabels {
+                reason: reason.to_string(),
+            })
+            .inc();
     }
 
     /// Also exposes the drop counts of the log shims writing under `dir`.

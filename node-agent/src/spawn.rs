@@ -954,7 +954,7 @@ fn sigchld_waker() -> ExitWaker {
     ExitWaker::Sigchld(tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child()).ok())
 }
 
-fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+pub(crate) fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
     let pid = nix::libc::pid_t::try_from(pid)
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor

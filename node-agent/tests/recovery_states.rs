@@ -735,7 +735,7 @@ async fn a_corrupt_journal_file_is_quarantined_and_hides_no_other_instance() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_serving_generation_that_died_while_the_agent_was_away_is_forgotten() {
+async fn a_serving_generation_that_died_while_the_agent_was_away_is_cleaned_up_and_journaled() {
     let host = SwapHost::new("rec-died");
     installed(&host).await;
     let pid = host.who_serves().await.expect("v1 answers").pid;
@@ -754,6 +754,18 @@ async fn a_serving_generation_that_died_while_the_agent_was_away_is_forgotten() 
     assert_eq!(
         engine.journal().serving(&host.instance).expect("journal"),
         None
+    );
+    let last_exit = engine
+        .journal()
+        .load_entry(&host.instance)
+        .expect("journal")
+        .and_then(|entry| entry.last_exit)
+        .expect("the exit is journaled, not only forgotten");
+    assert_eq!((last_exit.generation, last_exit.build.as_str()), (1, "v1"));
+    assert_eq!(
+        (last_exit.exit_code, last_exit.signal),
+        (None, None),
+        "its status died with the agent that was its parent"
     );
     assert!(fs::symlink_metadata(current_link(&host)).is_err());
     host.assert_only(None);

@@ -52,6 +52,7 @@ mod hold;
 mod overlap;
 mod parts;
 mod recover;
+mod supervise;
 mod types;
 
 use std::collections::HashMap;
@@ -67,6 +68,7 @@ pub use recover::{
     InstanceRecovery, RecoveredAttempt, RecoveryError, RecoveryReport, StoppedGeneration,
     UntrackedCgroup,
 };
+pub use supervise::{GenerationExit, log_exit};
 pub use types::{Attempt, Step, StepRecord, SwapResult, effective_mode};
 
 use crate::cgroup::{Cgroup, CgroupError, CgroupManager, Tier};
@@ -223,6 +225,8 @@ struct InstanceState {
     serving: Option<Running>,
     /// What serves, kept readable while an attempt holds the generation.
     info: Option<ServingGeneration>,
+    /// The generation whose exit a task watches (see `supervise`).
+    watched: Option<u64>,
 }
 
 /// The swap engine of one node. See the module docs.
@@ -234,6 +238,7 @@ pub struct Engine {
     logs: LogSink,
     config: EngineConfig,
     instances: Mutex<HashMap<InstanceKey, InstanceState>>,
+    exits: supervise::ExitNotices,
 }
 
 impl Engine {
@@ -247,6 +252,7 @@ impl Engine {
             logs: parts.logs,
             config,
             instances: Mutex::new(HashMap::new()),
+            exits: supervise::ExitNotices::new(),
         }
     }
 
@@ -359,6 +365,25 @@ impl Engine {
         })
     }
 
+    /// Watches the exit of what `state` serves, unless that is watched.
+    fn watch_serving(&self, instance: &InstanceKey, state: &mut InstanceState) {
+        if let Some(running) = &state.serving
+            && state.watched != Some(running.record.n)
+        {
+            self.exits.watch(instance, running);
+            state.watched = Some(running.record.n);
+        }
+    }
+
+    /// The watch of `generation` fired: a later hand-back watches again.
+    fn forget_watch(&self, instance: &InstanceKey, generation: u64) {
+        if let Some(state) = self.lock_instances().get_mut(instance)
+            && state.watched == Some(generation)
+        {
+            state.watched = None;
+        }
+    }
+
     /// The map holds plain data that every writer leaves consistent, so a
     /// poisoned lock is still safe to use.
     fn lock_instances(&self) -> MutexGuard<'_, HashMap<InstanceKey, InstanceState>> {
@@ -396,5 +421,6 @@ impl Drop for Claim<'_> {
         state.info = serving.as_ref().map(Running::serving);
         state.serving = serving;
         state.busy = false;
+        self.engine.watch_serving(&self.instance, state);
     }
 }

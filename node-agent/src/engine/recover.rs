@@ -65,8 +65,8 @@ use crate::cgroup::{
 };
 use crate::gate::InstanceKey;
 use crate::journal::{
-    AttemptRef, CorruptEntry, GenerationRecord, InstanceEntry, JournalError, OutcomeRecord, Phase,
-    Record, SavedLimits, unix_millis_now,
+    AttemptRef, CorruptEntry, ExitRecord, GenerationRecord, InstanceEntry, JournalError,
+    OutcomeRecord, Phase, Record, SavedLimits, unix_millis_now,
 };
 use crate::stage::ENTRY_PREFIX;
 use crate::switch::{
@@ -883,12 +883,33 @@ impl Engine {
         let needs_serving_write = in_flight.is_some()
             || found.quarantined
             || entry.as_ref().map(|e| e.serving.as_ref().map(|g| g.n)) != Some(keep_n);
+        // The journal's serving generation is gone and nothing was in
+        // flight: it died while no agent ran. Say so, not only that
+        // nothing serves (its exit status died with the agent).
+        let died_away = match (
+            &in_flight,
+            &keep,
+            entry.as_ref().and_then(|e| e.serving.as_ref()),
+        ) {
+            (None, None, Some(gone)) => Some(ExitRecord {
+                generation: gone.n,
+                build: gone.build.clone(),
+                exit_code: None,
+                signal: None,
+                oom_killed: false,
+                at_ms: unix_millis_now(),
+            }),
+            _ => None,
+        };
         if needs_serving_write && (entry.is_some() || found.quarantined || keep.is_some()) {
             let journal = Arc::clone(&self.journal);
             let owned = key.clone();
             let serving = serving_record.clone();
-            if let Err(source) = parts::blocking(move || journal.set_serving(&owned, serving)).await
-            {
+            let write = move || match died_away {
+                Some(exit) => journal.record_exit(&owned, exit),
+                None => journal.set_serving(&owned, serving),
+            };
+            if let Err(source) = parts::blocking(write).await {
                 work.errors.push(RecoveryError::JournalWrite {
                     instance: key.clone(),
                     source,
@@ -1015,6 +1036,7 @@ impl Engine {
         tracing::info!(instance = %key, generation = info.generation, pid, build = %info.build, "adopted the serving generation");
         state.info = Some(info.clone());
         state.serving = Some(running);
+        self.watch_serving(key, state);
         work.recovery.serving = Some(info);
     }
 }

@@ -184,8 +184,22 @@ pub async fn run_with(
     config: StandaloneConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), StandaloneError> {
-    let runner = runner::Runner::start(engine, gate, state_dir, config).await?;
-    runner.run(shutdown).await
+    let supervisor = tokio::spawn({
+        let engine = engine.clone();
+        async move {
+            engine
+                .supervise(|exit| crate::engine::log_exit(&exit))
+                .await
+        }
+    });
+    let runner = runner::Runner::start(engine, gate, state_dir, config).await;
+    let result = match runner {
+        Ok(runner) => runner.run(shutdown).await,
+        Err(error) => Err(error),
+    };
+    // An exit it was handling is left to the next start's recovery.
+    supervisor.abort();
+    result
 }
 
 #[cfg(test)]
