@@ -202,29 +202,52 @@ async fn eventually(what: &str, condition: impl Fn() -> bool) {
     support::poll_until(what, DEADLINE, condition).await;
 }
 
+/// One replica's lease task, running until [`LeaseTask::stop`].
+struct LeaseTask {
+    leadership: Leadership,
+    stop: shutdown::Trigger,
+    task: tokio::task::JoinHandle<Result<(), genswap_controller::leader::LeaseError>>,
+}
+
+impl LeaseTask {
+    fn start(client: Client, settings: LeaseSettings) -> LeaseTask {
+        let leadership = Leadership::follower(Arc::new(Metrics::new()));
+        let (stop, stopped) = shutdown::channel();
+        let task = tokio::spawn(hold_lease(
+            client,
+            settings,
+            leadership.clone(),
+            stopped.wait(),
+        ));
+        LeaseTask {
+            leadership,
+            stop,
+            task,
+        }
+    }
+
+    /// Shuts it down and waits for a clean end.
+    async fn stop(self) {
+        self.stop.fire();
+        tokio::time::timeout(DEADLINE, self.task)
+            .await
+            .expect("the replica stops in time")
+            .expect("task joined")
+            .expect("lease task ended cleanly");
+    }
+}
+
 #[tokio::test]
 async fn one_leader_steps_down_when_cut_off_and_the_other_takes_over() {
     let store = Arc::new(Mutex::new(LeaseStore::default()));
     let a = replica(&store);
-    let leader_a = Leadership::follower(Arc::new(Metrics::new()));
-    let (stop_a, stopped_a) = shutdown::channel();
-    let task_a = tokio::spawn(hold_lease(
-        a.client.clone(),
-        settings("replica-a"),
-        leader_a.clone(),
-        stopped_a.wait(),
-    ));
+    let task_a = LeaseTask::start(a.client.clone(), settings("replica-a"));
+    let leader_a = task_a.leadership.clone();
     eventually("replica-a leads alone", || leader_a.is_leader()).await;
 
     let b = replica(&store);
-    let leader_b = Leadership::follower(Arc::new(Metrics::new()));
-    let (stop_b, stopped_b) = shutdown::channel();
-    let task_b = tokio::spawn(hold_lease(
-        b.client.clone(),
-        settings("replica-b"),
-        leader_b.clone(),
-        stopped_b.wait(),
-    ));
+    let task_b = LeaseTask::start(b.client.clone(), settings("replica-b"));
+    let leader_b = task_b.leadership.clone();
 
     // A is cut off from the API server: its next renewal fails and it
     // steps down; B then finds the claim expired and takes it.
@@ -242,12 +265,7 @@ async fn one_leader_steps_down_when_cut_off_and_the_other_takes_over() {
     assert!(!leader_a.is_leader(), "a cut-off replica stays a follower");
 
     // B shuts down: it steps down and frees the Lease for A.
-    stop_b.fire();
-    tokio::time::timeout(DEADLINE, task_b)
-        .await
-        .expect("replica-b stops in time")
-        .expect("task joined")
-        .expect("lease task ended cleanly");
+    task_b.stop().await;
     assert!(!leader_b.is_leader());
     assert_eq!(
         store
@@ -261,12 +279,7 @@ async fn one_leader_steps_down_when_cut_off_and_the_other_takes_over() {
     // A reaches the API server again and leads.
     a.cut_off.store(false, Ordering::SeqCst);
     eventually("replica-a leads again", || leader_a.is_leader()).await;
-    stop_a.fire();
-    tokio::time::timeout(DEADLINE, task_a)
-        .await
-        .expect("replica-a stops in time")
-        .expect("task joined")
-        .expect("lease task ended cleanly");
+    task_a.stop().await;
 }
 
 /// Long enough that waiting for expiry could not pass for a hand-over.
@@ -286,24 +299,12 @@ async fn a_released_lease_is_taken_by_the_follower_without_waiting_for_expiry() 
         duration_seconds: LONG_LEASE_SECONDS,
         grace_seconds: 20,
     };
-    let leader_a = Leadership::follower(Arc::new(Metrics::new()));
-    let (stop_a, stopped_a) = shutdown::channel();
-    let task_a = tokio::spawn(hold_lease(
-        client(&cluster),
-        long("replica-a"),
-        leader_a.clone(),
-        stopped_a.wait(),
-    ));
+    let task_a = LeaseTask::start(client(&cluster), long("replica-a"));
+    let leader_a = task_a.leadership.clone();
     eventually("replica-a leads", || leader_a.is_leader()).await;
 
-    let leader_b = Leadership::follower(Arc::new(Metrics::new()));
-    let (stop_b, stopped_b) = shutdown::channel();
-    let task_b = tokio::spawn(hold_lease(
-        client(&cluster),
-        long("replica-b"),
-        leader_b.clone(),
-        stopped_b.wait(),
-    ));
+    let task_b = LeaseTask::start(client(&cluster), long("replica-b"));
+    let leader_b = task_b.leadership.clone();
     // Both watch the Lease once their managers have read it: B now waits,
     // as a follower, for a claim that runs LONG_LEASE_SECONDS.
     eventually("both replicas watch the Lease", || {
@@ -314,12 +315,7 @@ async fn a_released_lease_is_taken_by_the_follower_without_waiting_for_expiry() 
 
     // A shuts down gracefully: it steps down and releases the Lease.
     let released = tokio::time::Instant::now();
-    stop_a.fire();
-    tokio::time::timeout(DEADLINE, task_a)
-        .await
-        .expect("replica-a stops in time")
-        .expect("task joined")
-        .expect("lease task ended cleanly");
+    task_a.stop().await;
     support::poll_until("replica-b takes over", HAND_OVER_DEADLINE, || {
         leader_b.is_leader()
     })
@@ -329,10 +325,5 @@ async fn a_released_lease_is_taken_by_the_follower_without_waiting_for_expiry() 
     assert_eq!(lock(&cluster).lease_holder().as_deref(), Some("replica-b"));
     assert!(!leader_a.is_leader());
 
-    stop_b.fire();
-    tokio::time::timeout(DEADLINE, task_b)
-        .await
-        .expect("replica-b stops in time")
-        .expect("task joined")
-        .expect("lease task ended cleanly");
+    task_b.stop().await;
 }

@@ -18,6 +18,15 @@ use tokio::sync::mpsc;
 
 const DEADLINE: Duration = Duration::from_secs(30);
 
+/// Kills `pid` (a serving generation's main process) with SIGKILL.
+fn sigkill(pid: u32) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(pid).expect("a pid")),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("SIGKILL the serving generation");
+}
+
 /// Runs the engine's supervisor until it handled one exit.
 async fn next_exit(host: &SwapHost) -> GenerationExit {
     let (sender, mut receiver) = mpsc::unbounded_channel();
@@ -63,11 +72,7 @@ async fn a_killed_serving_generation_is_noticed_reaped_and_cleaned_up() {
     host.install(1, "b1").await;
     let serving = host.who_serves().await.expect("b1 serves");
 
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(serving.pid).expect("a pid")),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .expect("SIGKILL the serving generation");
+    sigkill(serving.pid);
     let exit = next_exit(&host).await;
 
     assert_eq!(exit.instance, host.instance);
@@ -111,11 +116,7 @@ async fn a_generation_retired_by_a_swap_is_not_reported_as_an_exit() {
     // not what serves and reports nothing. Then b2 is killed: that exit,
     // and only it, is reported.
     let serving = host.who_serves().await.expect("b2 serves");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(serving.pid).expect("a pid")),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .expect("SIGKILL b2");
+    sigkill(serving.pid);
     let exit = next_exit(&host).await;
     assert_eq!((exit.exit.generation, exit.exit.build.as_str()), (2, "b2"));
     assert_gone(&host, serving.pid, &exit);
