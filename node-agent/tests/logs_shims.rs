@@ -605,3 +605,28 @@ async fn logs_follow_prints_every_record_once_across_rotations() {
     let root = tree.path().join("genswap");
     eventually(DEADLINE, "the shim to exit", || shim_pids(&root).is_empty()).await;
 }
+
+#[tokio::test]
+async fn a_shim_that_cannot_open_its_file_still_reads_so_the_writer_never_breaks() {
+    let (tree, sink, dir) = sink("logs-nofile", |dir| {
+        LogSettings::in_dir(dir.join("logs"), AGENT)
+    });
+    // Where the log file would be, a directory: the shim cannot open it.
+    let instance_dir = dir.path().join("logs").join("default_app");
+    fs::create_dir_all(current_path(&instance_dir, 1)).expect("a directory in the way");
+    let output = sink
+        .start(&key(), 1, None)
+        .expect("the shim starts all the same");
+    drop(output.stderr);
+    let writer = write_lines(output.stdout, (0..10_000).map(|i| format!("line {i}\n")));
+    let started = std::time::Instant::now();
+    while !writer.is_finished() {
+        assert!(started.elapsed() < DEADLINE, "the writes blocked");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    writer
+        .join()
+        .expect("every write returned: no EPIPE, no SIGPIPE");
+    let root = tree.path().join("genswap");
+    eventually(DEADLINE, "the shim to exit", || shim_pids(&root).is_empty()).await;
+}

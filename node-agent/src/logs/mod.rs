@@ -250,16 +250,25 @@ impl LogSink {
         drop((out_read, err_read, ready_write));
         let pid = child.id();
         let mut child = child;
-        if let Err(why) = await_ready(&ready_read) {
-            // Dead or wedged: a generation must not write into a pipe
-            // nobody reads.
-            let _ = child.kill();
-            crate::spawn::reap_when_exited(child);
-            return Err(LogError::NotReady {
-                exe: exe.clone(),
-                pid,
-                why,
-            });
+        match await_ready(&ready_read) {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                instance = %instance,
+                generation,
+                dir = %dir.display(),
+                "the log shim cannot open the log file; this generation's output is read and dropped"
+            ),
+            Err(why) => {
+                // Dead or wedged: a generation must not write into a pipe
+                // nobody reads.
+                let _ = child.kill();
+                crate::spawn::reap_when_exited(child);
+                return Err(LogError::NotReady {
+                    exe: exe.clone(),
+                    pid,
+                    why,
+                });
+            }
         }
         crate::spawn::reap_when_exited(child);
         let procs = self.shim_cgroup.join("cgroup.procs");
@@ -282,8 +291,9 @@ impl LogSink {
 }
 
 /// Waits for the shim's ready byte: it writes one once its signals are
-/// ignored and its pipes taken, then closes the descriptor.
-fn await_ready(ready: &OwnedFd) -> Result<(), String> {
+/// ignored and its pipes taken, then closes the descriptor. `false`: it
+/// runs without its log file.
+fn await_ready(ready: &OwnedFd) -> Result<bool, String> {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
     let mut fds = [PollFd::new(ready.as_fd(), PollFlags::POLLIN)];
     match poll(&mut fds, PollTimeout::from(SHIM_READY_TIMEOUT_MS)) {
@@ -293,7 +303,9 @@ fn await_ready(ready: &OwnedFd) -> Result<(), String> {
     }
     let mut byte = [0u8; 1];
     match nix::unistd::read(ready, &mut byte) {
-        Ok(1) if byte[0] == shim::READY => Ok(()),
+        Ok(1) if byte[0] == shim::READY => Ok(true),
+        // It reads on, so the generation can run; what it writes is lost.
+        Ok(1) if byte[0] == shim::READY_WITHOUT_FILE => Ok(false),
         Ok(0) => Err("it exited first".into()),
         Ok(_) => Err("it answered something else".into()),
         Err(errno) => Err(format!("read: {errno}")),

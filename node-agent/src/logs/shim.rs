@@ -27,8 +27,11 @@ pub const STDOUT_FD: i32 = 3;
 pub const STDERR_FD: i32 = 4;
 /// Where the shim writes [`READY`] once it runs, then closes it.
 pub const READY_FD: i32 = 5;
-/// The ready byte.
+/// The ready byte: the log file is open.
 pub const READY: u8 = b'r';
+/// The ready byte when the log file could not be opened: the shim still
+/// reads (the writer never blocks) and drops what it reads.
+pub const READY_WITHOUT_FILE: u8 = b'n';
 
 /// `node-agent log-shim`: not for people; the agent starts it.
 #[derive(clap::Args, Debug, Clone)]
@@ -53,7 +56,11 @@ pub fn run(args: &ShimArgs) {
     let log = RotatingFile::open(&args.dir, args.generation, args.max_size, args.max_files).ok();
     // SAFETY: as for the pipes below, the agent put this descriptor here.
     let ready = File::from(unsafe { OwnedFd::from_raw_fd(READY_FD) });
-    let _ = (&ready).write_all(&[READY]);
+    let _ = (&ready).write_all(&[if log.is_some() {
+        READY
+    } else {
+        READY_WITHOUT_FILE
+    }]);
     drop(ready);
     let log = Arc::new(Mutex::new(log));
     let readers: Vec<_> = [(STDOUT_FD, Stream::Stdout), (STDERR_FD, Stream::Stderr)]
