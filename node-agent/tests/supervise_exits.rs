@@ -121,3 +121,33 @@ async fn a_generation_retired_by_a_swap_is_not_reported_as_an_exit() {
     assert_eq!((exit.exit.generation, exit.exit.build.as_str()), (2, "b2"));
     assert_gone(&host, serving.pid, &exit);
 }
+
+#[tokio::test]
+async fn a_release_over_an_incumbent_that_already_exited_says_so() {
+    for (mode, verb) in [
+        (genswap_crds::Mode::Overlap, "retired"),
+        (genswap_crds::Mode::Hold, "stopped"),
+    ] {
+        let host = SwapHost::new(&format!("supervise-gone-{verb}"));
+        host.install(1, "b1").await;
+        let serving = host.who_serves().await.expect("b1 serves");
+        sigkill(serving.pid);
+        // No supervisor runs here: the engine still holds generation 1
+        // when the release comes, as when the exit and the attempt race.
+        swap_host::eventually("b1 to be dead", || !swap_host::alive(serving.pid)).await;
+        let b2 = host.build("b2");
+        let mut attempt = host.attempt(2, &b2, "b2");
+        attempt.spec.mode = mode;
+        let result = host.swap(&attempt).await;
+        assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+        assert!(
+            result.reason.contains(&format!(
+                "generation 1 had already exited (signal 9) before it was {verb}"
+            )),
+            "{mode:?}: {}",
+            result.reason
+        );
+        host.assert_only(Some(2));
+        host.tear_down().await;
+    }
+}

@@ -39,10 +39,16 @@ pub(super) async fn run(run: &mut Run<'_>, claim: &mut Claim<'_>) -> Result<Fini
     crate::failpoint!("hold.before_stop");
 
     let mut note = String::new();
-    if let Some(incumbent) = claim.serving.take() {
+    if let Some(mut incumbent) = claim.serving.take() {
         let started = Instant::now();
         let stop = run.attempt.spec.stop.clone();
         let n = incumbent.record.n;
+        if let Some(how) = parts::exited_before_stop(&mut incumbent) {
+            append(
+                &mut note,
+                &format!("generation {n} had already exited ({how}) before it was stopped"),
+            );
+        }
         match parts::stop_generation(incumbent, &stop).await {
             Ok(report) => {
                 crate::failpoint!("hold.after_stop");

@@ -103,6 +103,13 @@ async fn after_admission(
         let started = Instant::now();
         let stop = run.attempt.spec.stop.clone();
         let n = retiring.record.n;
+        let mut retiring = retiring;
+        if let Some(how) = parts::exited_before_stop(&mut retiring) {
+            append(
+                &mut finished.note,
+                &format!("generation {n} had already exited ({how}) before it was retired"),
+            );
+        }
         let stopped = parts::stop_generation(retiring, &stop).await;
         match stopped {
             Ok(report) => {

@@ -236,6 +236,26 @@ pub(super) fn has_exited(running: &mut Running) -> Option<ExitStatus> {
     }
 }
 
+/// How the generation went, when it exited on its own before an attempt
+/// came to stop it (SPEC 5.10: the attempt's reason says so): its main
+/// process's status, or, for an adopted one, that its cgroup is empty.
+pub(super) fn exited_before_stop(running: &mut Running) -> Option<String> {
+    if let Some(status) = has_exited(running) {
+        use std::os::unix::process::ExitStatusExt;
+        return Some(match (status.code(), status.signal()) {
+            (Some(code), _) => format!("exit code {code}"),
+            (None, Some(signal)) => format!("signal {signal}"),
+            (None, None) => "an unknown status".into(),
+        });
+    }
+    let adopted_and_empty = matches!(running.process, Process::Adopted { .. })
+        && running
+            .cgroup
+            .is_populated()
+            .is_ok_and(|populated| !populated);
+    adopted_and_empty.then(|| "its exit status is unknown: it was adopted".into())
+}
+
 /// How long a process that does not look like what was started is given
 /// to show it is exiting (to be reaped) before that counts as a mismatch.
 const EXITING_GRACE: Duration = Duration::from_secs(1);
