@@ -125,8 +125,9 @@ async fn exited(pid: u32) -> bool {
 
 impl Engine {
     /// Handles each serving generation's exit as it happens, calling
-    /// `on_exit` once for each, until the engine is dropped. Run it beside
-    /// the intake; a second call returns at once.
+    /// `on_exit` once for each. It never returns on its own (the engine
+    /// keeps the sending side): run it as a task beside the intake and
+    /// abort that with the intake. A second call returns at once.
     pub async fn supervise(&self, mut on_exit: impl FnMut(GenerationExit) + Send) {
         let receiver = self
             .exits
