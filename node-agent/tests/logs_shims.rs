@@ -167,6 +167,20 @@ fn write_lines(
     })
 }
 
+/// Waits for a [`write_lines`] thread to return: every write returned, so
+/// the shim never blocked the writer nor broke its pipe (a Rust writer gets
+/// EPIPE, which panics the thread, where a C one would die of SIGPIPE).
+async fn writes_return(writer: std::thread::JoinHandle<()>, what: &str) {
+    let started = std::time::Instant::now();
+    while !writer.is_finished() {
+        assert!(started.elapsed() < DEADLINE, "{what}: the writes blocked");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    writer
+        .join()
+        .unwrap_or_else(|_| panic!("{what}: a write failed"));
+}
+
 #[tokio::test]
 async fn the_shim_rotates_by_size_and_keeps_at_most_the_configured_files() {
     let (tree, sink, dir) = sink("logs-rotate", |dir| LogSettings {
@@ -183,8 +197,8 @@ async fn the_shim_rotates_by_size_and_keeps_at_most_the_configured_files() {
     );
     let out = write_lines(output.stdout, (0..2000).map(|i| format!("line {i:05}\n")));
     let err = write_lines(output.stderr, (0..5).map(|i| format!("err {i}\n")));
-    out.join().expect("stdout written");
-    err.join().expect("stderr written");
+    writes_return(out, "stdout").await;
+    writes_return(err, "stderr").await;
     eventually(DEADLINE, "the shim to exit once both pipes closed", || {
         shim_pids(&root).is_empty()
     })
@@ -255,15 +269,7 @@ async fn a_full_disk_drops_whole_records_counts_them_and_never_blocks_the_writer
         (0..50_000).map(|i| format!("a line of output that fills the disk {i:06}\n")),
     );
     drop(output.stderr);
-    let started = std::time::Instant::now();
-    while !writer.is_finished() {
-        assert!(
-            started.elapsed() < DEADLINE,
-            "the instance's writes blocked on a full disk"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    writer.join().expect("every write returned");
+    writes_return(writer, "a full disk").await;
     let root = tree.path().join("genswap");
     eventually(DEADLINE, "the shim to exit", || shim_pids(&root).is_empty()).await;
 
@@ -477,11 +483,13 @@ spec:
 
     // The next agent recovers the node and adopts the server; its shim is
     // left alone, and the server's lines keep reaching its log.
-    let mut next = Command::new(AGENT)
+    // Killed by pid if the test fails before it is stopped below.
+    let mut next = tokio::process::Command::new(AGENT)
         .args(agent_args(&manifests, &tree, temp.path(), &staging, &logs))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
+        .kill_on_drop(true)
         .spawn()
         .expect("start the next agent");
     let status = manifests.join("status/server.yaml");
@@ -503,12 +511,13 @@ spec:
     })
     .await;
     assert!(swap_host::alive(pid), "the same process serves");
+    let agent_pid = next.id().expect("the next agent runs");
     nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(next.id()).expect("a pid")),
+        nix::unistd::Pid::from_raw(i32::try_from(agent_pid).expect("a pid")),
         nix::sys::signal::Signal::SIGTERM,
     )
     .expect("stop the next agent");
-    let _ = next.wait();
+    let _ = next.wait().await;
     // The tree's teardown kills the instance and its shim.
 }
 
@@ -619,14 +628,7 @@ async fn a_shim_that_cannot_open_its_file_still_reads_so_the_writer_never_breaks
         .expect("the shim starts all the same");
     drop(output.stderr);
     let writer = write_lines(output.stdout, (0..10_000).map(|i| format!("line {i}\n")));
-    let started = std::time::Instant::now();
-    while !writer.is_finished() {
-        assert!(started.elapsed() < DEADLINE, "the writes blocked");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    writer
-        .join()
-        .expect("every write returned: no EPIPE, no SIGPIPE");
+    writes_return(writer, "no log file").await;
     let root = tree.path().join("genswap");
     eventually(DEADLINE, "the shim to exit", || shim_pids(&root).is_empty()).await;
 }
