@@ -58,6 +58,16 @@ pub use limits::{
 pub use quantity::{QuantityError, parse_cpu_quantity, parse_memory_quantity};
 pub use subtree::{processes_in, remove_subtree};
 
+/// The cgroup under the root that holds the log shims (`crate::logs`): the
+/// agent's own, no instance's. Its shims outlive the agent on purpose.
+pub const SHIM_CGROUP: &str = "logs";
+
+/// Whether a directory under the root is the agent's own rather than an
+/// instance's: never listed as an instance, never stopped by recovery.
+pub fn is_agent_cgroup(dir_name: &std::ffi::OsStr) -> bool {
+    dir_name == SHIM_CGROUP
+}
+
 use fs_util::io_error;
 
 /// Where the mount table is read from.
@@ -368,8 +378,7 @@ impl CgroupManager {
     pub fn list(&self) -> Result<Vec<InstanceListing>, CgroupError> {
         let mut listings = Vec::new();
         for (dir_name, path) in child_dirs(&self.root)? {
-            // The log shims' own cgroup (crate::logs), not an instance.
-            if dir_name == crate::logs::SHIM_CGROUP {
+            if is_agent_cgroup(dir_name.as_ref()) {
                 continue;
             }
             let Some((namespace, name)) = dir_name.split_once('.') else {

@@ -473,15 +473,12 @@ impl Engine {
             }
         }
         if journal_readable {
-            // Directories `list` skips (names that are no instance): never
-            // genswap's, so nothing in them is tracked. The log shims'
-            // cgroup is the exception: its shims outlive the agent on
-            // purpose, and killing one would break its instance's pipes.
+            // Directories `list` skips that are no instance and not the
+            // agent's own (the log shims'): never genswap's, so nothing in
+            // them is tracked.
             for path in child_dirs(self.cgroups.root()) {
-                let shims = path
-                    .file_name()
-                    .is_some_and(|n| n == crate::logs::SHIM_CGROUP);
-                if !listed_paths.contains(&path) && !shims {
+                let own = path.file_name().is_some_and(crate::cgroup::is_agent_cgroup);
+                if !listed_paths.contains(&path) && !own {
                     self.stop_untracked(&path, &mut report).await;
                 }
             }

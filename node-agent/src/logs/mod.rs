@@ -35,7 +35,7 @@ pub const DEFAULT_MAX_SIZE: u64 = 10 * 1024 * 1024;
 /// The default number of files kept per generation (the kubelet's).
 pub const DEFAULT_MAX_FILES: u32 = 5;
 /// The cgroup the shims run in, under the agent's cgroup root.
-pub const SHIM_CGROUP: &str = "logs";
+pub use crate::cgroup::SHIM_CGROUP;
 /// Generations whose logs are kept besides the serving one: the newest few,
 /// so the output of a failed successor is there to read after it.
 pub const GENERATIONS_KEPT: usize = 3;
