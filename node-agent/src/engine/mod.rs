@@ -68,7 +68,7 @@ pub use recover::{
     InstanceRecovery, RecoveredAttempt, RecoveryError, RecoveryReport, StoppedGeneration,
     UntrackedCgroup,
 };
-pub use supervise::{GenerationExit, log_exit};
+pub use supervise::{GenerationExit, Supervisor, log_exit};
 pub use types::{Attempt, Step, StepRecord, SwapResult, effective_mode};
 
 use crate::cgroup::{Cgroup, CgroupError, CgroupManager, Tier};

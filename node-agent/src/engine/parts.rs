@@ -242,11 +242,7 @@ pub(super) fn has_exited(running: &mut Running) -> Option<ExitStatus> {
 pub(super) fn exited_before_stop(running: &mut Running) -> Option<String> {
     if let Some(status) = has_exited(running) {
         use std::os::unix::process::ExitStatusExt;
-        return Some(match (status.code(), status.signal()) {
-            (Some(code), _) => format!("exit code {code}"),
-            (None, Some(signal)) => format!("signal {signal}"),
-            (None, None) => "an unknown status".into(),
-        });
+        return Some(exit_text(status.code(), status.signal()));
     }
     let adopted_and_empty = matches!(running.process, Process::Adopted { .. })
         && running
@@ -254,6 +250,15 @@ pub(super) fn exited_before_stop(running: &mut Running) -> Option<String> {
             .is_populated()
             .is_ok_and(|populated| !populated);
     adopted_and_empty.then(|| "its exit status is unknown: it was adopted".into())
+}
+
+/// `exit code 3`, `signal 9`: how a main process ended, as reasons say it.
+pub(super) fn exit_text(code: Option<i32>, signal: Option<i32>) -> String {
+    match (code, signal) {
+        (Some(code), _) => format!("exit code {code}"),
+        (None, Some(signal)) => format!("signal {signal}"),
+        (None, None) => "an exit status this agent cannot know (it adopted the process)".into(),
+    }
 }
 
 /// How long a process that does not look like what was started is given

@@ -22,7 +22,7 @@ use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 
-use super::{Engine, Process, Running, parts};
+use super::{Engine, Running, parts};
 use crate::gate::InstanceKey;
 use crate::journal::{ExitRecord, unix_millis_now};
 
@@ -47,11 +47,7 @@ pub struct GenerationExit {
 impl GenerationExit {
     /// `exit code 0`, `signal 9 (OOM-killed)`, `unknown (adopted)`.
     pub fn describe(&self) -> String {
-        let how = match (self.exit.exit_code, self.exit.signal) {
-            (Some(code), _) => format!("exit code {code}"),
-            (None, Some(signal)) => format!("signal {signal}"),
-            (None, None) => "an exit status this agent cannot know (it adopted the process)".into(),
-        };
+        let how = parts::exit_text(self.exit.exit_code, self.exit.signal);
         if self.exit.oom_killed {
             format!("{how} (OOM-killed)")
         } else {
@@ -123,11 +119,33 @@ async fn exited(pid: u32) -> bool {
     }
 }
 
+/// The supervisor's task; dropping it stops the supervisor (an exit it was
+/// handling is left to the next start's recovery).
+#[derive(Debug)]
+pub struct Supervisor(tokio::task::JoinHandle<()>);
+
+impl Drop for Supervisor {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 impl Engine {
+    /// Runs [`supervise`](Self::supervise) as a task for as long as the
+    /// returned guard lives: what an intake keeps while it runs.
+    pub fn start_supervisor(
+        self: &Arc<Self>,
+        on_exit: impl FnMut(GenerationExit) + Send + 'static,
+    ) -> Supervisor {
+        let engine = Arc::clone(self);
+        Supervisor(tokio::spawn(async move { engine.supervise(on_exit).await }))
+    }
+
     /// Handles each serving generation's exit as it happens, calling
     /// `on_exit` once for each. It never returns on its own (the engine
-    /// keeps the sending side): run it as a task beside the intake and
-    /// abort that with the intake. A second call returns at once.
+    /// keeps the sending side): intakes run it through
+    /// [`start_supervisor`](Self::start_supervisor). A second call returns
+    /// at once.
     pub async fn supervise(&self, mut on_exit: impl FnMut(GenerationExit) + Send) {
         let receiver = self
             .exits
@@ -168,13 +186,11 @@ impl Engine {
             return None;
         }
         let mut running = claim.serving.take()?;
-        let (exit_code, signal) = match &mut running.process {
-            Process::Spawned(child) => match child.try_wait() {
-                Ok(Some(status)) => (status.code(), status.signal()),
-                _ => (None, None),
-            },
-            Process::Adopted { .. } => (None, None),
-        };
+        let status = parts::has_exited(&mut running);
+        let (exit_code, signal) = (
+            status.and_then(|s| s.code()),
+            status.and_then(|s| s.signal()),
+        );
         let exit = ExitRecord {
             generation,
             build: running.record.build.clone(),

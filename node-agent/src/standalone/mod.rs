@@ -184,22 +184,9 @@ pub async fn run_with(
     config: StandaloneConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), StandaloneError> {
-    let supervisor = tokio::spawn({
-        let engine = engine.clone();
-        async move {
-            engine
-                .supervise(|exit| crate::engine::log_exit(&exit))
-                .await
-        }
-    });
-    let runner = runner::Runner::start(engine, gate, state_dir, config).await;
-    let result = match runner {
-        Ok(runner) => runner.run(shutdown).await,
-        Err(error) => Err(error),
-    };
-    // An exit it was handling is left to the next start's recovery.
-    supervisor.abort();
-    result
+    let _supervisor = engine.start_supervisor(|exit| crate::engine::log_exit(&exit));
+    let runner = runner::Runner::start(engine, gate, state_dir, config).await?;
+    runner.run(shutdown).await
 }
 
 #[cfg(test)]
