@@ -98,9 +98,9 @@ impl RotatingFile {
             // A failed rotation keeps writing to the file it has.
             let _ = self.rotate();
         }
-        if self.file.is_none() && self.reopen().is_err() {
-            self.drop_record();
-            return;
+        if self.file.is_none() {
+            // Without a file (a reopen failed): try again for this record.
+            let _ = self.reopen();
         }
         let Some(file) = self.file.as_mut() else {
             self.drop_record();
