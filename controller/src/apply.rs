@@ -436,6 +436,9 @@ mod tests {
             config_rev: None,
             restart_id: None,
             since: None,
+            serving: None,
+            restarts: None,
+            last_exit: None,
             last_attempt: last.map(|(sched_rev, outcome)| LastAttempt {
                 sched_rev,
                 cause: Cause::Release,

@@ -7,8 +7,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::settings::{
     BuildSpec, Cause, Demand, HealthSpec, InstanceKind, Mode, NodeSelector, Outcome, ProcessSpec,
-    ResourcesSpec, SettleSpec, SocketSpec, StopSpec,
+    ResourcesSpec, RestartPolicy, SettleSpec, SocketSpec, StopSpec,
 };
+use crate::swap_attempt::LastExit;
 
 /// The desired state of one host process identity on every node its selector picks.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -66,6 +67,10 @@ pub struct InstanceGenerationSpec {
     pub rollout: RolloutSpec,
     #[serde(default)]
     pub socket: SocketSpec,
+    /// What the agent does when a serving generation exits between
+    /// attempts; unset: `Always` for an instance, `OnFailure` for a worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_policy: Option<RestartPolicy>,
 }
 
 /// How a new desired state rolls across the selected nodes.
@@ -170,6 +175,16 @@ pub struct NodeGeneration {
     /// When the serving generation took over.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub since: Option<Time>,
+    /// A generation of the desired state runs and answers there; false
+    /// while it is down between attempts (exited, backing off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving: Option<bool>,
+    /// Restarts by the agent since the attempt that installed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restarts: Option<i32>,
+    /// How the last generation that exited between attempts ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_exit: Option<LastExit>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_attempt: Option<LastAttempt>,
 }

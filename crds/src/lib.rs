@@ -24,7 +24,10 @@ pub use instance_generation::{
     LastAttempt, NodeGeneration, RolloutSpec,
 };
 pub use settings::*;
-pub use swap_attempt::{StepTiming, SwapAttempt, SwapAttemptSpec, SwapAttemptStatus};
+pub use swap_attempt::{
+    LastExit, ServingState, ServingStatus, StepTiming, SwapAttempt, SwapAttemptSpec,
+    SwapAttemptStatus, exit_text, signal_name,
+};
 
 /// The API group of every genswap resource.
 pub const GROUP: &str = "genswap.dev";

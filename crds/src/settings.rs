@@ -338,3 +338,46 @@ fn thirty() -> i32 {
 fn ten() -> i32 {
     10
 }
+
+/// What the agent does when a serving generation exits between attempts
+/// (SPEC 5.10). Unset means the kind's default: `Always` for an instance,
+/// `OnFailure` for a worker.
+#[derive(
+    Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord,
+)]
+pub enum RestartPolicy {
+    /// Restart after every exit, a clean one included.
+    Always,
+    /// Restart unless it exited 0.
+    OnFailure,
+    /// Leave it down and report it: a human must act.
+    Never,
+}
+
+impl RestartPolicy {
+    /// The policy that applies: `set`, or the kind's default.
+    pub fn effective(set: Option<RestartPolicy>, kind: InstanceKind) -> RestartPolicy {
+        set.unwrap_or(match kind {
+            InstanceKind::Instance => RestartPolicy::Always,
+            InstanceKind::Worker => RestartPolicy::OnFailure,
+        })
+    }
+
+    /// Whether an exit is followed by a restart; `clean` is an exit 0.
+    pub fn restarts_after(self, clean: bool) -> bool {
+        match self {
+            RestartPolicy::Always => true,
+            RestartPolicy::OnFailure => !clean,
+            RestartPolicy::Never => false,
+        }
+    }
+
+    /// The wire spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RestartPolicy::Always => "Always",
+            RestartPolicy::OnFailure => "OnFailure",
+            RestartPolicy::Never => "Never",
+        }
+    }
+}

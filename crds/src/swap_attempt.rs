@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::settings::{
     BuildSpec, Cause, Demand, HealthSpec, InstanceKind, Mode, Outcome, ProcessSpec, ResourcesSpec,
-    SettleSpec, SocketSpec, StopSpec,
+    RestartPolicy, SettleSpec, SocketSpec, StopSpec,
 };
 
 /// An attempt as the controller issued it. It never changes after creation.
@@ -65,6 +65,9 @@ pub struct SwapAttemptSpec {
     pub resources: ResourcesSpec,
     #[serde(default)]
     pub socket: SocketSpec,
+    /// What the agent does when the generation this attempt installs exits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_policy: Option<RestartPolicy>,
 }
 
 /// What the node agent reports. Written only by the agent.
@@ -103,6 +106,106 @@ pub struct SwapAttemptStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
+    /// On the node's newest `done` attempt: the generation it installed and
+    /// the agent's restarts since, kept current between attempts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving: Option<ServingStatus>,
+}
+
+/// The state of what a `done` attempt installed (SPEC 5.10).
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct ServingStatus {
+    pub state: ServingState,
+    /// The generation serving (Running) or the one that exited.
+    pub generation: i64,
+    /// Restarts by the agent since this attempt.
+    #[serde(default)]
+    pub restarts: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_exit: Option<LastExit>,
+    /// BackOff: when the next restart is due.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_at: Option<Time>,
+    /// Why it is not running, in words a human can act on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// Running, or down between attempts.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ServingState {
+    /// Serving and healthy.
+    Running,
+    /// Exited: being restarted now, or left down by the restart policy.
+    Exited,
+    /// Exited, and the next restart waits for its backoff.
+    BackOff,
+}
+
+/// How a generation ended between attempts.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct LastExit {
+    pub generation: i64,
+    /// Its exit code, when it exited on its own and the agent saw it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// The signal that killed it, when one did and the agent saw it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    /// The kernel's OOM killer killed a process of its cgroup.
+    #[serde(default)]
+    pub oom_killed: bool,
+    pub at: Time,
+}
+
+impl LastExit {
+    /// An exit 0.
+    pub fn clean(&self) -> bool {
+        self.exit_code == Some(0) && self.signal.is_none()
+    }
+
+    /// `exit code 1`, `signal 9 (SIGKILL)`, with `, OOM-killed`.
+    pub fn describe(&self) -> String {
+        let how = exit_text(self.exit_code, self.signal);
+        if self.oom_killed {
+            format!("{how}, OOM-killed")
+        } else {
+            how
+        }
+    }
+}
+
+/// How a process ended, in words: `exit code 1`, `signal 9 (SIGKILL)`.
+pub fn exit_text(code: Option<i32>, signal: Option<i32>) -> String {
+    match (code, signal) {
+        (_, Some(signal)) => match signal_name(signal) {
+            Some(name) => format!("signal {signal} ({name})"),
+            None => format!("signal {signal}"),
+        },
+        (Some(code), None) => format!("exit code {code}"),
+        (None, None) => "an exit status this agent cannot know (it adopted the process)".into(),
+    }
+}
+
+/// The usual name of a Linux signal number.
+pub fn signal_name(signal: i32) -> Option<&'static str> {
+    Some(match signal {
+        1 => "SIGHUP",
+        2 => "SIGINT",
+        3 => "SIGQUIT",
+        4 => "SIGILL",
+        6 => "SIGABRT",
+        7 => "SIGBUS",
+        8 => "SIGFPE",
+        9 => "SIGKILL",
+        11 => "SIGSEGV",
+        13 => "SIGPIPE",
+        14 => "SIGALRM",
+        15 => "SIGTERM",
+        _ => return None,
+    })
 }
 
 /// One step of an attempt.

@@ -221,6 +221,7 @@ fn attempt() -> SwapAttempt {
         stop: ig.spec.stop.clone(),
         resources: ig.spec.resources.clone(),
         socket: ig.spec.socket.clone(),
+        restart_policy: ig.spec.restart_policy,
     };
     SwapAttempt::new("app-node-a-3", spec)
 }

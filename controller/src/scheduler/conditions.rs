@@ -6,6 +6,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
 use super::failure_book::FailureBook;
 use super::rollout::Progress;
+use super::supervision::Down;
 use super::{Context, mode_name};
 
 /// The reasons the scheduler writes on its conditions.
@@ -26,6 +27,11 @@ pub mod reasons {
     pub const NODE_DOWN: &str = "NodeDown";
     /// The selector matches no node.
     pub const NO_MATCHING_NODES: &str = "NoMatchingNodes";
+    /// A node's generation exited between attempts: it is being restarted,
+    /// or (Stalled) its restart policy leaves it down.
+    pub const GENERATION_EXITED: &str = "GenerationExited";
+    /// A node's generation keeps exiting; its next restart waits.
+    pub const CRASH_LOOP_BACK_OFF: &str = "CrashLoopBackOff";
 }
 
 /// At most this many names in one message.
@@ -42,17 +48,38 @@ pub(super) fn write(
     let target = describe(&ctx.desired);
     let none_selected = progress.selected == 0;
     let all_ready = !none_selected && progress.ready == progress.selected;
-    let stall_reason = (!progress.stalled.is_empty()).then_some(if progress.down.is_empty() {
+    let left_down: Vec<(&str, Down)> = progress
+        .down_between
+        .iter()
+        .filter(|(_, down)| matches!(down, Down::LeftDown(_)))
+        .cloned()
+        .collect();
+    let held = (!progress.stalled.is_empty()).then_some(if progress.down.is_empty() {
         reasons::BUILD_FAILED
     } else {
         reasons::NODE_DOWN
     });
+    let stall_reason = held.or((!left_down.is_empty()).then_some(reasons::GENERATION_EXITED));
+    // Down between attempts, the agent restarting it: not stalled, not ready.
+    let between_reason = if progress
+        .down_between
+        .iter()
+        .any(|(_, down)| matches!(down, Down::BackingOff(_)))
+    {
+        Some(reasons::CRASH_LOOP_BACK_OFF)
+    } else if progress.down_between.is_empty() {
+        None
+    } else {
+        Some(reasons::GENERATION_EXITED)
+    };
     let idle_reason = if none_selected {
         reasons::NO_MATCHING_NODES
     } else if all_ready {
         reasons::ALL_NODES_READY
     } else {
-        stall_reason.unwrap_or(reasons::ROLLOUT_IN_PROGRESS)
+        stall_reason
+            .or(between_reason)
+            .unwrap_or(reasons::ROLLOUT_IN_PROGRESS)
     };
 
     let (ready_reason, ready_message) = if none_selected {
@@ -77,9 +104,19 @@ pub(super) fn write(
             reasons::ALL_NODES_READY,
             format!("all {} nodes serve {target}", progress.selected),
         )
+    } else if !progress.down_between.is_empty() {
+        (
+            idle_reason,
+            format!(
+                "{}/{} nodes serve {target}; down between attempts: {}",
+                progress.ready,
+                progress.selected,
+                down_list(&progress.down_between)
+            ),
+        )
     } else {
         (
-            stall_reason.unwrap_or(reasons::ROLLOUT_IN_PROGRESS),
+            idle_reason,
             format!(
                 "{}/{} nodes serve {target}; not yet: {}",
                 progress.ready,
@@ -129,9 +166,16 @@ pub(super) fn write(
         now,
     );
 
-    let (stalled_reason, stalled_message) = match stall_reason {
-        Some(reason) => (reason, stall_message(ctx, progress, book)),
-        None => (idle_reason, "progress needs no human".to_string()),
+    let (stalled_reason, stalled_message) = match (held, stall_reason) {
+        (Some(reason), _) => (reason, stall_message(ctx, progress, book)),
+        (None, Some(reason)) => (
+            reason,
+            format!(
+                "the restart policy leaves these nodes down: {}; change spec.restartID to start the instance again",
+                down_list(&left_down)
+            ),
+        ),
+        (None, None) => (idle_reason, "progress needs no human".to_string()),
     };
     set_condition(
         conditions,
@@ -189,6 +233,20 @@ fn describe(desired: &DesiredState) -> String {
     }
     if !desired.restart_id.is_empty() {
         text.push_str(&format!(" restartID {}", desired.restart_id));
+    }
+    text
+}
+
+/// `n1 (generation 3 exited with signal 9 (SIGKILL); restarting it), …`.
+fn down_list(down: &[(&str, Down)]) -> String {
+    let mut text = down
+        .iter()
+        .take(NAMES_SHOWN)
+        .map(|(node, down)| format!("{node} ({})", down.message()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if down.len() > NAMES_SHOWN {
+        text.push_str(&format!(" and {} more", down.len() - NAMES_SHOWN));
     }
     text
 }

@@ -37,6 +37,7 @@ mod failure_book;
 mod naming;
 mod outcomes;
 mod rollout;
+mod supervision;
 
 use std::time::Duration;
 
@@ -121,6 +122,7 @@ pub fn plan(
     let mut book = FailureBook::new(std::mem::take(&mut status.held_down));
     for slot in &mut slots {
         outcomes::observe(slot, &mut book, &ctx, &mut events);
+        slot.down = supervision::observe(slot, &mut events);
     }
 
     let retry_changed = failure_book::observe_retry_token(&mut status.last_retry, &ctx.spec.retry);
@@ -233,6 +235,8 @@ struct NodeSlot<'a> {
     canary: bool,
     attempts: &'a [&'a SwapAttempt],
     entry: NodeGeneration,
+    /// Runs the desired state but is down between attempts.
+    down: Option<supervision::Down>,
 }
 
 /// This instance's attempts sorted by (node, revision), so each node's are
@@ -291,6 +295,9 @@ fn gather<'a>(
                 config_rev: None,
                 restart_id: None,
                 since: None,
+                serving: None,
+                restarts: None,
+                last_exit: None,
                 last_attempt: None,
             });
         let attempts = groups
@@ -301,6 +308,7 @@ fn gather<'a>(
             canary: index < canaries,
             attempts,
             entry,
+            down: None,
         });
     }
     strays.extend(groups.flatten());

@@ -12,6 +12,7 @@ use genswap_crds::{
 use k8s_openapi::api::core::v1::Node;
 
 use super::failure_book::FailureBook;
+use super::supervision::Down;
 use super::{ABANDONED_RUN_KEPT, Context, KEEP_ATTEMPTS_PER_NODE, NodeSlot};
 
 /// The first re-issue of an abandoned attempt waits this long.
@@ -104,6 +105,8 @@ pub(super) struct Progress<'a> {
     pub stalled: Vec<&'a str>,
     /// Stalled nodes where nothing serves after a `down`.
     pub down: Vec<&'a str>,
+    /// Nodes that run the desired state but are down between attempts.
+    pub down_between: Vec<(&'a str, Down)>,
 }
 
 pub(super) struct Decisions<'a> {
@@ -182,7 +185,13 @@ pub(super) fn decide<'a>(
     for (index, (slot, f)) in slots.iter().zip(&facts).enumerate() {
         let pending_backoff = f.backoff_until.filter(|due| *due > now_ms);
         if f.serves {
-            progress.ready += 1;
+            match &slot.down {
+                Some(down) => {
+                    progress.not_ready.push(slot.name);
+                    progress.down_between.push((slot.name, down.clone()));
+                }
+                None => progress.ready += 1,
+            }
             if f.in_flight && !f.aims {
                 progress.superseding = true;
                 // Take the node back to what it serves (a rollback while an

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use genswap_controller::scheduler::{self, Plan};
 use genswap_crds::{
     Cause, InstanceGeneration, InstanceGenerationSpec, InstanceGenerationStatus, Mode,
-    NodeGeneration, Outcome, SwapAttempt, SwapAttemptStatus,
+    NodeGeneration, Outcome, ServingStatus, SwapAttempt, SwapAttemptStatus,
 };
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
@@ -89,6 +89,9 @@ pub fn serving(node: &str, build: &str, generation: i64) -> NodeGeneration {
         config_rev: Some(String::new()),
         restart_id: Some(String::new()),
         since: Some(time(T0 - 3600)),
+        serving: Some(true),
+        restarts: None,
+        last_exit: None,
         last_attempt: None,
     }
 }
@@ -278,6 +281,23 @@ impl World {
             finished_at: Some(time(now)),
             ..SwapAttemptStatus::default()
         });
+    }
+
+    /// The agent on `node` writes `serving` on that node's newest `done`
+    /// attempt, as its supervisor does between attempts.
+    pub fn report_serving(&mut self, node: &str, serving: ServingStatus) {
+        let attempt = self
+            .attempts
+            .iter_mut()
+            .filter(|a| {
+                a.spec.node_name == node
+                    && a.status.as_ref().and_then(|s| s.outcome) == Some(Outcome::Done)
+            })
+            .max_by_key(|a| a.spec.sched_rev)
+            .unwrap_or_else(|| panic!("no done attempt on {node}"));
+        if let Some(status) = attempt.status.as_mut() {
+            status.serving = Some(serving);
+        }
     }
 
     pub fn newest(&self, node: &str) -> Option<&SwapAttempt> {
