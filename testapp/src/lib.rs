@@ -27,6 +27,7 @@
 //! | `TESTAPP_STATUS=code` | answer every request with this status |
 //! | `TESTAPP_EXIT_AFTER_MS=N` | exit N ms after the process started, with `TESTAPP_EXIT_CODE` |
 //! | `TESTAPP_EXIT_CODE=c` | the code for `TESTAPP_EXIT_AFTER_MS` (default 1) |
+//! | `TESTAPP_EXIT_ONCE=path` | `TESTAPP_EXIT_AFTER_MS` applies only to the process that creates `path` first: later ones (a restart) keep serving |
 //! | `TESTAPP_IGNORE_SIGTERM=1` | SIGTERM is ignored (disposition `SIG_IGN`); keeps serving |
 //! | `TESTAPP_DRAIN_MS=N` | how long a SIGTERM drain waits for in-flight requests (default 2000) |
 //! | `TESTAPP_FORK_CHILDREN=N` | at start, fork N children that ignore SIGTERM and sleep forever |
@@ -98,6 +99,9 @@ pub mod knob {
     pub const EXIT_AFTER_MS: &str = "TESTAPP_EXIT_AFTER_MS";
     /// Exit code for [`EXIT_AFTER_MS`] (default 1).
     pub const EXIT_CODE: &str = "TESTAPP_EXIT_CODE";
+    /// With [`EXIT_AFTER_MS`]: exit only if this path can be created (it
+    /// did not exist), so one process of many exits.
+    pub const EXIT_ONCE: &str = "TESTAPP_EXIT_ONCE";
     /// `1`: ignore SIGTERM.
     pub const IGNORE_SIGTERM: &str = "TESTAPP_IGNORE_SIGTERM";
     /// Longest wait for in-flight requests after SIGTERM, in ms (default 2000).
@@ -112,11 +116,12 @@ pub mod knob {
     pub const HANG: &str = "TESTAPP_HANG";
 
     /// Every knob, for flag parsing.
-    pub const ALL: [&str; 10] = [
+    pub const ALL: [&str; 11] = [
         BOOT_DELAY_MS,
         STATUS,
         EXIT_AFTER_MS,
         EXIT_CODE,
+        EXIT_ONCE,
         IGNORE_SIGTERM,
         DRAIN_MS,
         FORK_CHILDREN,

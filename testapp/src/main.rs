@@ -165,6 +165,7 @@ struct Config {
     status: StatusCode,
     exit_after: Option<Duration>,
     exit_code: i32,
+    exit_once: Option<std::path::PathBuf>,
     ignore_sigterm: bool,
     drain: Duration,
     fork_children: u32,
@@ -196,6 +197,7 @@ impl Config {
             exit_code: knobs
                 .parsed(knob::EXIT_CODE, "an exit code")?
                 .unwrap_or(DEFAULT_EXIT_CODE),
+            exit_once: knobs.raw(knob::EXIT_ONCE).map(std::path::PathBuf::from),
             ignore_sigterm: knobs.switch(knob::IGNORE_SIGTERM)?,
             drain: knobs.millis(knob::DRAIN_MS)?.unwrap_or(DEFAULT_DRAIN),
             fork_children: knobs
@@ -364,7 +366,14 @@ async fn run(config: Config, responder: Responder, started: Instant) -> Result<(
     } else {
         Some(tokio_signal(SignalKind::terminate()).map_err(RunError::SigtermHandler)?)
     };
-    if let Some(after) = config.exit_after {
+    let first_to_exit = config.exit_once.as_ref().is_none_or(|path| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .is_ok()
+    });
+    if let Some(after) = config.exit_after.filter(|_| first_to_exit) {
         let code = config.exit_code;
         tokio::spawn(async move {
             sleep_until(started + after).await;
