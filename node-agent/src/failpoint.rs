@@ -22,7 +22,9 @@
 //! one atomic load.
 //!
 //! The names are `<mode>.<boundary>` with `<mode>` the effective mode
-//! (`overlap` or `hold`); [`POINTS`] lists every one, in the order a
+//! (`overlap` or `hold`), or `restart` for the supervisor's restart of an
+//! exited instance (an install of a server: its overlap boundaries without
+//! an incumbent); [`POINTS`] lists every one, in the order a
 //! successful swap reaches them, and `docs/RELIABILITY.md` says what recovery
 //! does after each.
 
@@ -69,6 +71,18 @@ pub const POINTS: &[&str] = &[
     "hold.after_switch",
     "hold.before_finish",
     "hold.after_finish",
+    "restart.admitted",
+    "restart.staged",
+    "restart.after_admit",
+    "restart.after_raise",
+    "restart.after_journal",
+    "restart.after_spawn",
+    "restart.before_health",
+    "restart.after_health",
+    "restart.before_switch",
+    "restart.after_switch",
+    "restart.before_finish",
+    "restart.after_finish",
 ];
 
 /// How an armed point ends the process.

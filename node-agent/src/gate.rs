@@ -180,6 +180,21 @@ pub enum GateRefusal {
 pub trait AttemptGate: Send + Sync {
     /// `Ok` when the attempt may go on past `point`.
     fn check(&self, point: GatePoint, attempt: &AttemptId) -> Result<(), GateRefusal>;
+
+    /// `Ok` when the supervisor's restart of `instance` may go on past
+    /// `point`. No API attempt supersedes a restart: it starts again what
+    /// the last `done` installed, and a newer attempt finds the instance
+    /// busy or already restarted. By default only the attempts' own gate
+    /// decides, at a revision nothing supersedes.
+    fn check_restart(&self, point: GatePoint, instance: &InstanceKey) -> Result<(), GateRefusal> {
+        self.check(
+            point,
+            &AttemptId {
+                instance: instance.clone(),
+                sched_rev: i64::MAX,
+            },
+        )
+    }
 }
 
 /// The gate both adapters use: the newest schedRev seen per instance, node

@@ -13,6 +13,7 @@ use std::io;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::ValueEnum;
 use nix::sched::CloneFlags;
@@ -83,6 +84,31 @@ pub struct HostArgs {
     /// Log files kept per generation, the current one included (at least 2).
     #[arg(long, env = "GENSWAP_LOG_MAX_FILES", value_name = "N", default_value_t = crate::logs::DEFAULT_MAX_FILES, value_parser = clap::value_parser!(u32).range(2..))]
     pub log_max_files: u32,
+    /// The wait before the second restart in a row of an exited generation
+    /// (the first is at once); each further one doubles it.
+    #[arg(
+        long,
+        env = "GENSWAP_RESTART_BACKOFF_MS",
+        value_name = "MS",
+        default_value_t = 10_000
+    )]
+    pub restart_backoff_ms: u64,
+    /// The longest wait between restarts.
+    #[arg(
+        long,
+        env = "GENSWAP_RESTART_BACKOFF_MAX_MS",
+        value_name = "MS",
+        default_value_t = 300_000
+    )]
+    pub restart_backoff_max_ms: u64,
+    /// A generation healthy this long resets the backoff.
+    #[arg(
+        long,
+        env = "GENSWAP_RESTART_RESET_MS",
+        value_name = "MS",
+        default_value_t = 600_000
+    )]
+    pub restart_reset_ms: u64,
     /// Log line format (to stderr; the level comes from `RUST_LOG`, default
     /// info).
     #[arg(long, env = "GENSWAP_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
@@ -119,6 +145,13 @@ impl HostArgs {
             engine: EngineConfig {
                 allow_root: self.allow_root_instances,
                 swaps_on: self.swap == Swaps::On,
+                restart_backoff: crate::engine::RestartBackoff {
+                    initial: Duration::from_millis(self.restart_backoff_ms),
+                    max: Duration::from_millis(
+                        self.restart_backoff_max_ms.max(self.restart_backoff_ms),
+                    ),
+                    reset_after: Duration::from_millis(self.restart_reset_ms),
+                },
             },
             logs: LogSettings {
                 dir: self.log_dir.clone(),

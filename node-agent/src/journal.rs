@@ -47,7 +47,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use genswap_crds::{Cause, InstanceKind, Mode, Outcome, StepTiming, StopSpec};
+use genswap_crds::{
+    Cause, InstanceKind, Mode, Outcome, ServingState, StepTiming, StopSpec, SwapAttemptSpec,
+};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -124,6 +126,74 @@ pub struct ExitRecord {
     pub oom_killed: bool,
     /// When the exit was noticed, unix millis.
     pub at_ms: i64,
+    /// When the generation began serving, unix millis, when known: how
+    /// long it stayed up decides whether the restart backoff resets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving_since_ms: Option<i64>,
+}
+
+impl ExitRecord {
+    /// An exit 0 this agent saw.
+    pub fn clean(&self) -> bool {
+        self.exit_code == Some(0) && self.signal.is_none()
+    }
+}
+
+/// What the supervisor keeps of an instance between attempts (SPEC 5.10):
+/// the attempt whose `done` installed what serves (its `serving` block is
+/// where the state is reported), that attempt's spec (what a restart starts
+/// again), and the restarts since.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Supervised {
+    pub attempt: AttemptRef,
+    pub spec: SwapAttemptSpec,
+    /// The lineage's newest generation: the one serving, or the one that
+    /// exited.
+    pub generation: u64,
+    /// Restarts that reached `done` since the attempt.
+    #[serde(default)]
+    pub restarts: u32,
+    /// Exits in a row with less than the reset time healthy between them:
+    /// the restart backoff's exponent.
+    #[serde(default)]
+    pub consecutive_exits: u32,
+    pub state: ServingState,
+    /// BackOff: when the next restart is due, unix millis.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_at_ms: Option<i64>,
+    /// Why it is not running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+impl Supervised {
+    /// A lineage that just started serving with `attempt`.
+    pub fn new(attempt: AttemptRef, spec: SwapAttemptSpec, generation: u64) -> Self {
+        Self {
+            attempt,
+            spec,
+            generation,
+            restarts: 0,
+            consecutive_exits: 0,
+            state: ServingState::Running,
+            restart_at_ms: None,
+            message: None,
+        }
+    }
+}
+
+/// What an attempt's end does to the instance's [`Supervised`] lineage.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Lineage {
+    /// Unchanged (an attempt that left the incumbent as it was).
+    Keep,
+    /// Replaced: a `done` installed a new lineage.
+    Set(Box<Supervised>),
+    /// The lineage's `restarts`-th restart serves as `generation`.
+    Restarted { restarts: u32, generation: u64 },
+    /// Nothing is supervised any more (nothing serves by intent).
+    End,
 }
 
 /// Which attempt a record is about.
@@ -229,6 +299,14 @@ pub struct OutcomeRecord {
 pub struct Record {
     pub instance: InstanceKey,
     pub attempt: AttemptRef,
+    /// `Some(k)`: not an API attempt but the supervisor's k-th restart of
+    /// the lineage `attempt` installed. Never reported as that attempt's
+    /// outcome.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart: Option<u32>,
+    /// The attempt's spec: what the supervisor restarts once it is `done`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec: Option<Box<SwapAttemptSpec>>,
     pub cause: Cause,
     #[serde(default)]
     pub kind: InstanceKind,
@@ -281,6 +359,8 @@ impl Record {
         Self {
             instance,
             attempt,
+            restart: None,
+            spec: None,
             cause,
             kind,
             requested_mode,
@@ -326,9 +406,38 @@ impl Record {
         self.outcome = Some(outcome);
     }
 
+    /// What this record's end does to the supervised lineage (SPEC 5.10),
+    /// given the generation that serves after it: a `done` that left one
+    /// serving starts a new lineage (a restart continues its own); a `done`
+    /// or `down` after which nothing serves ends it; anything else leaves
+    /// it to the supervisor.
+    pub fn lineage_after(&self, serving_after: Option<u64>) -> Lineage {
+        let outcome = self.outcome.as_ref().map(|o| o.outcome);
+        let done = outcome == Some(Outcome::Done);
+        match (self.restart, serving_after) {
+            (Some(restarts), Some(generation)) if done => Lineage::Restarted {
+                restarts,
+                generation,
+            },
+            (Some(_), _) => Lineage::Keep,
+            (None, Some(generation)) if done => match &self.spec {
+                Some(spec) => Lineage::Set(Box::new(Supervised::new(
+                    self.attempt.clone(),
+                    (**spec).clone(),
+                    generation,
+                ))),
+                None => Lineage::End,
+            },
+            (None, None) if done || outcome == Some(Outcome::Down) => Lineage::End,
+            (None, _) => Lineage::Keep,
+        }
+    }
+
     /// Whether this record and `other` are the same attempt.
     pub fn same_attempt(&self, other: &Record) -> bool {
-        self.attempt.sched_rev == other.attempt.sched_rev && self.attempt.name == other.attempt.name
+        self.attempt.sched_rev == other.attempt.sched_rev
+            && self.attempt.name == other.attempt.name
+            && self.restart == other.restart
     }
 }
 
@@ -354,6 +463,9 @@ pub struct InstanceEntry {
     /// How the last serving generation that exited between attempts ended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_exit: Option<ExitRecord>,
+    /// What the supervisor keeps between attempts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub supervised: Option<Supervised>,
 }
 
 impl InstanceEntry {
@@ -366,13 +478,20 @@ impl InstanceEntry {
             attempt: None,
             unreported: Vec::new(),
             last_exit: None,
+            supervised: None,
         }
     }
 
-    /// Finished records not yet acknowledged, oldest first.
+    /// Finished records of API attempts not yet acknowledged, oldest
+    /// first (a restart's record is the supervisor's own).
     pub fn pending_reports(&self) -> Vec<Record> {
         let mut pending = self.unreported.clone();
-        pending.extend(self.attempt.iter().filter(|r| r.outcome.is_some()).cloned());
+        pending.extend(
+            self.attempt
+                .iter()
+                .filter(|r| r.outcome.is_some() && r.restart.is_none())
+                .cloned(),
+        );
         pending
     }
 
@@ -494,6 +613,12 @@ impl Journal {
     /// has not finished. The generation counter is kept above the record's
     /// generations.
     pub fn record(&self, record: &Record) -> Result<(), JournalError> {
+        self.finish(record, Lineage::Keep)
+    }
+
+    /// [`record`](Self::record), and in the same write what the attempt's
+    /// end does to the supervised lineage.
+    pub fn finish(&self, record: &Record, lineage: Lineage) -> Result<(), JournalError> {
         self.update(&record.instance, |entry| {
             if let Some(current) = entry.attempt.take() {
                 if current.same_attempt(record) {
@@ -513,6 +638,58 @@ impl Journal {
             }
             entry.attempt = Some(record.clone());
             entry.bump_above_known();
+            if record.restart.is_some() && record.outcome.is_some() {
+                // Nobody reports a restart: once it ended, the lineage is
+                // what is kept of it.
+                entry.attempt = None;
+            }
+            match lineage {
+                Lineage::Keep => {}
+                Lineage::Set(supervised) => {
+                    entry.last_exit = None;
+                    entry.supervised = Some(*supervised);
+                }
+                Lineage::Restarted {
+                    restarts,
+                    generation,
+                } => {
+                    if let Some(supervised) = entry.supervised.as_mut() {
+                        supervised.restarts = restarts;
+                        supervised.generation = generation;
+                        supervised.state = ServingState::Running;
+                        supervised.restart_at_ms = None;
+                        supervised.message = None;
+                    }
+                }
+                Lineage::End => entry.supervised = None,
+            }
+            Ok(((), true))
+        })
+    }
+
+    /// Changes the instance's supervised lineage with `change` (which says
+    /// whether it changed anything) and returns it as written; `None` when
+    /// there is none.
+    pub fn update_supervised(
+        &self,
+        instance: &InstanceKey,
+        change: impl FnOnce(&mut Supervised) -> bool,
+    ) -> Result<Option<Supervised>, JournalError> {
+        self.update(instance, |entry| {
+            let Some(supervised) = entry.supervised.as_mut() else {
+                return Ok((None, false));
+            };
+            let changed = change(supervised);
+            Ok((Some(supervised.clone()), changed))
+        })
+    }
+
+    /// Nothing serves by intent (the instance was stopped): no generation
+    /// and no lineage to restart.
+    pub fn stopped(&self, instance: &InstanceKey) -> Result<(), JournalError> {
+        self.update(instance, |entry| {
+            entry.serving = None;
+            entry.supervised = None;
             Ok(((), true))
         })
     }

@@ -17,6 +17,7 @@
 //! | `genswap_agent_generations_running` | gauge | | instances with a serving generation on this node |
 //! | `genswap_agent_journal_backlog` | gauge | | outcomes not yet accepted by the API server (or the status file) |
 //! | `genswap_agent_generation_exits_total` | counter | `reason` | serving generations that exited between attempts: `exited` (by themselves, with a code), `signaled`, `oom_killed`, `unknown` (adopted after an agent restart: not this agent's child) |
+//! | `genswap_agent_generation_restarts_total` | counter | `reason` | restarts that served, by the `reason` of the exit that caused them (the labels above) |
 //! | `genswap_agent_log_records_dropped_total` | counter | `instance` | records of instances' output their log shims could not write (a full disk), read from the `<N>.dropped` files at each scrape |
 //! | `genswap_agent_retirements_total` | counter | `result` | serving instances no attempt named any more, looked up: `stopped` (the InstanceGeneration was deleted or no longer selects this node), `kept` (it exists and selects this node), `failed` (the lookup or the stop failed; tried again) |
 //!
@@ -130,6 +131,7 @@ pub struct AgentMetrics {
     retirements: Family<RetirementLabels, Counter>,
     log_drops: Family<InstanceLabels, Counter>,
     generation_exits: Family<ExitLabels, Counter>,
+    generation_restarts: Family<ExitLabels, Counter>,
     /// The log dir whose drop counters are read at each scrape, and the
     /// count last read from each file: the counter grows by the difference,
     /// so it keeps counting when old generations' files are deleted.
@@ -158,6 +160,12 @@ impl AgentMetrics {
             "generation_exits",
             "Serving generations that exited between attempts, by how",
             generation_exits.clone(),
+        );
+        let generation_restarts = Family::<ExitLabels, Counter>::default();
+        registry.register(
+            "generation_restarts",
+            "Restarts of exited generations that served, by how the generation before had exited",
+            generation_restarts.clone(),
         );
         registry.register(
             "log_records_dropped",
@@ -199,8 +207,25 @@ impl AgentMetrics {
             retirements,
             log_drops,
             generation_exits,
+            generation_restarts,
             log_dir: None,
             drops_seen: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Counts what the supervisor did: exits and restarts that served.
+    pub fn record_supervisor_event(&self, event: &crate::engine::SupervisorEvent) {
+        use crate::engine::SupervisorEvent;
+        match event {
+            SupervisorEvent::Exited(exit) => self.record_generation_exit(exit.reason()),
+            SupervisorEvent::Restarted { after, .. } => {
+                self.generation_restarts
+                    .get_or_create(&ExitLabels {
+                        reason: (*after).to_string(),
+                    })
+                    .inc();
+            }
+            SupervisorEvent::Serving(_) => {}
         }
     }
 

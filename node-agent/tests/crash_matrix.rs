@@ -110,9 +110,73 @@ async fn installed(node: &Node, mode: &'static str) -> (testapp::Build, testapp:
     (v1, v2)
 }
 
+/// A restart of v1 after its SIGKILL (SPEC 5.10), cut at `point`, then
+/// recovered by another agent: whatever the point, v1 serves again as a
+/// newer generation, alone, and the restart is never reported as the
+/// install's outcome.
+async fn restart_cut_at(point: &'static str) {
+    let node = Node::new(&point.replace(['.', '_'], "-"));
+    let v1 = node.build("v1");
+    node.write(&Manifest::new("v1", &v1, "overlap"));
+    let mut agent = node.start(Crash::PauseAt(point));
+    let doc = node
+        .status("the install to end", |doc| {
+            quiet(doc) && doc.attempt(1).is_some()
+        })
+        .await;
+    assert_eq!(
+        doc.attempt(1).and_then(|a| a.status.outcome),
+        Some(Outcome::Done)
+    );
+    let installed = node.who_serves().await.expect("v1 serves");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(installed.pid).expect("a pid")),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("SIGKILL v1");
+    agent.wait_paused(point).await;
+    assert_eq!(agent.kill().signal(), Some(9), "SIGKILL ended it");
+
+    let mut agent = node.start(Crash::No);
+    agent.wait_recovered().await;
+    let doc = node
+        .status(
+            &format!("the restart cut at {point} to be made good"),
+            |doc| {
+                doc.attempt(1)
+                    .and_then(|a| a.status.serving.as_ref())
+                    .is_some_and(|s| {
+                        s.state == genswap_crds::ServingState::Running && s.restarts >= 1
+                    })
+            },
+        )
+        .await;
+    let install = doc.attempt(1).expect("the install");
+    assert_eq!(
+        install.status.outcome,
+        Some(Outcome::Done),
+        "cut at {point}: {install:?}"
+    );
+    assert_eq!(
+        doc.attempts.len(),
+        1,
+        "a restart is no attempt of its own: {doc:?}"
+    );
+    node.assert_clean(Some("v1")).await;
+    let after = node.who_serves().await.expect("v1 serves again");
+    assert!(
+        after.generation > installed.generation,
+        "cut at {point}: {after:?}"
+    );
+    agent.terminate().await;
+}
+
 /// Runs the release v1 → v2, cut at `point` by `crash`, then recovers with
 /// a third agent and checks everything the module docs list.
 async fn cut_at(point: &'static str, abort: bool) {
+    if point.starts_with("restart.") {
+        return restart_cut_at(point).await;
+    }
     let expect = expected(point);
     let mode = if point.starts_with("overlap.") {
         "overlap"
@@ -236,6 +300,28 @@ macro_rules! kill_matrix {
 }
 
 kill_matrix! {
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    restart_admitted => "restart.admitted",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    restart_staged => "restart.staged",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    restart_after_admit => "restart.after_admit",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    restart_after_raise => "restart.after_raise",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    restart_after_journal => "restart.after_journal",
+    restart_after_spawn => "restart.after_spawn",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    restart_before_health => "restart.before_health",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    restart_after_health => "restart.after_health",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    restart_before_switch => "restart.before_switch",
+    restart_after_switch => "restart.after_switch",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    restart_before_finish => "restart.before_finish",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    restart_after_finish => "restart.after_finish",
     #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
     overlap_admitted => "overlap.admitted",
     #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]

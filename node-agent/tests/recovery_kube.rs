@@ -75,6 +75,7 @@ async fn a_restarted_agent_delivers_the_recovered_outcome_once_and_never_reruns_
         instance: web.clone(),
         name: name("web", 1),
         spec: node.spec("web", 1, &v1, "v1"),
+        restart: None,
     };
     let installed = node.engine.swap(&install, &OpenGate, &Cancel::new()).await;
     assert_eq!(installed.outcome, Outcome::Done, "{installed:?}");

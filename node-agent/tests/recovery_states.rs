@@ -20,43 +20,17 @@ use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 
 use genswap_crds::{Cause, InstanceKind, Mode, Outcome, StopSignal, StopSpec};
-use node_agent::cgroup::{CgroupManager, Tier};
-use node_agent::engine::{Engine, EngineConfig, EngineParts, RecoveryReport, SwapResult};
+use node_agent::cgroup::Tier;
+use node_agent::engine::{Engine, EngineConfig, RecoveryReport, SwapResult};
 use node_agent::gate::InstanceKey;
-use node_agent::journal::{AttemptRef, GenerationRecord, Journal, Phase, Record};
+use node_agent::journal::{AttemptRef, GenerationRecord, Phase, Record};
 use node_agent::spawn::{SpawnSpec, Spawned};
-use node_agent::stage::{Stager, StagerConfig, Store};
-use node_agent::switch::{RunLayout, current_generation, point_current};
+use node_agent::switch::{current_generation, point_current};
 use swap_host::{NOBODY, OpenGate, SwapHost, alive, ask, eventually};
 
 /// A second engine over `host`'s directories: the restarted agent.
-fn restarted(host: &SwapHost) -> Engine {
-    let root = host
-        .instance_cgroup()
-        .parent()
-        .expect("the instance cgroup has a parent")
-        .to_path_buf();
-    let store = host
-        .staging
-        .parent()
-        .expect("the staging root has a parent")
-        .join("store");
-    let cgroups = CgroupManager::open(root).expect("the test cgroup root");
-    let logs = swap_host::test_log_sink(&host.log_dir(), &cgroups);
-    Engine::new(
-        EngineParts {
-            logs,
-            cgroups,
-            layout: RunLayout::new(&host.run_dir),
-            stager: Stager::new(
-                Store::open(store).expect("store"),
-                StagerConfig::new(&host.staging),
-            )
-            .expect("stager"),
-            journal: Journal::open(&host.state_dir).expect("journal"),
-        },
-        EngineConfig::default(),
-    )
+fn restarted(host: &SwapHost) -> std::sync::Arc<Engine> {
+    host.next_agent(EngineConfig::default())
 }
 
 /// Starts generation `n` of `build` the way the engine's spawn step does:

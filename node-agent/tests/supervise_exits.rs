@@ -1,19 +1,25 @@
-//! Supervision between attempts, its first part (SPEC 5.10): a serving
-//! generation that exits on its own or is killed is noticed at once (a
-//! pidfd, no polling), reaped, cleaned up and journaled. Real testapp
-//! processes on real cgroup v2.
+//! Supervision between attempts (SPEC 5.10): a serving generation that
+//! exits on its own or is killed is noticed at once (a pidfd, no polling),
+//! reaped, cleaned up, journaled, and then restarted or left down as its
+//! `restartPolicy` says. Real testapp processes on real cgroup v2.
 
 #[path = "support/cgroup_guard.rs"]
 mod cgroup_guard;
 #[path = "support/swap_host.rs"]
 mod swap_host;
 
-use std::path::Path;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
-use genswap_crds::Outcome;
-use node_agent::engine::GenerationExit;
-use swap_host::{SwapHost, knob};
+use genswap_crds::{InstanceKind, Outcome, RestartPolicy, ServingState};
+use node_agent::engine::{
+    Engine, EngineConfig, GenerationExit, RestartBackoff, ServingChange, Supervisor,
+    SupervisorEvent,
+};
+use node_agent::journal::InstanceEntry;
+use swap_host::{OpenGate, SwapHost, knob};
 use tokio::sync::mpsc;
 
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -27,99 +33,351 @@ fn sigkill(pid: u32) {
     .expect("SIGKILL the serving generation");
 }
 
-/// Runs the engine's supervisor until it handled one exit.
-async fn next_exit(host: &SwapHost) -> GenerationExit {
-    let (sender, mut receiver) = mpsc::unbounded_channel();
-    let supervise = host.engine.supervise(move |exit| {
-        let _ = sender.send(exit);
-    });
-    tokio::time::timeout(DEADLINE, async {
-        tokio::select! {
-            () = supervise => panic!("the supervisor ended"),
-            exit = receiver.recv() => exit.expect("an exit"),
-        }
-    })
-    .await
-    .expect("the exit was noticed in time")
+/// A running supervisor and what it says, in order.
+struct Watching {
+    _supervisor: Supervisor,
+    events: mpsc::UnboundedReceiver<SupervisorEvent>,
 }
 
-/// Everything of the exited generation is gone, nothing is a zombie, and
-/// the journal says nothing serves and how it ended.
-fn assert_gone(host: &SwapHost, pid: u32, exit: &GenerationExit) {
+impl Watching {
+    fn start(engine: &Arc<Engine>) -> Self {
+        let (sender, events) = mpsc::unbounded_channel();
+        let supervisor = engine.start_supervisor(Arc::new(OpenGate), move |event| {
+            let _ = sender.send(event);
+        });
+        Watching {
+            _supervisor: supervisor,
+            events,
+        }
+    }
+
+    /// The next event, within the deadline.
+    async fn next(&mut self) -> SupervisorEvent {
+        tokio::time::timeout(DEADLINE, self.events.recv())
+            .await
+            .expect("the supervisor said something in time")
+            .expect("the supervisor runs")
+    }
+
+    /// The next exit, skipping other events.
+    async fn exit(&mut self) -> GenerationExit {
+        loop {
+            if let SupervisorEvent::Exited(exit) = self.next().await {
+                return exit;
+            }
+        }
+    }
+
+    /// The next state change, skipping other events.
+    async fn state(&mut self) -> ServingChange {
+        loop {
+            if let SupervisorEvent::Serving(change) = self.next().await {
+                return change;
+            }
+        }
+    }
+
+    /// State changes up to and including the first that is `Running` with
+    /// `restarts` restarts.
+    async fn states_until_restarts(&mut self, restarts: u32) -> Vec<ServingChange> {
+        let mut seen = Vec::new();
+        loop {
+            let change = self.state().await;
+            let done = change.supervised.state == ServingState::Running
+                && change.supervised.restarts == restarts;
+            seen.push(change);
+            if done {
+                return seen;
+            }
+        }
+    }
+}
+
+fn entry(engine: &Engine, host: &SwapHost) -> InstanceEntry {
+    engine
+        .journal()
+        .load_entry(&host.instance)
+        .expect("journal readable")
+        .expect("an entry")
+}
+
+/// The old process was reaped (no zombie of the agent).
+fn assert_reaped(pid: u32) {
     assert!(
         !Path::new(&format!("/proc/{pid}")).exists(),
         "pid {pid} was reaped, not left a zombie of the agent"
     );
+}
+
+/// Nothing of the instance runs and nothing names a dead socket.
+fn assert_down(host: &SwapHost) {
     host.assert_only(None);
     assert!(
         std::fs::symlink_metadata(host.current_sock()).is_err(),
         "current.sock no longer names a dead socket"
     );
     assert_eq!(host.engine.serving(&host.instance), None);
-    let entry = host
-        .engine
-        .journal()
-        .load_entry(&host.instance)
-        .expect("journal readable")
-        .expect("an entry");
-    assert_eq!(entry.serving, None, "the journal says nothing serves");
-    assert_eq!(entry.last_exit.as_ref(), Some(&exit.exit));
+}
+
+/// A file a `nobody` instance may create: `TESTAPP_EXIT_ONCE`.
+fn once_file(host: &SwapHost) -> PathBuf {
+    let dir = host.staging.with_file_name("once");
+    std::fs::create_dir_all(&dir).expect("once dir");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).expect("open it");
+    dir.join("exited")
 }
 
 #[tokio::test]
-async fn a_killed_serving_generation_is_noticed_reaped_and_cleaned_up() {
+async fn a_killed_serving_generation_is_restarted_and_serves_through_current_sock() {
     let host = SwapHost::new("supervise-kill");
     host.install(1, "b1").await;
-    let serving = host.who_serves().await.expect("b1 serves");
+    let before = host.who_serves().await.expect("b1 serves");
+    let mut watching = Watching::start(&host.engine);
 
-    sigkill(serving.pid);
-    let exit = next_exit(&host).await;
-
+    sigkill(before.pid);
+    let exit = watching.exit().await;
     assert_eq!(exit.instance, host.instance);
     assert_eq!((exit.exit.generation, exit.exit.build.as_str()), (1, "b1"));
     assert_eq!((exit.exit.exit_code, exit.exit.signal), (None, Some(9)));
     assert!(!exit.exit.oom_killed, "no memory controller here, no OOM");
     assert_eq!(exit.reason(), "signaled");
-    assert_gone(&host, serving.pid, &exit);
+    assert_eq!(exit.describe(), "signal 9 (SIGKILL)");
 
-    // The next attempt finds nothing serving and installs.
-    let b2 = host.build("b2");
-    let result = host.swap(&host.attempt(2, &b2, "b2")).await;
-    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
-    let after = host.who_serves().await.expect("b2 serves");
-    assert_eq!((after.build.as_str(), after.generation), ("b2", 2));
+    let states = watching.states_until_restarts(1).await;
+    let down = &states[0];
+    assert_eq!(down.supervised.state, ServingState::Exited, "{states:?}");
+    assert_eq!(down.supervised.generation, 1);
+    assert_eq!(down.last_exit.as_ref(), Some(&exit.exit));
+    let message = down.supervised.message.clone().unwrap_or_default();
+    assert!(
+        message.contains("signal 9 (SIGKILL); restarting it"),
+        "{message}"
+    );
+    let up = states.last().expect("a state");
+    assert_eq!(
+        (up.supervised.generation, up.supervised.restarts),
+        (2, 1),
+        "{states:?}"
+    );
+    assert_eq!(
+        up.supervised.attempt.sched_rev, 1,
+        "it reports to the attempt that installed b1"
+    );
+
+    let after = host
+        .who_serves()
+        .await
+        .expect("the restart answers through current.sock");
+    assert_eq!((after.build.as_str(), after.generation), ("b1", 2));
+    assert_ne!(after.pid, before.pid);
+    assert_reaped(before.pid);
+    host.assert_only(Some(2));
+    let journaled = entry(&host.engine, &host);
+    assert_eq!(journaled.serving.as_ref().map(|g| g.n), Some(2));
+    assert_eq!(
+        journaled.last_exit.as_ref().map(|e| e.signal),
+        Some(Some(9))
+    );
+    let pending: Vec<(i64, Option<u32>)> = journaled
+        .pending_reports()
+        .iter()
+        .map(|r| (r.attempt.sched_rev, r.restart))
+        .collect();
+    assert_eq!(
+        pending,
+        [(1, None)],
+        "only the install's outcome waits for its report; a restart is never reported as it"
+    );
+    drop(watching);
     host.tear_down().await;
 }
 
 #[tokio::test]
-async fn a_generation_exiting_by_itself_is_journaled_with_its_exit_code() {
-    let host = SwapHost::new("supervise-exit");
+async fn a_server_exiting_0_is_restarted_under_always() {
+    let host = SwapHost::new("supervise-exit0");
+    let once = once_file(&host);
     host.install_with(1, "b1", |attempt| {
+        knob(attempt, "TESTAPP_EXIT_AFTER_MS", "1500");
+        knob(attempt, "TESTAPP_EXIT_CODE", "0");
+        knob(attempt, "TESTAPP_EXIT_ONCE", &once.display().to_string());
+    })
+    .await;
+    let before = host.who_serves().await.expect("b1 serves");
+    let mut watching = Watching::start(&host.engine);
+    let exit = watching.exit().await;
+    assert_eq!((exit.exit.exit_code, exit.exit.signal), (Some(0), None));
+    assert_eq!(exit.describe(), "exit code 0");
+    watching.states_until_restarts(1).await;
+    let after = host.who_serves().await.expect("the restart serves");
+    assert_eq!(after.generation, 2);
+    assert_reaped(before.pid);
+    drop(watching);
+    host.tear_down().await;
+}
+
+#[tokio::test]
+async fn never_leaves_an_exited_generation_down_and_says_so() {
+    let host = SwapHost::new("supervise-never");
+    host.install_with(1, "b1", |attempt| {
+        attempt.spec.restart_policy = Some(RestartPolicy::Never);
         knob(attempt, "TESTAPP_EXIT_AFTER_MS", "1500");
         knob(attempt, "TESTAPP_EXIT_CODE", "3");
     })
     .await;
-    let serving = host.who_serves().await.expect("b1 serves");
-    let exit = next_exit(&host).await;
+    let before = host.who_serves().await.expect("b1 serves");
+    let mut watching = Watching::start(&host.engine);
+    let exit = watching.exit().await;
     assert_eq!((exit.exit.exit_code, exit.exit.signal), (Some(3), None));
     assert_eq!(exit.reason(), "exited");
-    assert_eq!(exit.describe(), "exit code 3");
-    assert_gone(&host, serving.pid, &exit);
+    let state = watching.state().await;
+    assert_eq!(state.supervised.state, ServingState::Exited);
+    let message = state.supervised.message.clone().unwrap_or_default();
+    assert!(
+        message.contains("exit code 3; restartPolicy Never does not restart it"),
+        "{message}"
+    );
+    // The decision is on file: no restart is owed.
+    let journaled = entry(&host.engine, &host);
+    let supervised = journaled
+        .supervised
+        .expect("the lineage is kept for the report");
+    assert_eq!(supervised.restart_at_ms, None);
+    assert_eq!(supervised.restarts, 0);
+    assert_reaped(before.pid);
+    assert_down(&host);
 }
 
 #[tokio::test]
-async fn a_generation_retired_by_a_swap_is_not_reported_as_an_exit() {
-    let (host, attempt) = SwapHost::serving_b1_releasing_b2("supervise-retire").await;
+async fn a_crash_loop_backs_off_between_restarts() {
+    let config = EngineConfig {
+        restart_backoff: RestartBackoff {
+            initial: Duration::from_millis(200),
+            max: Duration::from_millis(400),
+            reset_after: Duration::from_secs(600),
+        },
+        ..EngineConfig::default()
+    };
+    let host = SwapHost::with_config("supervise-loop", config);
+    // Every generation serves, then exits 1 a moment later.
+    host.install_with(1, "b1", |attempt| {
+        knob(attempt, "TESTAPP_EXIT_AFTER_MS", "1200");
+    })
+    .await;
+    let mut watching = Watching::start(&host.engine);
+    let states = watching.states_until_restarts(3).await;
+    let seen: Vec<(ServingState, u32, u32, u64)> = states
+        .iter()
+        .map(|c| {
+            let s = &c.supervised;
+            (s.state, s.restarts, s.consecutive_exits, s.generation)
+        })
+        .collect();
+    use ServingState::{BackOff, Exited, Running};
+    assert_eq!(
+        seen,
+        [
+            (Running, 0, 0, 1),
+            (Exited, 0, 1, 1),
+            (Running, 1, 1, 2),
+            (BackOff, 1, 2, 2),
+            (Running, 2, 2, 3),
+            (BackOff, 2, 3, 3),
+            (Running, 3, 3, 4),
+        ],
+        "what the journal held, then a restart at once, then backing off, each restart a new generation"
+    );
+    // The waits asked for: none, then 200 ms, then the 400 ms cap.
+    let waits: Vec<i64> = states
+        .iter()
+        .filter(|c| c.supervised.state != Running)
+        .map(|c| {
+            let exit = c.last_exit.as_ref().expect("an exit");
+            c.supervised.restart_at_ms.expect("a restart is owed") - exit.at_ms
+        })
+        .collect();
+    assert_eq!(waits.len(), 3);
+    assert!(waits[0] < 200, "the first restart is at once: {waits:?}");
+    assert!(waits[1] >= 200 && waits[2] >= 400, "{waits:?}");
+    drop(watching);
+    host.tear_down().await;
+}
+
+#[tokio::test]
+async fn a_worker_that_finished_is_not_restarted() {
+    // A one-shot that exits 0 inside its window: done, nothing to supervise.
+    let host = SwapHost::new("supervise-oneshot");
+    let build = host.build("job");
+    let mut attempt = host.attempt(1, &build, "job");
+    attempt.spec.kind = InstanceKind::Worker;
+    attempt.spec.settle.seconds = 10;
+    knob(&mut attempt, "TESTAPP_EXIT_AFTER_MS", "300");
+    knob(&mut attempt, "TESTAPP_EXIT_CODE", "0");
+    let watching = Watching::start(&host.engine);
     let result = host.swap(&attempt).await;
     assert_eq!(result.outcome, Outcome::Done, "{result:?}");
-    // The retired generation's watch fires; the supervisor sees that it is
-    // not what serves and reports nothing. Then b2 is killed: that exit,
-    // and only it, is reported.
-    let serving = host.who_serves().await.expect("b2 serves");
-    sigkill(serving.pid);
-    let exit = next_exit(&host).await;
-    assert_eq!((exit.exit.generation, exit.exit.build.as_str()), (2, "b2"));
-    assert_gone(&host, serving.pid, &exit);
+    assert!(result.clean_exit);
+    assert_eq!(
+        entry(&host.engine, &host).supervised,
+        None,
+        "nothing is restarted"
+    );
+    assert_down(&host);
+    drop(watching);
+
+    // A worker that outlived its window and then exits 0: OnFailure (the
+    // worker default) leaves it down, its job done.
+    let host = SwapHost::new("supervise-worker");
+    host.install_with(1, "b1", |attempt| {
+        attempt.spec.kind = InstanceKind::Worker;
+        knob(attempt, "TESTAPP_EXIT_AFTER_MS", "2500");
+        knob(attempt, "TESTAPP_EXIT_CODE", "0");
+    })
+    .await;
+    let mut watching = Watching::start(&host.engine);
+    watching.exit().await;
+    let state = watching.state().await;
+    assert_eq!(state.supervised.state, ServingState::Exited);
+    assert_eq!(state.supervised.restart_at_ms, None);
+    let message = state.supervised.message.unwrap_or_default();
+    assert!(
+        message.contains("restartPolicy OnFailure does not restart it"),
+        "{message}"
+    );
+    assert_down(&host);
+}
+
+#[tokio::test]
+async fn an_instance_that_died_while_the_agent_was_stopped_is_restarted_by_the_next_agent() {
+    let host = SwapHost::new("supervise-away");
+    host.install(1, "b1").await;
+    let before = host.who_serves().await.expect("b1 serves");
+    // The agent is gone (no supervisor runs) when the instance dies: its
+    // cgroup and socket stay behind.
+    node_agent::cgroup::Cgroup::at(host.instance_cgroup().join("gen-1"), None)
+        .kill(Duration::from_secs(10))
+        .await
+        .expect("kill generation 1");
+    swap_host::eventually("b1 to be dead", || !swap_host::alive(before.pid)).await;
+
+    let next = host.next_agent(EngineConfig::default());
+    let report = next.recover().await;
+    assert!(report.is_clean(), "{:?}", report.errors);
+    let mut watching = Watching::start(&next);
+    let states = watching.states_until_restarts(1).await;
+    assert_eq!(
+        states.first().map(|c| c.supervised.state),
+        Some(ServingState::Running),
+        "the next agent first says what the journal held"
+    );
+    let after = swap_host::ask(&next.layout().current_socket(&host.instance))
+        .await
+        .expect("the restart answers");
+    assert_eq!((after.build.as_str(), after.generation), ("b1", 2));
+    drop(watching);
+    next.stop_instance(&host.instance, &Default::default())
+        .await
+        .expect("stop");
+    host.assert_only(None);
 }
 
 #[tokio::test]
@@ -142,7 +400,7 @@ async fn a_release_over_an_incumbent_that_already_exited_says_so() {
         assert_eq!(result.outcome, Outcome::Done, "{result:?}");
         assert!(
             result.reason.contains(&format!(
-                "generation 1 had already exited (signal 9) before it was {verb}"
+                "generation 1 had already exited (signal 9 (SIGKILL)) before it was {verb}"
             )),
             "{mode:?}: {}",
             result.reason
@@ -150,4 +408,27 @@ async fn a_release_over_an_incumbent_that_already_exited_says_so() {
         host.assert_only(Some(2));
         host.tear_down().await;
     }
+}
+
+#[tokio::test]
+async fn a_generation_retired_by_a_swap_is_not_reported_as_an_exit() {
+    let (host, attempt) = SwapHost::serving_b1_releasing_b2("supervise-retire").await;
+    let mut watching = Watching::start(&host.engine);
+    let result = host.swap(&attempt).await;
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    // The retired generation's watch fires; the supervisor sees that it is
+    // not what serves and reports nothing. Then b2 is killed: that exit,
+    // and only it, is reported.
+    let serving = host.who_serves().await.expect("b2 serves");
+    sigkill(serving.pid);
+    let exit = watching.exit().await;
+    assert_eq!((exit.exit.generation, exit.exit.build.as_str()), (2, "b2"));
+    let state = watching.states_until_restarts(1).await;
+    assert_eq!(
+        state.last().map(|c| c.supervised.attempt.sched_rev),
+        Some(attempt.spec.sched_rev),
+        "the restart belongs to b2's attempt"
+    );
+    drop(watching);
+    host.tear_down().await;
 }

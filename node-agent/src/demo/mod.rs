@@ -259,10 +259,7 @@ async fn run_in(sandbox: &Sandbox) -> Result<DemoReport, DemoError> {
         state_dir: dir.join("state"),
         staging_root: staging.clone(),
         store_dir: None,
-        engine: EngineConfig {
-            allow_root: false,
-            swaps_on: true,
-        },
+        engine: EngineConfig::default(),
         logs: LogSettings {
             dir: dir.join("logs"),
             ..LogSettings::default()

@@ -58,9 +58,12 @@ impl Ctx<'_> {
         if let Some(why) = self.cancel.reason() {
             return Err(StepError::Cancelled(why));
         }
-        self.gate
-            .check(point, &self.attempt.id())
-            .map_err(|refusal| StepError::Gate { point, refusal })
+        let checked = if self.attempt.restart.is_some() {
+            self.gate.check_restart(point, &self.attempt.instance)
+        } else {
+            self.gate.check(point, &self.attempt.id())
+        };
+        checked.map_err(|refusal| StepError::Gate { point, refusal })
     }
 }
 
@@ -115,6 +118,8 @@ pub(super) async fn run(
         attempt.spec.mode,
         mode,
     );
+    record.restart = attempt.restart;
+    record.spec = Some(Box::new(attempt.spec.clone()));
     record.incumbent = claim.serving.as_ref().map(|running| running.record.clone());
     // Recovery stops what this attempt leaves behind the way the attempt
     // would have.
@@ -498,6 +503,7 @@ impl<'a> Run<'a> {
     /// The crash points' scope: the effective mode's name.
     pub(super) fn crash_scope(&self) -> &'static str {
         match self.mode {
+            _ if self.attempt.restart.is_some() => "restart",
             Mode::Overlap => "overlap",
             Mode::Hold => "hold",
         }
@@ -525,7 +531,13 @@ impl<'a> Run<'a> {
             started_at_ms: millis_since_epoch(result.started_at),
             finished_at_ms: millis_since_epoch(result.finished_at),
         });
-        if let Err(error) = self.write_journal().await {
+        let journal = Arc::clone(&self.engine.journal);
+        let serving_after = result
+            .generation
+            .filter(|_| result.outcome == Outcome::Done && !result.clean_exit);
+        let lineage = self.record.lineage_after(serving_after);
+        let record = self.record.clone();
+        if let Err(error) = parts::blocking(move || journal.finish(&record, lineage)).await {
             tracing::error!(
                 instance = %self.attempt.instance,
                 attempt = %self.attempt.name,

@@ -25,18 +25,18 @@ pub(super) async fn run(run: &mut Run<'_>, claim: &mut Claim<'_>) -> Result<Fini
             parts::stage(&ctx.engine.stager, &ctx.attempt.spec.build),
         )
         .await?;
-    crate::failpoint!("hold.staged");
+    crate::failpoint!(run.crash_scope(), "staged");
     let started = Instant::now();
     let admitted = run.admit(claim.serving.as_ref(), &staged).await;
     let tier = run.note(Step::Admit, started, admitted)?;
-    crate::failpoint!("hold.after_admit");
+    crate::failpoint!(run.crash_scope(), "after_admit");
 
     // The intent, with the successor's number and paths, before the stop:
     // from here recovery knows the incumbent may be gone.
     run.record.advance(Phase::IncumbentStopped);
     let write = run.write_journal();
     run.step(Step::Journal, false, write).await?;
-    crate::failpoint!("hold.before_stop");
+    crate::failpoint!(run.crash_scope(), "before_stop");
 
     let mut note = String::new();
     if let Some(mut incumbent) = claim.serving.take() {
@@ -51,7 +51,7 @@ pub(super) async fn run(run: &mut Run<'_>, claim: &mut Claim<'_>) -> Result<Fini
         }
         match parts::stop_generation(incumbent, &stop).await {
             Ok(report) => {
-                crate::failpoint!("hold.after_stop");
+                crate::failpoint!(run.crash_scope(), "after_stop");
                 run.incumbent_stopped = true;
                 run.drain = Some(report.drain);
                 if report.killed {
@@ -113,12 +113,12 @@ async fn after_stop(
         .and_then(|instance| instance.apply_tier(tier))
         .map_err(StepError::from);
     run.note(Step::Raise, started, tiered)?;
-    crate::failpoint!("hold.after_raise");
+    crate::failpoint!(run.crash_scope(), "after_raise");
 
     run.record.advance(Phase::Spawning);
     let write = run.write_journal();
     run.step(Step::Journal, false, write).await?;
-    crate::failpoint!("hold.after_journal");
+    crate::failpoint!(run.crash_scope(), "after_journal");
 
     match run.start_successor(staged, tier).await? {
         Started::CleanExit => {
@@ -133,7 +133,7 @@ async fn after_stop(
             let mut successor = *successor;
             let started = Instant::now();
             run.advance_after_exec(Phase::Switched).await;
-            crate::failpoint!("hold.before_switch");
+            crate::failpoint!(run.crash_scope(), "before_switch");
             let instance_dir = run.engine.layout.instance_dir(&run.attempt.instance);
             let switched = point_current(&instance_dir, &successor.record.socket);
             if let Err(error) = switched {
@@ -141,7 +141,7 @@ async fn after_stop(
                 run.clean_up(successor).await;
                 return ended.map(|()| Finished::default());
             }
-            crate::failpoint!("hold.after_switch");
+            crate::failpoint!(run.crash_scope(), "after_switch");
             successor.record.serving_since_ms = Some(unix_millis_now());
             parts::journal_serving(run, Some(successor.record.clone())).await;
             claim.serving = Some(successor);

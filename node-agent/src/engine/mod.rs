@@ -68,7 +68,9 @@ pub use recover::{
     InstanceRecovery, RecoveredAttempt, RecoveryError, RecoveryReport, StoppedGeneration,
     UntrackedCgroup,
 };
-pub use supervise::{GenerationExit, Supervisor, log_exit};
+pub use supervise::{
+    GenerationExit, RestartBackoff, ServingChange, Supervisor, SupervisorEvent, log_event,
+};
 pub use types::{Attempt, Step, StepRecord, SwapResult, effective_mode};
 
 use crate::cgroup::{Cgroup, CgroupError, CgroupManager, Tier};
@@ -85,8 +87,10 @@ pub struct EngineConfig {
     /// Instances may run as uid 0.
     pub allow_root: bool,
     /// `false` is `--swap=off`: every attempt is abandoned and nothing is
-    /// spawned.
+    /// spawned (restarts included).
     pub swaps_on: bool,
+    /// How restarts of exited generations back off.
+    pub restart_backoff: RestartBackoff,
 }
 
 impl Default for EngineConfig {
@@ -94,6 +98,7 @@ impl Default for EngineConfig {
         Self {
             allow_root: false,
             swaps_on: true,
+            restart_backoff: RestartBackoff::default(),
         }
     }
 }
@@ -238,7 +243,7 @@ pub struct Engine {
     logs: LogSink,
     config: EngineConfig,
     instances: Mutex<HashMap<InstanceKey, InstanceState>>,
-    exits: supervise::ExitNotices,
+    notices: supervise::Notices,
 }
 
 impl Engine {
@@ -252,7 +257,7 @@ impl Engine {
             logs: parts.logs,
             config,
             instances: Mutex::new(HashMap::new()),
-            exits: supervise::ExitNotices::new(),
+            notices: supervise::Notices::new(),
         }
     }
 
@@ -339,7 +344,7 @@ impl Engine {
         parts::remove_current_link(&self.layout, instance);
         let journal = Arc::clone(&self.journal);
         let key = instance.clone();
-        parts::blocking(move || journal.set_serving(&key, None))
+        parts::blocking(move || journal.stopped(&key))
             .await
             .map_err(|source| EngineError::Journal {
                 instance: instance.clone(),
@@ -370,7 +375,7 @@ impl Engine {
         if let Some(running) = &state.serving
             && state.watched != Some(running.record.n)
         {
-            self.exits.watch(instance, running);
+            self.notices.watch(instance, running);
             state.watched = Some(running.record.n);
         }
     }
@@ -422,5 +427,8 @@ impl Drop for Claim<'_> {
         state.serving = serving;
         state.busy = false;
         self.engine.watch_serving(&self.instance, state);
+        if state.serving.is_none() {
+            self.engine.notices.idle(&self.instance);
+        }
     }
 }

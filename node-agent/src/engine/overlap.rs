@@ -26,11 +26,11 @@ pub(super) async fn run(run: &mut Run<'_>, claim: &mut Claim<'_>) -> Result<Fini
             parts::stage(&ctx.engine.stager, &ctx.attempt.spec.build),
         )
         .await?;
-    crate::failpoint!("overlap.staged");
+    crate::failpoint!(run.crash_scope(), "staged");
     let started = Instant::now();
     let admitted = run.admit(claim.serving.as_ref(), &staged).await;
     let tier = run.note(Step::Admit, started, admitted)?;
-    crate::failpoint!("overlap.after_admit");
+    crate::failpoint!(run.crash_scope(), "after_admit");
 
     let mut raise = None;
     let result = after_admission(run, claim, &staged, &tier, &mut raise).await;
@@ -67,12 +67,12 @@ async fn after_admission(
         None => set_instance_tier(run, tier),
     };
     run.note(Step::Raise, started, raised)?;
-    crate::failpoint!("overlap.after_raise");
+    crate::failpoint!(run.crash_scope(), "after_raise");
 
     run.record.advance(Phase::Spawning);
     let write = run.write_journal();
     run.step(Step::Journal, false, write).await?;
-    crate::failpoint!("overlap.after_journal");
+    crate::failpoint!(run.crash_scope(), "after_journal");
 
     let mut successor = match run.start_successor(staged, tier).await? {
         Started::Serving(running) => *running,
@@ -99,7 +99,7 @@ async fn after_admission(
     let mut finished = Finished::default();
     if let Some(retiring) = retiring {
         run.advance_after_exec(Phase::IncumbentStopped).await;
-        crate::failpoint!("overlap.before_retire");
+        crate::failpoint!(run.crash_scope(), "before_retire");
         let started = Instant::now();
         let stop = run.attempt.spec.stop.clone();
         let n = retiring.record.n;
@@ -113,7 +113,7 @@ async fn after_admission(
         let stopped = parts::stop_generation(retiring, &stop).await;
         match stopped {
             Ok(report) => {
-                crate::failpoint!("overlap.after_retire");
+                crate::failpoint!(run.crash_scope(), "after_retire");
                 run.drain = Some(report.drain);
                 if report.killed {
                     append(
@@ -205,10 +205,10 @@ async fn switch(run: &mut Run<'_>, successor: &mut Running) -> Result<(), StepEr
     }
     run.record.advance(Phase::Switched);
     run.write_journal().await?;
-    crate::failpoint!("overlap.before_switch");
+    crate::failpoint!(run.crash_scope(), "before_switch");
     let instance_dir = run.engine.layout.instance_dir(&run.attempt.instance);
     point_current(&instance_dir, &successor.record.socket)?;
-    crate::failpoint!("overlap.after_switch");
+    crate::failpoint!(run.crash_scope(), "after_switch");
     successor.record.serving_since_ms = Some(unix_millis_now());
     parts::journal_serving(run, Some(successor.record.clone())).await;
     Ok(())

@@ -252,14 +252,7 @@ pub(super) fn exited_before_stop(running: &mut Running) -> Option<String> {
     adopted_and_empty.then(|| "its exit status is unknown: it was adopted".into())
 }
 
-/// `exit code 3`, `signal 9`: how a main process ended, as reasons say it.
-pub(super) fn exit_text(code: Option<i32>, signal: Option<i32>) -> String {
-    match (code, signal) {
-        (Some(code), _) => format!("exit code {code}"),
-        (None, Some(signal)) => format!("signal {signal}"),
-        (None, None) => "an exit status this agent cannot know (it adopted the process)".into(),
-    }
-}
+pub(super) use genswap_crds::exit_text;
 
 /// How long a process that does not look like what was started is given
 /// to show it is exiting (to be reaped) before that counts as a mismatch.

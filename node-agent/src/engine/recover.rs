@@ -895,6 +895,7 @@ impl Engine {
                 signal: None,
                 oom_killed: false,
                 at_ms: unix_millis_now(),
+                serving_since_ms: gone.serving_since_ms,
             }),
             _ => None,
         };
@@ -947,7 +948,8 @@ impl Engine {
             );
             let journal = Arc::clone(&self.journal);
             let to_write = record.clone();
-            if let Err(source) = parts::blocking(move || journal.record(&to_write)).await {
+            let lineage = record.lineage_after(serving_record.as_ref().map(|g| g.n));
+            if let Err(source) = parts::blocking(move || journal.finish(&to_write, lineage)).await {
                 work.errors.push(RecoveryError::JournalWrite {
                     instance: key.clone(),
                     source,

@@ -1,40 +1,161 @@
-//! Supervision between attempts (SPEC 5.10), its first part: a serving
-//! generation's exit is noticed at once and handled.
+//! Supervision between attempts (SPEC 5.10): a serving generation's exit is
+//! noticed at once, handled, and followed by what `restartPolicy` says.
 //!
 //! Each generation the engine holds as serving while no attempt runs is
 //! watched by a task awaiting a pidfd of its main process (registered with
 //! tokio: no polling loop). When it becomes readable the process has
-//! exited, and [`Engine::supervise`] handles it: it reaps the process (no
-//! zombie of the agent), reads whether the kernel OOM-killed anything in its
+//! exited, and the supervisor handles it: it reaps the process (no zombie
+//! of the agent), reads whether the kernel OOM-killed anything in its
 //! cgroup, stops whatever the generation left running there with proof of
 //! exit, removes its cgroup, socket and `current.sock`, and journals that
 //! nothing serves and how the generation ended. An exit during an attempt is
 //! the attempt's to meet; the watch is set again when the attempt hands the
 //! generation back, and fires at once if it is already gone.
 //!
-//! Restarting the instance (`restartPolicy`, backoff) and reporting the
-//! exit in status are not done yet: the adapters log and count each exit.
+//! # Restarts
+//!
+//! The journal keeps, per instance, the lineage the last `done` installed
+//! ([`Supervised`]): that attempt's spec, the restarts since, the state.
+//! After an exit the policy decides. A restart is an attempt of that spec
+//! run through the same flow as any other (journal, crash points, health,
+//! `current.sock` moved when healthy) with a fresh generation N+1; it is
+//! marked as the k-th restart, so it is never reported as the API
+//! attempt's outcome, and no newer API attempt supersedes it (see
+//! [`AttemptGate::check_restart`]). The first restart after an exit is at
+//! once, each further one in a row waits [`RestartBackoff::delay`]; a
+//! generation that stayed up [`RestartBackoff::reset_after`] resets the
+//! count. A failed restart counts as another exit.
+//!
+//! The supervisor reconciles each instance from the journal whenever it
+//! is idle (at start, after every attempt and exit): nothing serves, a
+//! lineage exists and its policy restarts → a restart is due. So a
+//! generation that died while the agent was away, a restart interrupted by
+//! a crash, and an API attempt that failed over a dead incumbent are all
+//! met the same way. Every change of a lineage's state is handed to the
+//! adapter as a [`ServingChange`], which it writes as the `serving` block
+//! of the attempt that installed it.
 
+use std::collections::HashSet;
 use std::os::unix::process::ExitStatusExt;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
+use genswap_crds::{Outcome, RestartPolicy, ServingState};
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 
-use super::{Engine, Running, parts};
-use crate::gate::InstanceKey;
-use crate::journal::{ExitRecord, unix_millis_now};
+use super::{Attempt, Cancel, Engine, Running, SwapResult, parts};
+use crate::gate::{AttemptGate, InstanceKey};
+use crate::journal::{AttemptRef, ExitRecord, InstanceEntry, Supervised, unix_millis_now};
 
-/// Logs a handled exit, the way both intakes report it for now.
-pub fn log_exit(exit: &GenerationExit) {
-    tracing::warn!(
-        instance = %exit.instance,
-        generation = exit.exit.generation,
-        build = %exit.exit.build,
-        exit = %exit.describe(),
-        "a serving generation exited between attempts; nothing serves the instance now"
-    );
+/// How restarts of an exited generation back off (the kubelet's figures by
+/// default: at once, then 10 s doubling to 5 minutes, reset after 10
+/// minutes up).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RestartBackoff {
+    /// The wait before the second restart in a row.
+    pub initial: Duration,
+    /// The longest wait.
+    pub max: Duration,
+    /// A generation up this long starts the count again.
+    pub reset_after: Duration,
+}
+
+impl Default for RestartBackoff {
+    fn default() -> Self {
+        Self {
+            initial: Duration::from_secs(10),
+            max: Duration::from_secs(300),
+            reset_after: Duration::from_secs(600),
+        }
+    }
+}
+
+impl RestartBackoff {
+    /// The wait before the restart that follows the `exits_in_a_row`-th
+    /// exit in a row: none after the first, then `initial` doubling up to
+    /// `max`.
+    pub fn delay(&self, exits_in_a_row: u32) -> Duration {
+        if exits_in_a_row <= 1 {
+            return Duration::ZERO;
+        }
+        let doublings = (exits_in_a_row - 2).min(31);
+        self.initial
+            .checked_mul(1 << doublings)
+            .unwrap_or(self.max)
+            .min(self.max)
+    }
+}
+
+/// What the supervisor tells its adapter.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SupervisorEvent {
+    /// A serving generation exited between attempts (already reaped, cleaned
+    /// up and journaled).
+    Exited(GenerationExit),
+    /// A restart serves: `generation` answers through `current.sock`.
+    Restarted {
+        instance: InstanceKey,
+        generation: u64,
+        /// The lineage's restarts so far.
+        restarts: u32,
+        /// The reason label of the exit that caused it.
+        after: &'static str,
+    },
+    /// A lineage's state as journaled now: what the adapter writes as the
+    /// `serving` block of the attempt that installed it.
+    Serving(ServingChange),
+}
+
+/// A lineage's state after a change.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServingChange {
+    pub instance: InstanceKey,
+    pub supervised: Supervised,
+    /// How its last generation that exited ended, if one did.
+    pub last_exit: Option<ExitRecord>,
+}
+
+impl ServingChange {
+    /// The attempt whose status carries the block.
+    pub fn attempt(&self) -> &AttemptRef {
+        &self.supervised.attempt
+    }
+}
+
+/// Logs an event the way both intakes do.
+pub fn log_event(event: &SupervisorEvent) {
+    match event {
+        SupervisorEvent::Exited(exit) => tracing::warn!(
+            instance = %exit.instance,
+            generation = exit.exit.generation,
+            build = %exit.exit.build,
+            exit = %exit.describe(),
+            "a serving generation exited between attempts; nothing serves the instance now"
+        ),
+        SupervisorEvent::Restarted {
+            instance,
+            generation,
+            restarts,
+            ..
+        } => tracing::info!(
+            instance = %instance,
+            generation,
+            restarts,
+            "restarted: the new generation is healthy and serves"
+        ),
+        SupervisorEvent::Serving(change) => match change.supervised.state {
+            ServingState::Running => {}
+            _ => tracing::warn!(
+                instance = %change.instance,
+                state = ?change.supervised.state,
+                message = change.supervised.message.as_deref().unwrap_or_default(),
+                "the instance is down between attempts"
+            ),
+        },
+    }
 }
 
 /// A serving generation that exited between attempts, as handled.
@@ -45,35 +166,52 @@ pub struct GenerationExit {
 }
 
 impl GenerationExit {
-    /// `exit code 0`, `signal 9 (OOM-killed)`, `unknown (adopted)`.
+    /// `exit code 0`, `signal 9 (SIGKILL), OOM-killed`.
     pub fn describe(&self) -> String {
-        let how = parts::exit_text(self.exit.exit_code, self.exit.signal);
-        if self.exit.oom_killed {
-            format!("{how} (OOM-killed)")
-        } else {
-            how
-        }
+        describe(&self.exit)
     }
 
     /// A metric label: `oom_killed`, `signaled`, `exited`, `unknown`.
     pub fn reason(&self) -> &'static str {
-        match (self.exit.oom_killed, self.exit.exit_code, self.exit.signal) {
-            (true, _, _) => "oom_killed",
-            (false, _, Some(_)) => "signaled",
-            (false, Some(_), None) => "exited",
-            (false, None, None) => "unknown",
-        }
+        reason_label(&self.exit)
     }
 }
 
-/// Where the watch tasks say which generation exited.
-#[derive(Debug)]
-pub(super) struct ExitNotices {
-    sender: mpsc::UnboundedSender<(InstanceKey, u64)>,
-    receiver: Mutex<Option<mpsc::UnboundedReceiver<(InstanceKey, u64)>>>,
+fn describe(exit: &ExitRecord) -> String {
+    let how = parts::exit_text(exit.exit_code, exit.signal);
+    if exit.oom_killed {
+        format!("{how}, OOM-killed")
+    } else {
+        how
+    }
 }
 
-impl ExitNotices {
+fn reason_label(exit: &ExitRecord) -> &'static str {
+    match (exit.oom_killed, exit.exit_code, exit.signal) {
+        (true, _, _) => "oom_killed",
+        (false, _, Some(_)) => "signaled",
+        (false, Some(_), None) => "exited",
+        (false, None, None) => "unknown",
+    }
+}
+
+/// What the watch tasks and the engine tell the supervisor.
+#[derive(Debug)]
+pub(super) enum Notice {
+    /// The main process of this generation exited.
+    Exited(InstanceKey, u64),
+    /// An attempt (or a stop) of the instance ended with nothing serving.
+    Idle(InstanceKey),
+}
+
+/// Where the watch tasks and the engine leave their notices.
+#[derive(Debug)]
+pub(super) struct Notices {
+    sender: mpsc::UnboundedSender<Notice>,
+    receiver: Mutex<Option<mpsc::UnboundedReceiver<Notice>>>,
+}
+
+impl Notices {
     pub(super) fn new() -> Self {
         let (sender, receiver) = mpsc::unbounded_channel();
         Self {
@@ -91,9 +229,14 @@ impl ExitNotices {
         let (generation, pid) = (running.record.n, running.process.pid());
         runtime.spawn(async move {
             if exited(pid).await {
-                let _ = sender.send((instance, generation));
+                let _ = sender.send(Notice::Exited(instance, generation));
             }
         });
+    }
+
+    /// Says that `instance` is idle with nothing serving.
+    pub(super) fn idle(&self, instance: &InstanceKey) {
+        let _ = self.sender.send(Notice::Idle(instance.clone()));
     }
 }
 
@@ -119,8 +262,9 @@ async fn exited(pid: u32) -> bool {
     }
 }
 
-/// The supervisor's task; dropping it stops the supervisor (an exit it was
-/// handling is left to the next start's recovery).
+/// The supervisor's task; dropping it stops the supervisor and any restart
+/// it runs (what a restart had started is left to the next start's
+/// recovery, like any interrupted attempt).
 #[derive(Debug)]
 pub struct Supervisor(tokio::task::JoinHandle<()>);
 
@@ -130,37 +274,53 @@ impl Drop for Supervisor {
     }
 }
 
+/// What ended in the supervisor's task set.
+enum TaskEnd {
+    /// A restart's wait is over.
+    Due(InstanceKey),
+    /// A restart ran.
+    Restarted(InstanceKey, Box<SwapResult>),
+}
+
+/// The supervisor loop's own state: which instances have a restart
+/// waiting or running.
+struct Loop {
+    engine: Arc<Engine>,
+    gate: Arc<dyn AttemptGate>,
+    on_event: Box<dyn Fn(SupervisorEvent) + Send + Sync>,
+    pending: HashSet<InstanceKey>,
+    tasks: JoinSet<TaskEnd>,
+}
+
 impl Engine {
-    /// Runs [`supervise`](Self::supervise) as a task for as long as the
-    /// returned guard lives: what an intake keeps while it runs.
+    /// Runs the supervisor as a task for as long as the returned guard
+    /// lives: what an intake keeps while it runs. `gate` admits restarts
+    /// (through [`AttemptGate::check_restart`]); `on_event` is told every
+    /// exit, restart and state change. A second supervisor of the same
+    /// engine does nothing.
     pub fn start_supervisor(
         self: &Arc<Self>,
-        on_exit: impl FnMut(GenerationExit) + Send + 'static,
+        gate: Arc<dyn AttemptGate>,
+        on_event: impl Fn(SupervisorEvent) + Send + Sync + 'static,
     ) -> Supervisor {
-        let engine = Arc::clone(self);
-        Supervisor(tokio::spawn(async move { engine.supervise(on_exit).await }))
-    }
-
-    /// Handles each serving generation's exit as it happens, calling
-    /// `on_exit` once for each. It never returns on its own (the engine
-    /// keeps the sending side): intakes run it through
-    /// [`start_supervisor`](Self::start_supervisor). A second call returns
-    /// at once.
-    pub async fn supervise(&self, mut on_exit: impl FnMut(GenerationExit) + Send) {
         let receiver = self
-            .exits
+            .notices
             .receiver
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        let Some(mut receiver) = receiver else {
-            return;
+        let mut state = Loop {
+            engine: Arc::clone(self),
+            gate,
+            on_event: Box::new(on_event),
+            pending: HashSet::new(),
+            tasks: JoinSet::new(),
         };
-        while let Some((instance, generation)) = receiver.recv().await {
-            if let Some(exit) = self.handle_exit(&instance, generation).await {
-                on_exit(exit);
+        Supervisor(tokio::spawn(async move {
+            if let Some(receiver) = receiver {
+                state.run(receiver).await;
             }
-        }
+        }))
     }
 
     async fn handle_exit(&self, instance: &InstanceKey, generation: u64) -> Option<GenerationExit> {
@@ -187,17 +347,14 @@ impl Engine {
         }
         let mut running = claim.serving.take()?;
         let status = parts::has_exited(&mut running);
-        let (exit_code, signal) = (
-            status.and_then(|s| s.code()),
-            status.and_then(|s| s.signal()),
-        );
         let exit = ExitRecord {
             generation,
             build: running.record.build.clone(),
-            exit_code,
-            signal,
+            exit_code: status.and_then(|s| s.code()),
+            signal: status.and_then(|s| s.signal()),
             oom_killed: oom_killed(&running),
             at_ms: unix_millis_now(),
+            serving_since_ms: running.record.serving_since_ms,
         };
         let stop = running.record.stop.clone().unwrap_or_default();
         if let Err((running, error)) = parts::stop_generation(running, &stop).await {
@@ -221,6 +378,303 @@ impl Engine {
             exit,
         })
     }
+
+    fn is_busy(&self, instance: &InstanceKey) -> bool {
+        self.lock_instances()
+            .get(instance)
+            .is_some_and(|state| state.busy)
+    }
+}
+
+impl Loop {
+    async fn run(&mut self, mut receiver: mpsc::UnboundedReceiver<Notice>) {
+        let journal = Arc::clone(&self.engine.journal);
+        match parts::blocking(move || journal.load_all()).await {
+            Ok((entries, _corrupt)) => {
+                for entry in entries.into_iter().filter(|e| e.supervised.is_some()) {
+                    self.tell_state(&entry);
+                    self.reconcile(&entry.instance).await;
+                }
+            }
+            Err(error) => tracing::error!(
+                error = %super::flow::reason_of(&error),
+                "the journal cannot be read: instances that exited while the agent was away are not restarted"
+            ),
+        }
+        loop {
+            tokio::select! {
+                notice = receiver.recv() => match notice {
+                    Some(Notice::Exited(instance, generation)) => {
+                        if let Some(exit) = self.engine.handle_exit(&instance, generation).await {
+                            (self.on_event)(SupervisorEvent::Exited(exit));
+                            self.reconcile(&instance).await;
+                        }
+                    }
+                    Some(Notice::Idle(instance)) => self.reconcile(&instance).await,
+                    None => return,
+                },
+                Some(ended) = self.tasks.join_next(), if !self.tasks.is_empty() => match ended {
+                    Ok(TaskEnd::Due(instance)) => {
+                        self.pending.remove(&instance);
+                        self.restart(&instance).await;
+                    }
+                    Ok(TaskEnd::Restarted(instance, result)) => {
+                        self.pending.remove(&instance);
+                        self.after_restart(&instance, &result).await;
+                    }
+                    Err(error) => {
+                        tracing::error!(%error, "a restart task failed");
+                    }
+                },
+            }
+        }
+    }
+
+    /// Tells the adapter a lineage's state as journaled.
+    fn tell_state(&self, entry: &InstanceEntry) {
+        if let Some(supervised) = &entry.supervised {
+            (self.on_event)(SupervisorEvent::Serving(ServingChange {
+                instance: entry.instance.clone(),
+                supervised: supervised.clone(),
+                last_exit: entry.last_exit.clone(),
+            }));
+        }
+    }
+
+    async fn load(&self, instance: &InstanceKey) -> Option<InstanceEntry> {
+        let journal = Arc::clone(&self.engine.journal);
+        let key = instance.clone();
+        match parts::blocking(move || journal.load_entry(&key)).await {
+            Ok(entry) => entry,
+            Err(error) => {
+                tracing::error!(instance = %instance, error = %super::flow::reason_of(&error), "the journal cannot be read; the instance is not supervised until it can");
+                None
+            }
+        }
+    }
+
+    async fn write(
+        &self,
+        instance: &InstanceKey,
+        change: impl FnOnce(&mut Supervised) + Send + 'static,
+    ) {
+        let journal = Arc::clone(&self.engine.journal);
+        let key = instance.clone();
+        let write = move || {
+            journal.update_supervised(&key, |supervised| {
+                change(supervised);
+                true
+            })?;
+            journal.load_entry(&key)
+        };
+        match parts::blocking(write).await {
+            Ok(Some(entry)) => self.tell_state(&entry),
+            Ok(None) => {}
+            Err(error) => {
+                tracing::error!(instance = %instance, error = %super::flow::reason_of(&error), "the supervisor's state could not be journaled")
+            }
+        }
+    }
+
+    /// Brings an idle instance in line with its policy: schedules the
+    /// restart an exit calls for, or records that none follows.
+    async fn reconcile(&mut self, instance: &InstanceKey) {
+        if self.pending.contains(instance)
+            || self.engine.is_busy(instance)
+            || self.engine.serving(instance).is_some()
+        {
+            return;
+        }
+        let Some(entry) = self.load(instance).await else {
+            return;
+        };
+        let Some(supervised) = entry.supervised.clone() else {
+            return;
+        };
+        if entry.serving.is_some() || entry.attempt.as_ref().is_some_and(|r| r.outcome.is_none()) {
+            return;
+        }
+        let policy = RestartPolicy::effective(supervised.spec.restart_policy, supervised.spec.kind);
+        let exit = entry.last_exit.clone();
+        let clean = exit.as_ref().is_some_and(ExitRecord::clean);
+        let now = unix_millis_now();
+        if supervised.state == ServingState::Running {
+            // An exit the policy has not met yet.
+            let backoff = self.engine.config.restart_backoff;
+            let stayed_up = exit.as_ref().and_then(|e| {
+                e.serving_since_ms
+                    .map(|since| Duration::from_millis(u64::try_from(e.at_ms - since).unwrap_or(0)))
+            });
+            let in_a_row = if stayed_up.is_some_and(|up| up >= backoff.reset_after) {
+                1
+            } else {
+                supervised.consecutive_exits.saturating_add(1)
+            };
+            let generation = exit
+                .as_ref()
+                .map_or(supervised.generation, |e| e.generation);
+            let how = exit
+                .as_ref()
+                .map_or_else(|| "an unknown way".to_string(), describe);
+            if !policy.restarts_after(clean) {
+                let message = format!(
+                    "generation {generation} exited with {how}; restartPolicy {} does not restart it",
+                    policy.as_str()
+                );
+                self.write(instance, move |s| {
+                    s.state = ServingState::Exited;
+                    s.generation = generation;
+                    s.consecutive_exits = in_a_row;
+                    s.restart_at_ms = None;
+                    s.message = Some(message);
+                })
+                .await;
+                return;
+            }
+            if !self.engine.config.swaps_on {
+                let message = format!(
+                    "generation {generation} exited with {how}; swaps are off on this node (--swap=off), so it is not restarted"
+                );
+                self.write(instance, move |s| {
+                    s.state = ServingState::Exited;
+                    s.generation = generation;
+                    s.message = Some(message);
+                })
+                .await;
+                return;
+            }
+            let delay = backoff.delay(in_a_row);
+            let restart_at =
+                now.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+            let message = if delay.is_zero() {
+                format!("generation {generation} exited with {how}; restarting it")
+            } else {
+                format!(
+                    "generation {generation} exited with {how}, {in_a_row} exits in a row; restarting it in {}s",
+                    delay.as_secs()
+                )
+            };
+            self.write(instance, move |s| {
+                s.state = if delay.is_zero() {
+                    ServingState::Exited
+                } else {
+                    ServingState::BackOff
+                };
+                s.generation = generation;
+                s.consecutive_exits = in_a_row;
+                s.restart_at_ms = Some(restart_at);
+                s.message = Some(message);
+            })
+            .await;
+            self.schedule(instance, delay);
+            return;
+        }
+        // Exited or backing off: a restart is owed unless the policy left it
+        // down, or swaps are off.
+        let owed = supervised.restart_at_ms.is_some() && policy.restarts_after(clean);
+        if owed && self.engine.config.swaps_on {
+            let due = supervised.restart_at_ms.unwrap_or(now);
+            self.schedule(
+                instance,
+                Duration::from_millis(u64::try_from(due - now).unwrap_or(0)),
+            );
+        }
+    }
+
+    fn schedule(&mut self, instance: &InstanceKey, delay: Duration) {
+        let key = instance.clone();
+        self.tasks.spawn(async move {
+            tokio::time::sleep(delay).await;
+            TaskEnd::Due(key)
+        });
+        self.pending.insert(instance.clone());
+    }
+
+    /// Starts the restart that is due, unless an attempt got there first.
+    async fn restart(&mut self, instance: &InstanceKey) {
+        if self.engine.is_busy(instance) || self.engine.serving(instance).is_some() {
+            // The attempt's end says Idle again when nothing serves then.
+            return;
+        }
+        let Some(entry) = self.load(instance).await else {
+            return;
+        };
+        let Some(supervised) = entry.supervised else {
+            return;
+        };
+        if entry.serving.is_some() || supervised.restart_at_ms.is_none() {
+            return;
+        }
+        let mut spec = supervised.spec.clone();
+        // A restart brings back what served; it is nobody's canary.
+        spec.canary = false;
+        spec.settle.all_nodes = false;
+        let attempt = Attempt {
+            instance: instance.clone(),
+            name: supervised.attempt.name.clone(),
+            spec,
+            restart: Some(supervised.restarts.saturating_add(1)),
+        };
+        let (engine, gate, key) = (
+            Arc::clone(&self.engine),
+            Arc::clone(&self.gate),
+            instance.clone(),
+        );
+        tracing::info!(
+            instance = %instance,
+            restart = supervised.restarts.saturating_add(1),
+            build = %attempt.spec.build.id,
+            "restarting an exited generation"
+        );
+        self.tasks.spawn(async move {
+            let cancel = Cancel::new();
+            let result = engine.swap(&attempt, &*gate, &cancel).await;
+            TaskEnd::Restarted(key, Box::new(result))
+        });
+        self.pending.insert(instance.clone());
+    }
+
+    async fn after_restart(&mut self, instance: &InstanceKey, result: &SwapResult) {
+        let Some(entry) = self.load(instance).await else {
+            return;
+        };
+        let Some(supervised) = entry.supervised.clone() else {
+            return;
+        };
+        if result.outcome == Outcome::Done && entry.serving.is_some() {
+            (self.on_event)(SupervisorEvent::Restarted {
+                instance: instance.clone(),
+                generation: supervised.generation,
+                restarts: supervised.restarts,
+                after: entry.last_exit.as_ref().map_or("unknown", reason_label),
+            });
+            self.tell_state(&entry);
+            return;
+        }
+        if entry.serving.is_some() || self.engine.serving(instance).is_some() {
+            return;
+        }
+        // Another exit in a row: back off before the next try.
+        let in_a_row = supervised.consecutive_exits.saturating_add(1);
+        let delay = self.engine.config.restart_backoff.delay(in_a_row);
+        let restart_at =
+            unix_millis_now().saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+        let message = format!(
+            "restart {} failed ({}); trying again in {}s",
+            supervised.restarts.saturating_add(1),
+            result.reason,
+            delay.as_secs()
+        );
+        tracing::warn!(instance = %instance, outcome = ?result.outcome, reason = %result.reason, "a restart did not serve");
+        self.write(instance, move |s| {
+            s.state = ServingState::BackOff;
+            s.consecutive_exits = in_a_row;
+            s.restart_at_ms = Some(restart_at);
+            s.message = Some(message);
+        })
+        .await;
+        self.schedule(instance, delay);
+    }
 }
 
 /// `oom_kill` above 0 in the generation cgroup's `memory.events` (each
@@ -235,4 +689,17 @@ fn oom_killed(running: &Running) -> bool {
                 .and_then(|n| n.trim().parse::<u64>().ok())
         })
         .is_some_and(|kills| kills > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_restart_is_at_once_then_the_wait_doubles_to_the_cap() {
+        let backoff = RestartBackoff::default();
+        let waits: Vec<u64> = (1..=8).map(|n| backoff.delay(n).as_secs()).collect();
+        assert_eq!(waits, [0, 10, 20, 40, 80, 160, 300, 300]);
+        assert_eq!(backoff.delay(u32::MAX), backoff.max);
+    }
 }

@@ -24,6 +24,10 @@ pub struct Attempt {
     /// configRev, restartID, canary, process, health, settle, stop,
     /// resources and socket.
     pub spec: SwapAttemptSpec,
+    /// `Some(k)`: the supervisor's k-th restart of the lineage this API
+    /// attempt installed (SPEC 5.10), not the API attempt itself. `None`
+    /// for every attempt an adapter hands in.
+    pub restart: Option<u32>,
 }
 
 impl Attempt {

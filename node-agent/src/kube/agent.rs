@@ -11,24 +11,30 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use genswap_controller::watch_backoff::watch_backoff;
-use genswap_crds::{Outcome, SwapAttempt};
+use genswap_crds::{Outcome, ServingState, ServingStatus, SwapAttempt};
 use kube::Client;
 use kube::api::Api;
-use kube::runtime::reflector::{self, Store, reflector};
+use kube::runtime::reflector::{self, ObjectRef, Store, reflector};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use super::intake::{Decision, Intake};
-use super::report::{OutcomeReport, REQUEST_TIMEOUT, ReportTarget, Reporter, error_chain};
+use super::report::{
+    OutcomeReport, REQUEST_TIMEOUT, ReportTarget, Reporter, ServingTarget, error_chain,
+};
 use super::retire::{self, Owner};
 use super::{KubeAgentConfig, KubeAgentError};
-use crate::engine::{Attempt, Cancel, Engine, EngineError, effective_mode};
+use crate::engine::{
+    Attempt, Cancel, Engine, EngineError, ServingChange, Supervisor, SupervisorEvent,
+    effective_mode,
+};
 use crate::gate::{InstanceKey, NewestRevisionGate};
 use crate::journal::unix_millis_now;
 use crate::metrics::{AgentMetrics, Readiness, Retirement};
 use crate::ownership::NodeLock;
+use crate::standalone::report::serving_status;
 
 /// Kubernetes mode over a given client: what [`super::run`] runs, and what
 /// tests run against a mocked API server.
@@ -39,6 +45,20 @@ pub struct KubeAgent {
     config: KubeAgentConfig,
     metrics: Arc<AgentMetrics>,
     readiness: Readiness,
+}
+
+/// Whether an attempt's `serving` block already says `wanted`: equal, or
+/// absent where a fresh lineage runs (a `done` attempt without a block is
+/// read as running).
+fn already_says(current: Option<&ServingStatus>, wanted: &ServingStatus) -> bool {
+    match current {
+        Some(current) => current == wanted,
+        None => {
+            wanted.state == ServingState::Running
+                && wanted.restarts == 0
+                && wanted.last_exit.is_none()
+        }
+    }
 }
 
 /// A running attempt ended; sent by its task, also when the task panics.
@@ -95,6 +115,10 @@ struct Running {
     /// Instances whose last lookup or stop failed: retried on a timer.
     retire_failed: HashSet<InstanceKey>,
     retirements: JoinSet<(InstanceKey, Retirement)>,
+    /// Supervisor states that came before the watch's first full list.
+    serving_before_sync: Vec<ServingChange>,
+    /// The `serving` write being retried per attempt (namespace, name).
+    serving_writes: HashMap<(String, String), tokio::task::AbortHandle>,
 }
 
 impl KubeAgent {
@@ -169,6 +193,8 @@ impl KubeAgent {
             retiring: HashSet::new(),
             retire_failed: HashSet::new(),
             retirements: JoinSet::new(),
+            serving_before_sync: Vec::new(),
+            serving_writes: HashMap::new(),
         };
         let mut retire_retry = tokio::time::interval(RETIRE_RETRY);
         retire_retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -179,6 +205,8 @@ impl KubeAgent {
         tokio::pin!(shutdown);
         let mut lock: Option<NodeLock> = None;
         tracing::info!(lock = %lock_path.display(), "waiting for the node lock");
+        let (supervisor_tx, mut supervisor_rx) = mpsc::unbounded_channel();
+        let mut supervisor: Option<Supervisor> = None;
 
         let ended_with = loop {
             tokio::select! {
@@ -190,6 +218,15 @@ impl KubeAgent {
                         if let Err(error) = state.take_ownership().await {
                             break Err(error);
                         }
+                        // After recovery: it supervises what recovery adopted
+                        // and what died while no agent ran.
+                        let events = supervisor_tx.clone();
+                        supervisor = Some(state.shared.engine.start_supervisor(
+                            gate.clone(),
+                            move |event| {
+                                let _ = events.send(event);
+                            },
+                        ));
                         readiness.set_owner(true);
                     }
                     Err(error) => break Err(KubeAgentError::Ownership(error)),
@@ -203,6 +240,7 @@ impl KubeAgent {
                     None => break Err(KubeAgentError::WatchEnded),
                 },
                 Some(ended) = ended_rx.recv() => state.on_ended(ended),
+                Some(event) = supervisor_rx.recv() => state.on_supervisor(event),
                 Some(_) = state.runners.join_next(), if !state.runners.is_empty() => {}
                 Some(_) = state.reports.join_next(), if !state.reports.is_empty() => {}
                 Some(done) = state.retirements.join_next(), if !state.retirements.is_empty() => {
@@ -212,6 +250,8 @@ impl KubeAgent {
             }
         };
 
+        // No restart begins while the attempts are cancelled and drained.
+        drop(supervisor);
         state.shut_down(&mut ended_rx).await;
         readiness.set_owner(false);
         gate.set_owner(false);
@@ -295,8 +335,56 @@ impl Running {
                 self.synced = true;
                 self.offer_all();
                 self.retire_unowned(Candidates::All);
+                for change in std::mem::take(&mut self.serving_before_sync) {
+                    self.write_serving(change);
+                }
             }
         }
+    }
+
+    /// What the supervisor did: logged, counted, and a lineage's state
+    /// written as the `serving` block of the attempt that installed it.
+    fn on_supervisor(&mut self, event: SupervisorEvent) {
+        crate::engine::log_event(&event);
+        self.shared.metrics.record_supervisor_event(&event);
+        if let SupervisorEvent::Serving(change) = event {
+            if self.synced {
+                self.write_serving(change);
+            } else {
+                // Compared with the attempts once the watch has them all.
+                self.serving_before_sync.push(change);
+            }
+        }
+    }
+
+    /// Writes `change` unless the attempt already says it; a newer change of
+    /// the same attempt replaces a write still being retried.
+    fn write_serving(&mut self, change: ServingChange) {
+        let namespace = change.instance.namespace().to_string();
+        let name = change.attempt().name.clone();
+        let serving = serving_status(&change.supervised, change.last_exit.as_ref());
+        let cached = self
+            .store
+            .get(&ObjectRef::new(&name).within(&namespace))
+            .and_then(|attempt| attempt.status.clone());
+        if cached.is_some_and(|status| already_says(status.serving.as_ref(), &serving)) {
+            return;
+        }
+        if let Some(previous) = self
+            .serving_writes
+            .remove(&(namespace.clone(), name.clone()))
+        {
+            previous.abort();
+        }
+        let reporter = self.shared.reporter.clone();
+        let target = ServingTarget {
+            namespace: namespace.clone(),
+            name: name.clone(),
+        };
+        let handle = self.reports.spawn(async move {
+            reporter.deliver_serving(&target, &serving).await;
+        });
+        self.serving_writes.insert((namespace, name), handle);
     }
 
     /// Looks up the InstanceGeneration of every serving instance that no
@@ -604,6 +692,7 @@ async fn swap(
         instance,
         name,
         spec: fresh.spec.clone(),
+        restart: None,
     };
     let mode = engine_attempt.effective_mode();
     tracing::info!(

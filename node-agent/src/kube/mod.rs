@@ -299,16 +299,8 @@ pub async fn run(
         lock = %config.lock_path.display(),
         "node agent starting in Kubernetes mode"
     );
-    let supervisor = engine.start_supervisor({
-        let metrics = metrics.clone();
-        move |exit| {
-            crate::engine::log_exit(&exit);
-            metrics.record_generation_exit(exit.reason());
-        }
-    });
     let agent = KubeAgent::new(client, engine, gate, config, metrics, readiness);
     let result = agent.run_until(shutdown).await;
-    drop(supervisor);
     let _ = stop_endpoints.send(());
     match endpoints.await {
         Ok(Err(error)) => tracing::warn!(%error, "the metrics endpoints ended with an error"),

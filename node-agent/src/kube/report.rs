@@ -27,7 +27,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use genswap_crds::{Mode, Outcome, SwapAttempt, SwapAttemptSpec, SwapAttemptStatus};
+use genswap_crds::{Mode, Outcome, ServingStatus, SwapAttempt, SwapAttemptSpec, SwapAttemptStatus};
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use thiserror::Error;
@@ -40,6 +40,11 @@ use crate::standalone::report::{status_from_outcome_record, status_running};
 
 /// The server-side apply field manager of every status write.
 pub const FIELD_MANAGER: &str = "genswap-node-agent";
+
+/// The field manager of the `serving` block alone (SPEC 5.10). Its own
+/// manager, so that the outcome's apply (which leaves `serving` out) and
+/// this one (which states only `serving`) never remove each other's fields.
+pub const SERVING_FIELD_MANAGER: &str = "genswap-node-agent-supervisor";
 
 /// How long one status write may take before it counts as failed.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
@@ -146,6 +151,13 @@ impl std::fmt::Display for ReportTarget {
             self.namespace, self.name, self.sched_rev
         )
     }
+}
+
+/// The attempt a `serving` block is written to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServingTarget {
+    pub namespace: String,
+    pub name: String,
 }
 
 /// A finished attempt's outcome and where it goes.
@@ -408,6 +420,46 @@ impl Reporter {
                 () = until.cancelled() => return,
                 () = tokio::time::sleep(self.backoff.delay(retry)) => {}
             }
+            retry = retry.saturating_add(1);
+        }
+    }
+
+    /// Writes an attempt's `serving` block until the API server accepts it
+    /// or says the attempt is gone. Abort it to replace it with a newer
+    /// state.
+    pub async fn deliver_serving(&self, target: &ServingTarget, serving: &ServingStatus) {
+        let api: Api<SwapAttempt> = Api::namespaced(self.client.clone(), &target.namespace);
+        let params = PatchParams::apply(SERVING_FIELD_MANAGER).force();
+        let mut serving = serving.clone();
+        if let Some(message) = serving.message.as_mut() {
+            cut(message);
+        }
+        let body = serde_json::json!({
+            "apiVersion": format!("{}/{}", genswap_crds::GROUP, genswap_crds::VERSION),
+            "kind": "SwapAttempt",
+            "status": { "serving": serving },
+        });
+        let mut retry = 0u32;
+        loop {
+            let written = tokio::time::timeout(
+                REQUEST_TIMEOUT,
+                api.patch_status(&target.name, &params, &Patch::Apply(&body)),
+            )
+            .await;
+            let error = match written {
+                Ok(Ok(_)) => return,
+                Ok(Err(kube::Error::Api(status))) if status.is_not_found() => return,
+                Ok(Err(error)) => error_chain(&error),
+                Err(_) => format!("no answer within {REQUEST_TIMEOUT:?}"),
+            };
+            let delay = self.backoff.delay(retry);
+            tracing::warn!(
+                attempt = %format!("{}/{}", target.namespace, target.name),
+                %error,
+                retry_in_ms = delay.as_millis() as u64,
+                "writing an instance's serving state failed; retrying"
+            );
+            tokio::time::sleep(delay).await;
             retry = retry.saturating_add(1);
         }
     }

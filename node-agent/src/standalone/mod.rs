@@ -184,8 +184,8 @@ pub async fn run_with(
     config: StandaloneConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), StandaloneError> {
-    let _supervisor = engine.start_supervisor(|exit| crate::engine::log_exit(&exit));
-    let runner = runner::Runner::start(engine, gate, state_dir, config).await?;
+    let runner = runner::Runner::start(engine.clone(), gate.clone(), state_dir, config).await?;
+    let _supervisor = engine.start_supervisor(gate, runner.supervisor_events());
     runner.run(shutdown).await
 }
 

@@ -3,12 +3,15 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use genswap_crds::{ConditionType, Mode, Outcome, StepTiming, SwapAttemptStatus, set_condition};
+use genswap_crds::{
+    ConditionType, LastExit, Mode, Outcome, ServingStatus, StepTiming, SwapAttemptStatus,
+    set_condition,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 
 use crate::engine::SwapResult;
-use crate::journal::OutcomeRecord;
+use crate::journal::{ExitRecord, OutcomeRecord, Supervised};
 
 /// Condition reasons on a SwapAttempt's status.
 pub mod reasons {
@@ -169,6 +172,31 @@ fn finished_status(finished: Finished<'_>) -> SwapAttemptStatus {
         finished_at: Some(finished.finished_at.clone()),
         steps: finished.steps,
         conditions,
+        serving: None,
+    }
+}
+
+/// The `serving` block a `done` attempt carries for its lineage
+/// (SPEC 5.10), from what the supervisor journaled.
+pub fn serving_status(supervised: &Supervised, last_exit: Option<&ExitRecord>) -> ServingStatus {
+    ServingStatus {
+        state: supervised.state,
+        generation: i64::try_from(supervised.generation).unwrap_or(i64::MAX),
+        restarts: i32::try_from(supervised.restarts).unwrap_or(i32::MAX),
+        last_exit: last_exit.map(last_exit_of),
+        restart_at: supervised.restart_at_ms.map(time_of_millis),
+        message: supervised.message.clone(),
+    }
+}
+
+/// The API's shape of a journaled exit.
+pub fn last_exit_of(exit: &ExitRecord) -> LastExit {
+    LastExit {
+        generation: i64::try_from(exit.generation).unwrap_or(i64::MAX),
+        exit_code: exit.exit_code,
+        signal: exit.signal,
+        oom_killed: exit.oom_killed,
+        at: time_of_millis(exit.at_ms),
     }
 }
 

@@ -23,7 +23,7 @@ use super::state::{InstanceState, StateStore};
 use super::status::{self, StatusDocument, reasons};
 use super::watch::{DirChange, DirWatch};
 use super::{STATUS_SUBDIR, StandaloneConfig, StandaloneError};
-use crate::engine::{Attempt, Cancel, Engine, EngineError, SwapResult};
+use crate::engine::{Attempt, Cancel, Engine, EngineError, SupervisorEvent, SwapResult};
 use crate::gate::{InstanceKey, NewestRevisionGate};
 
 /// A plan that creates attempts is followed by another, until one creates
@@ -91,6 +91,7 @@ enum Msg {
         key: InstanceKey,
         result: Result<Option<Duration>, EngineError>,
     },
+    Supervisor(SupervisorEvent),
 }
 
 pub(super) struct Runner {
@@ -567,6 +568,7 @@ impl Runner {
             instance: key.clone(),
             name: next.metadata.name.clone().unwrap_or_default(),
             spec: next.spec.clone(),
+            restart: None,
         };
         let mut running = report::status_running(SystemTime::now());
         running.effective_mode = Some(attempt.effective_mode());
@@ -600,7 +602,43 @@ impl Runner {
                 result,
             } => self.finished(key, sched_rev, *result).await,
             Msg::Stopped { key, result } => self.stopped(key, result).await,
+            Msg::Supervisor(event) => self.supervised(event).await,
         }
+    }
+
+    /// Where the engine's supervisor tells this runner what it did.
+    pub(super) fn supervisor_events(&self) -> impl Fn(SupervisorEvent) + Send + Sync + 'static {
+        let tx = self.tx.clone();
+        move |event| {
+            let _ = tx.send(Msg::Supervisor(event));
+        }
+    }
+
+    /// An exit, a restart or a lineage's new state: the state goes into the
+    /// `serving` block of the attempt that installed the lineage, and the
+    /// instance is planned again (its status file then says it).
+    async fn supervised(&mut self, event: SupervisorEvent) {
+        crate::engine::log_event(&event);
+        let SupervisorEvent::Serving(change) = event else {
+            return;
+        };
+        let Some(instance) = self.instances.get_mut(&change.instance) else {
+            return;
+        };
+        let sched_rev = change.attempt().sched_rev;
+        let Some(status) = instance
+            .attempts
+            .iter_mut()
+            .find(|a| a.spec.sched_rev == sched_rev)
+            .and_then(|a| a.status.as_mut())
+        else {
+            return;
+        };
+        status.serving = Some(report::serving_status(
+            &change.supervised,
+            change.last_exit.as_ref(),
+        ));
+        self.replan(&change.instance).await;
     }
 
     /// An attempt ended: its result becomes its status, the status file

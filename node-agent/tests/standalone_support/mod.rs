@@ -312,6 +312,8 @@ pub struct Manifest {
     pub mode: &'static str,
     pub retry: String,
     pub args: Vec<String>,
+    /// The process's environment (testapp knobs).
+    pub env: Vec<(String, String)>,
     pub health_timeout_seconds: u32,
     /// The labels of the nodes it selects; empty selects every node.
     pub node_selector: BTreeMap<String, String>,
@@ -330,6 +332,7 @@ impl Manifest {
             mode: "overlap",
             retry: String::new(),
             args: Vec::new(),
+            env: Vec::new(),
             health_timeout_seconds: 20,
             node_selector: BTreeMap::new(),
         }
@@ -345,6 +348,12 @@ impl Manifest {
             .args
             .iter()
             .map(|a| format!("\"{a}\""))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let env = self
+            .env
+            .iter()
+            .map(|(name, value)| format!("{{name: \"{name}\", value: \"{value}\"}}"))
             .collect::<Vec<_>>()
             .join(", ");
         let node_selector: String = self
@@ -372,6 +381,7 @@ spec:{node_selector}
   retry: \"{retry}\"
   process:
     args: [{args}]
+    env: [{env}]
     user: {NOBODY}
     group: {NOBODY}
   health:

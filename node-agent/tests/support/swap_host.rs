@@ -36,7 +36,7 @@ pub const NOBODY: i64 = 65534;
 
 /// One test's node.
 pub struct SwapHost {
-    pub engine: Engine,
+    pub engine: std::sync::Arc<Engine>,
     pub instance: InstanceKey,
     /// `<dir>/staging`: the staging root artifacts must be under.
     pub staging: PathBuf,
@@ -81,7 +81,7 @@ impl SwapHost {
             logs,
         };
         SwapHost {
-            engine: Engine::new(parts, config),
+            engine: std::sync::Arc::new(Engine::new(parts, config)),
             instance: InstanceKey::new("default", "app").expect("instance key"),
             staging,
             run_dir,
@@ -103,6 +103,7 @@ impl SwapHost {
             instance: self.instance.clone(),
             name: format!("app-node-a-{rev}"),
             spec: spec(rev, build, id),
+            restart: None,
         }
     }
 
@@ -239,6 +240,25 @@ impl SwapHost {
         self.assert_only(Some(before.generation));
     }
 
+    /// A second engine over this host's directories and cgroup subtree:
+    /// the next agent after this one was stopped or killed.
+    pub fn next_agent(&self, config: EngineConfig) -> std::sync::Arc<Engine> {
+        let cgroups = self.tree.manager();
+        let logs = test_log_sink(&self.log_dir(), &cgroups);
+        let parts = EngineParts {
+            logs,
+            cgroups,
+            layout: RunLayout::new(&self.run_dir),
+            stager: Stager::new(
+                Store::open(self.dir.path().join("store")).expect("store"),
+                StagerConfig::new(&self.staging),
+            )
+            .expect("stager"),
+            journal: Journal::open(&self.state_dir).expect("journal"),
+        };
+        std::sync::Arc::new(Engine::new(parts, config))
+    }
+
     /// Stops what serves and checks nothing is left in the subtree.
     pub async fn tear_down(&self) {
         self.engine
@@ -309,6 +329,7 @@ pub fn spec(rev: i64, build: &testapp::Build, id: &str) -> SwapAttemptSpec {
         },
         resources: Default::default(),
         socket: Default::default(),
+        restart_policy: None,
     }
 }
 
