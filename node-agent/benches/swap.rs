@@ -10,11 +10,14 @@
 
 #[path = "../tests/support/cgroup_guard.rs"]
 mod cgroup_guard;
+#[path = "support/figures.rs"]
+mod figures;
 #[path = "../tests/support/swap_host.rs"]
 mod swap_host;
 
 use std::time::{Duration, Instant};
 
+use figures::print_row;
 use genswap_crds::Outcome;
 use node_agent::engine::{Step, SwapResult};
 use swap_host::SwapHost;
@@ -119,28 +122,4 @@ fn total_of(result: &SwapResult) -> Duration {
         .finished_at
         .duration_since(result.started_at)
         .unwrap_or_default()
-}
-
-fn print_row(name: &str, mut samples: Vec<Duration>) {
-    samples.sort_unstable();
-    println!(
-        "{:<28} {:>10} {:>10} {:>10}",
-        name,
-        millis(percentile(&samples, 50)),
-        millis(percentile(&samples, 99)),
-        millis(samples.last().copied().unwrap_or_default())
-    );
-}
-
-/// The nearest-rank percentile of sorted samples.
-fn percentile(sorted: &[Duration], p: usize) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let rank = (p * sorted.len()).div_ceil(100).max(1);
-    sorted[rank.min(sorted.len()) - 1]
-}
-
-fn millis(duration: Duration) -> String {
-    format!("{:.2} ms", duration.as_secs_f64() * 1000.0)
 }

@@ -72,7 +72,7 @@ impl Watching {
     async fn state(&mut self) -> ServingChange {
         loop {
             if let SupervisorEvent::Serving(change) = self.next().await {
-                return change;
+                return *change;
             }
         }
     }

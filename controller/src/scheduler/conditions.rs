@@ -51,7 +51,7 @@ pub(super) fn write(
     let left_down: Vec<(&str, Down)> = progress
         .down_between
         .iter()
-        .filter(|(_, down)| matches!(down, Down::LeftDown(_)))
+        .filter(|(_, down)| matches!(down, Down::Left(_)))
         .cloned()
         .collect();
     let held = (!progress.stalled.is_empty()).then_some(if progress.down.is_empty() {

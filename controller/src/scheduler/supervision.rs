@@ -21,13 +21,13 @@ pub(super) enum Down {
     /// It exited again and again; the next restart waits for its backoff.
     BackingOff(String),
     /// It exited and the restart policy leaves it down: a human must act.
-    LeftDown(String),
+    Left(String),
 }
 
 impl Down {
     pub(super) fn message(&self) -> &str {
         match self {
-            Down::Restarting(m) | Down::BackingOff(m) | Down::LeftDown(m) => m,
+            Down::Restarting(m) | Down::BackingOff(m) | Down::Left(m) => m,
         }
     }
 }
@@ -115,7 +115,7 @@ pub(super) fn observe(slot: &mut NodeSlot<'_>, events: &mut Vec<PlanEvent>) -> O
                 entry.serving = Some(false);
                 None
             } else {
-                Some(Down::LeftDown(message()))
+                Some(Down::Left(message()))
             }
         }
     }

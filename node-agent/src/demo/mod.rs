@@ -7,17 +7,22 @@
 //!
 //! 1. install `build-1`;
 //! 2. an overlap release to `build-2`;
-//! 3. a release of `build-bad`, which answers 500 to its health check:
+//! 3. `build-2`'s process is SIGKILLed: the agent's supervisor notices it
+//!    at once, the status file says `Ready=False GenerationExited`, and
+//!    the agent restarts it as the next generation (no attempt, no edit),
+//!    after which the status is `Ready=True` with `restarts: 1`;
+//! 4. a release of `build-bad`, which answers 500 to its health check:
 //!    `failed`, held down, `build-2` keeps serving;
-//! 4. a retry of it (`spec.retry` changed): the one re-armed attempt runs,
+//! 5. a retry of it (`spec.retry` changed): the one re-armed attempt runs,
 //!    fails the same way, and the build is held down again; `build-2`
 //!    still serves. (A retry re-arms a build; it does not fix it.)
-//! 5. a hold release to `build-3`: `build-2` stops before `build-3` starts,
+//! 6. a hold release to `build-3`: `build-2` stops before `build-3` starts,
 //!    so requests fail in the gap; that is what `hold` means.
 //!
 //! From step 2 on a client sends requests through `current.sock` without a
 //! pause; each step's row counts the requests sent and failed while it ran.
-//! Overlap steps must show 0 failed. Everything is stopped and removed at
+//! Overlap steps must show 0 failed (the kill does fail requests: nothing
+//! serves until the restart is healthy). Everything is stopped and removed at
 //! the end, on Ctrl-C and on failure too.
 
 pub mod app;
@@ -134,6 +139,8 @@ pub struct Row {
     pub serving: Option<String>,
     /// How long the step took.
     pub took: Duration,
+    /// The step is the supervisor's restart after a kill, not an attempt.
+    pub restart: bool,
 }
 
 /// The demo's result.
@@ -171,7 +178,11 @@ impl DemoReport {
                 "{:<32} {:<8} {:<8} {:<10} {:<9} {:>8} {:>7} {:>7}  {:<10} {:>5.1}s",
                 row.step,
                 row.cause,
-                mode_name(row.mode),
+                if row.restart {
+                    "restart"
+                } else {
+                    mode_name(row.mode)
+                },
                 outcome_name(row.outcome),
                 row.executed,
                 row.drain_ms
@@ -192,10 +203,11 @@ impl DemoReport {
         let overlap_clean = self
             .rows
             .iter()
-            .filter(|r| r.mode == Mode::Overlap)
+            .filter(|r| r.mode == Mode::Overlap && !r.restart)
             .all(|r| r.traffic.is_none_or(|t| t.failed == 0));
         outcomes
             == [
+                Outcome::Done,
                 Outcome::Done,
                 Outcome::Done,
                 Outcome::Failed,
@@ -307,6 +319,8 @@ async fn run_in(sandbox: &Sandbox) -> Result<DemoReport, DemoError> {
         manifests: &manifests,
         builds: &builds,
         current: &current,
+        engine: &host.engine,
+        key: &key,
     };
     let outcome = tokio::select! {
         report = script.run() => report,
@@ -432,6 +446,8 @@ struct Script<'a> {
     manifests: &'a Path,
     builds: &'a Builds,
     current: &'a Path,
+    engine: &'a crate::engine::Engine,
+    key: &'a InstanceKey,
 }
 
 impl Script<'_> {
@@ -442,7 +458,7 @@ impl Script<'_> {
 
         let (row, doc) = self
             .step(
-                "1/5",
+                "1/6",
                 "install build-1",
                 "The file appears; standalone mode plans an install and the engine starts \
                  generation 1 in its own cgroup, health-checks it on its own socket and \
@@ -464,22 +480,32 @@ impl Script<'_> {
         println!("Starting a client that sends requests through current.sock without a pause.\n");
         let client = Client::start(self.current.to_path_buf());
 
-        let steps: [(&str, &str, &str, Desired<'_>); 4] = [
-            (
-                "2/5",
-                "release build-2 (overlap)",
-                "build-2 starts beside build-1, becomes healthy, takes over current.sock \
+        let (number, title, story, desired) = (
+            "2/6",
+            "release build-2 (overlap)",
+            "build-2 starts beside build-1, becomes healthy, takes over current.sock \
                  by an atomic rename, then build-1 drains and is proven stopped.",
-                Desired {
-                    id: "build-2",
-                    build: &b.two,
-                    mode: Mode::Overlap,
-                    retry: "",
-                    args: &[],
-                },
-            ),
+            Desired {
+                id: "build-2",
+                build: &b.two,
+                mode: Mode::Overlap,
+                retry: "",
+                args: &[],
+            },
+        );
+        let (row, doc) = self
+            .step(number, title, story, &desired, last_rev, Some(&client))
+            .await?;
+        last_rev = newest_rev(&doc);
+        report.rows.push(row);
+
+        let (row, doc) = self.kill_and_watch_it_return(&client).await?;
+        last_rev = newest_rev(&doc).max(last_rev);
+        report.rows.push(row);
+
+        let steps: [(&str, &str, &str, Desired<'_>); 3] = [
             (
-                "3/5",
+                "4/6",
                 "release build-bad (overlap)",
                 "build-bad answers 500 to its health check: the attempt fails, build-bad is \
                  stopped and held down (Stalled=True), and build-2 never stops serving.",
@@ -492,7 +518,7 @@ impl Script<'_> {
                 },
             ),
             (
-                "4/5",
+                "5/6",
                 "retry build-bad (spec.retry)",
                 "Changing spec.retry re-arms exactly one attempt of the held-down build. It \
                  is the same build, so it fails the same way and is held down again: a retry \
@@ -506,7 +532,7 @@ impl Script<'_> {
                 },
             ),
             (
-                "5/5",
+                "6/6",
                 "release build-3 (hold)",
                 "A hold stops build-2 first and then starts build-3: the requests that arrive \
                  in between fail. That gap is what mode: hold trades for never running two \
@@ -532,8 +558,8 @@ impl Script<'_> {
         println!("\n{}", report.table());
         if report.as_expected() {
             println!(
-                "Every overlap step answered every request; the failed build never took traffic; \
-                 the hold step shows the gap a hold costs."
+                "Every overlap step answered every request; the killed process came back with no \
+                 edit; the failed build never took traffic; the hold step shows the gap a hold costs."
             );
         } else {
             println!(
@@ -541,6 +567,80 @@ impl Script<'_> {
             );
         }
         Ok(report)
+    }
+
+    /// SIGKILLs the serving generation and waits until the status file has
+    /// said it is down and then that the agent's restart serves.
+    async fn kill_and_watch_it_return(
+        &self,
+        client: &Client,
+    ) -> Result<(Row, StatusDocument), DemoError> {
+        let title = "SIGKILL build-2's process";
+        println!(
+            "3/6 {title}\n    Nothing edits the manifest: the agent's supervisor notices the exit \
+             at once (a pidfd), reaps it, says Ready=False GenerationExited, and restarts \
+             build-2 as the next generation; current.sock moves to it once it is healthy."
+        );
+        let serving = self
+            .engine
+            .serving(self.key)
+            .ok_or_else(|| DemoError::Setup {
+                what: "find the serving generation".into(),
+                source: io::Error::other("nothing serves"),
+            })?;
+        let before = client.tally();
+        let started = Instant::now();
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(serving.pid).unwrap_or(i32::MAX));
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).map_err(|errno| {
+            DemoError::Setup {
+                what: format!("SIGKILL pid {}", serving.pid),
+                source: io::Error::from(errno),
+            }
+        })?;
+        let mut saw_down = String::new();
+        let doc = standalone::wait_for_status(self.manifests, MANIFEST, STEP_DEADLINE, |doc| {
+            let node = doc.status.nodes.first();
+            if saw_down.is_empty() && node.and_then(|n| n.serving) == Some(false) {
+                saw_down = conditions(doc);
+            }
+            doc.is_true(ConditionType::Ready) && node.and_then(|n| n.restarts).unwrap_or(0) >= 1
+        })
+        .await
+        .map_err(|source| DemoError::Step {
+            step: title.to_string(),
+            source,
+        })?;
+        let took = started.elapsed();
+        let traffic = client.tally() - before;
+        let node = doc.status.nodes.first();
+        let generation = node.and_then(|n| n.generation).unwrap_or_default();
+        let exit = node
+            .and_then(|n| n.last_exit.as_ref())
+            .map_or_else(|| "an unknown way".to_string(), |e| e.describe());
+        if !saw_down.is_empty() {
+            println!("    status while down: {saw_down}");
+        }
+        println!(
+            "    -> generation {} exited with {exit}; restarted as generation {generation} in {:.1} s; {}; {} requests, {} failed while nothing served\n",
+            serving.generation,
+            took.as_secs_f64(),
+            conditions(&doc),
+            traffic.sent,
+            traffic.failed,
+        );
+        let row = Row {
+            step: title.to_string(),
+            cause: "exit".into(),
+            mode: Mode::Overlap,
+            outcome: Outcome::Done,
+            executed: true,
+            drain_ms: None,
+            traffic: Some(traffic),
+            serving: client.last_build(),
+            took,
+            restart: true,
+        };
+        Ok((row, doc))
     }
 
     /// Writes the manifest and waits until standalone mode has run the
@@ -592,6 +692,7 @@ impl Script<'_> {
                 .and_then(Client::last_build)
                 .or_else(|| doc.status.nodes.first().and_then(|n| n.build.clone())),
             took,
+            restart: false,
         };
         println!(
             "    -> {} in {:.1} s; {}{}\n",

@@ -103,10 +103,13 @@ pub enum SupervisorEvent {
         restarts: u32,
         /// The reason label of the exit that caused it.
         after: &'static str,
+        /// The restart's steps, as an attempt's (its health step is the
+        /// new generation's boot: from its exec to its first healthy answer).
+        steps: Vec<super::StepRecord>,
     },
     /// A lineage's state as journaled now: what the adapter writes as the
     /// `serving` block of the attempt that installed it.
-    Serving(ServingChange),
+    Serving(Box<ServingChange>),
 }
 
 /// A lineage's state after a change.
@@ -433,11 +436,11 @@ impl Loop {
     /// Tells the adapter a lineage's state as journaled.
     fn tell_state(&self, entry: &InstanceEntry) {
         if let Some(supervised) = &entry.supervised {
-            (self.on_event)(SupervisorEvent::Serving(ServingChange {
+            (self.on_event)(SupervisorEvent::Serving(Box::new(ServingChange {
                 instance: entry.instance.clone(),
                 supervised: supervised.clone(),
                 last_exit: entry.last_exit.clone(),
-            }));
+            })));
         }
     }
 
@@ -647,6 +650,7 @@ impl Loop {
                 generation: supervised.generation,
                 restarts: supervised.restarts,
                 after: entry.last_exit.as_ref().map_or("unknown", reason_label),
+                steps: result.steps.clone(),
             });
             self.tell_state(&entry);
             return;

@@ -349,10 +349,10 @@ impl Running {
         self.shared.metrics.record_supervisor_event(&event);
         if let SupervisorEvent::Serving(change) = event {
             if self.synced {
-                self.write_serving(change);
+                self.write_serving(*change);
             } else {
                 // Compared with the attempts once the watch has them all.
-                self.serving_before_sync.push(change);
+                self.serving_before_sync.push(*change);
             }
         }
     }

@@ -247,7 +247,28 @@ impl ApiServerVerifier {
     pub async fn expect_running_patch(&mut self, namespace: &str, name: &str) -> Pending {
         let path = format!("{GROUP_PATH}/namespaces/{namespace}/swapattempts/{name}/status");
         self.next_where(&format!("PATCH {path} without an outcome"), |r| {
-            r.method == Method::PATCH && r.path == path && r.body["status"]["outcome"].is_null()
+            r.method == Method::PATCH
+                && r.path == path
+                && r.body["status"]["outcome"].is_null()
+                && r.body["status"]["serving"].is_null()
+        })
+        .await
+    }
+
+    /// A write of one attempt's `serving` block whose body `matches`.
+    pub async fn expect_serving_patch(
+        &mut self,
+        namespace: &str,
+        name: &str,
+        what: &str,
+        matches: impl Fn(&Value) -> bool,
+    ) -> Pending {
+        let path = format!("{GROUP_PATH}/namespaces/{namespace}/swapattempts/{name}/status");
+        self.next_where(&format!("PATCH {path} with serving {what}"), |r| {
+            r.method == Method::PATCH
+                && r.path == path
+                && !r.body["status"]["serving"].is_null()
+                && matches(&r.body["status"]["serving"])
         })
         .await
     }
