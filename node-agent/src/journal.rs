@@ -686,11 +686,18 @@ impl Journal {
 
     /// Nothing serves by intent (the instance was stopped): no generation
     /// and no lineage to restart.
+    /// No file is written for an instance that has none.
     pub fn stopped(&self, instance: &InstanceKey) -> Result<(), JournalError> {
-        self.update(instance, |entry| {
+        self.locked(instance, || {
+            let Some(mut entry) = self.read_entry(instance)? else {
+                return Ok(());
+            };
+            if entry.serving.is_none() && entry.supervised.is_none() {
+                return Ok(());
+            }
             entry.serving = None;
             entry.supervised = None;
-            Ok(((), true))
+            self.write_entry(&entry)
         })
     }
 

@@ -432,3 +432,38 @@ async fn a_generation_retired_by_a_swap_is_not_reported_as_an_exit() {
     drop(watching);
     host.tear_down().await;
 }
+
+#[tokio::test]
+async fn stopping_an_instance_that_backs_off_ends_its_restarts() {
+    let config = EngineConfig {
+        restart_backoff: RestartBackoff {
+            initial: Duration::from_secs(600),
+            ..RestartBackoff::default()
+        },
+        ..EngineConfig::default()
+    };
+    let host = SwapHost::with_config("supervise-stop", config);
+    host.install_with(1, "b1", |attempt| {
+        knob(attempt, "TESTAPP_EXIT_AFTER_MS", "1200");
+    })
+    .await;
+    let mut watching = Watching::start(&host.engine);
+    // The first exit is restarted at once; the restart's exit waits.
+    loop {
+        let state = watching.state().await;
+        if state.supervised.state == ServingState::BackOff {
+            break;
+        }
+    }
+    // Its InstanceGeneration is deleted while nothing runs.
+    let drained = host
+        .engine
+        .stop_instance(&host.instance, &Default::default())
+        .await
+        .expect("stop");
+    assert_eq!(drained, None, "nothing was running");
+    let journaled = entry(&host.engine, &host);
+    assert_eq!(journaled.supervised, None, "no restart is owed any more");
+    assert_eq!(journaled.serving, None);
+    assert_down(&host);
+}

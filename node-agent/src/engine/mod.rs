@@ -329,6 +329,16 @@ impl Engine {
             instance: instance.clone(),
         })?;
         let Some(running) = claim.serving.take() else {
+            // Nothing runs (it exited, a restart may be owed): nothing is
+            // restarted either from now on.
+            let journal = Arc::clone(&self.journal);
+            let key = instance.clone();
+            parts::blocking(move || journal.stopped(&key))
+                .await
+                .map_err(|source| EngineError::Journal {
+                    instance: instance.clone(),
+                    source,
+                })?;
             return Ok(None);
         };
         let drain = match parts::stop_generation(running, stop).await {

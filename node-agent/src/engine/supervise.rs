@@ -658,6 +658,20 @@ impl Loop {
         if entry.serving.is_some() || self.engine.serving(instance).is_some() {
             return;
         }
+        if result.outcome == Outcome::Done && result.clean_exit {
+            // A worker's restart did its job inside its window.
+            let message = format!(
+                "restart {} exited 0 inside its settle window: its job is done",
+                supervised.restarts.saturating_add(1)
+            );
+            self.write(instance, move |s| {
+                s.state = ServingState::Exited;
+                s.restart_at_ms = None;
+                s.message = Some(message);
+            })
+            .await;
+            return;
+        }
         // Another exit in a row: back off before the next try.
         let in_a_row = supervised.consecutive_exits.saturating_add(1);
         let delay = self.engine.config.restart_backoff.delay(in_a_row);
