@@ -347,6 +347,12 @@ impl Running {
     fn on_supervisor(&mut self, event: SupervisorEvent) {
         crate::engine::log_event(&event);
         self.shared.metrics.record_supervisor_event(&event);
+        if matches!(event, SupervisorEvent::Restarted { .. }) && self.synced {
+            // An instance whose InstanceGeneration went while it was down
+            // serves again: it is looked up like any other that no attempt
+            // names.
+            self.retire_unowned(Candidates::All);
+        }
         if let SupervisorEvent::Serving(change) = event {
             if self.synced {
                 self.write_serving(*change);
