@@ -50,16 +50,7 @@ fn step_time(steps: &[StepRecord], step: Step) -> Duration {
 }
 
 fn main() {
-    let rounds = std::env::var("ROUNDS")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(DEFAULT_ROUNDS);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
-    runtime.block_on(run(rounds));
+    figures::run_counted("ROUNDS", DEFAULT_ROUNDS, run);
 }
 
 async fn run(rounds: usize) {
@@ -130,15 +121,8 @@ async fn run(rounds: usize) {
     host.tear_down().await;
 
     println!(
-        "{rounds} SIGKILLs of the serving testapp, each restarted ({}, cgroup {})",
-        if cfg!(debug_assertions) {
-            "debug build"
-        } else {
-            "release build"
-        },
-        node_agent::cgroup::discover_mount()
-            .map(|m| m.display().to_string())
-            .unwrap_or_default()
+        "{rounds} SIGKILLs of the serving testapp, each restarted ({})",
+        figures::build_and_mount()
     );
     println!("{:<28} {:>10} {:>10} {:>10}", "", "p50", "p99", "max");
     for step in STEPS {

@@ -36,16 +36,7 @@ const STEPS: [Step; 9] = [
 ];
 
 fn main() {
-    let swaps = std::env::var("SWAPS")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(DEFAULT_SWAPS);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
-    runtime.block_on(run(swaps));
+    figures::run_counted("SWAPS", DEFAULT_SWAPS, run);
 }
 
 async fn run(swaps: usize) {
@@ -71,16 +62,9 @@ async fn run(swaps: usize) {
     host.tear_down().await;
 
     println!(
-        "{swaps} overlap swaps of the testapp in {:.2?} ({}, cgroup {})",
+        "{swaps} overlap swaps of the testapp in {:.2?} ({})",
         wall,
-        if cfg!(debug_assertions) {
-            "debug build"
-        } else {
-            "release build"
-        },
-        node_agent::cgroup::discover_mount()
-            .map(|m| m.display().to_string())
-            .unwrap_or_default()
+        figures::build_and_mount()
     );
     println!("{:<28} {:>10} {:>10} {:>10}", "step", "p50", "p99", "max");
     for step in STEPS {

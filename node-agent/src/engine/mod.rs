@@ -331,14 +331,7 @@ impl Engine {
         let Some(running) = claim.serving.take() else {
             // Nothing runs (it exited, a restart may be owed): nothing is
             // restarted either from now on.
-            let journal = Arc::clone(&self.journal);
-            let key = instance.clone();
-            parts::blocking(move || journal.stopped(&key))
-                .await
-                .map_err(|source| EngineError::Journal {
-                    instance: instance.clone(),
-                    source,
-                })?;
+            self.journal_stopped(instance).await?;
             return Ok(None);
         };
         let drain = match parts::stop_generation(running, stop).await {
@@ -352,6 +345,13 @@ impl Engine {
             }
         };
         parts::remove_current_link(&self.layout, instance);
+        self.journal_stopped(instance).await?;
+        Ok(Some(drain))
+    }
+
+    /// Journals that nothing serves `instance` by intent, and nothing is
+    /// to be restarted.
+    async fn journal_stopped(&self, instance: &InstanceKey) -> Result<(), EngineError> {
         let journal = Arc::clone(&self.journal);
         let key = instance.clone();
         parts::blocking(move || journal.stopped(&key))
@@ -359,8 +359,7 @@ impl Engine {
             .map_err(|source| EngineError::Journal {
                 instance: instance.clone(),
                 source,
-            })?;
-        Ok(Some(drain))
+            })
     }
 
     /// Marks `instance` busy and takes its serving generation for the
