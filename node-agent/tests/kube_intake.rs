@@ -74,14 +74,13 @@ async fn with_a_namespace_only_that_namespace_is_watched() {
 #[tokio::test]
 async fn an_attempt_runs_on_the_engine_and_its_outcome_is_applied_then_acknowledged() {
     let node = TestNode::new("kube-e2e");
-    let b1 = node.build("b1");
-    let install = object(&node.spec("web", 1, &b1, "b1"));
-    let (client, mut server) = mock_client();
-    let agent = node.start_agent(client);
-    let _feed = list_and_watch(&mut server, std::slice::from_ref(&install)).await;
-    fresh_read(&mut server, &install).await;
-    running_status(&mut server, &install).await;
-    let status = outcome_status(&mut server, &install).await;
+    let kube_node::Installed {
+        agent,
+        server,
+        feed: _feed,
+        status,
+        ..
+    } = node.install_web_b1().await;
     assert_eq!(status["outcome"], "done", "{status:#}");
     assert_eq!(status["effectiveMode"], "overlap");
     assert_eq!(status["generation"], 1);

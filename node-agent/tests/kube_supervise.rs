@@ -14,22 +14,18 @@ mod swap_host;
 
 use http::StatusCode;
 use kube_node::TestNode;
-use kube_support::{
-    NAMESPACE, eventually, fresh_read, list_and_watch, mock_client, name, object, outcome_status,
-    running_status, unexpected,
-};
+use kube_support::{NAMESPACE, eventually, name, unexpected};
 
 #[tokio::test]
 async fn a_killed_generation_is_restarted_and_its_serving_block_applied() {
     let node = TestNode::new("kube-supervise");
-    let b1 = node.build("b1");
-    let install = object(&node.spec("web", 1, &b1, "b1"));
-    let (client, mut server) = mock_client();
-    let agent = node.start_agent(client);
-    let _feed = list_and_watch(&mut server, std::slice::from_ref(&install)).await;
-    fresh_read(&mut server, &install).await;
-    running_status(&mut server, &install).await;
-    let status = outcome_status(&mut server, &install).await;
+    let kube_node::Installed {
+        agent,
+        mut server,
+        feed: _feed,
+        install,
+        status,
+    } = node.install_web_b1().await;
     assert_eq!(status["outcome"], "done", "{status:#}");
     eventually("the outcome acknowledged", || node.pending().is_empty()).await;
     let before = node.who_serves("web").await.expect("b1 serves");

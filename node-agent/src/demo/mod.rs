@@ -569,6 +569,20 @@ impl Script<'_> {
         Ok(report)
     }
 
+    /// Waits until the status file is `accept`ed, within the step deadline.
+    async fn wait(
+        &self,
+        step: &str,
+        accept: impl FnMut(&StatusDocument) -> bool,
+    ) -> Result<StatusDocument, DemoError> {
+        standalone::wait_for_status(self.manifests, MANIFEST, STEP_DEADLINE, accept)
+            .await
+            .map_err(|source| DemoError::Step {
+                step: step.to_string(),
+                source,
+            })
+    }
+
     /// SIGKILLs the serving generation and waits until the status file has
     /// said it is down and then that the agent's restart serves.
     async fn kill_and_watch_it_return(
@@ -598,18 +612,15 @@ impl Script<'_> {
             }
         })?;
         let mut saw_down = String::new();
-        let doc = standalone::wait_for_status(self.manifests, MANIFEST, STEP_DEADLINE, |doc| {
-            let node = doc.status.nodes.first();
-            if saw_down.is_empty() && node.and_then(|n| n.serving) == Some(false) {
-                saw_down = conditions(doc);
-            }
-            doc.is_true(ConditionType::Ready) && node.and_then(|n| n.restarts).unwrap_or(0) >= 1
-        })
-        .await
-        .map_err(|source| DemoError::Step {
-            step: title.to_string(),
-            source,
-        })?;
+        let doc = self
+            .wait(title, |doc| {
+                let node = doc.status.nodes.first();
+                if saw_down.is_empty() && node.and_then(|n| n.serving) == Some(false) {
+                    saw_down = conditions(doc);
+                }
+                doc.is_true(ConditionType::Ready) && node.and_then(|n| n.restarts).unwrap_or(0) >= 1
+            })
+            .await?;
         let took = started.elapsed();
         let traffic = client.tally() - before;
         let node = doc.status.nodes.first();
@@ -669,14 +680,7 @@ impl Script<'_> {
                 what: "write the manifest".into(),
                 source,
             })?;
-        let doc = standalone::wait_for_status(self.manifests, MANIFEST, STEP_DEADLINE, |doc| {
-            settled_after(doc, last_rev)
-        })
-        .await
-        .map_err(|source| DemoError::Step {
-            step: title.to_string(),
-            source,
-        })?;
+        let doc = self.wait(title, |doc| settled_after(doc, last_rev)).await?;
         let took = started.elapsed();
         let traffic = client.map(|c| c.tally() - before.unwrap_or_default());
         let last = doc.last_attempt();

@@ -26,6 +26,15 @@ use node_agent::switch::RunLayout;
 use crate::cgroup_guard::TestCgroupTree;
 use crate::swap_host;
 
+/// What [`TestNode::install_web_b1`] leaves.
+pub struct Installed {
+    pub agent: crate::kube_support::RunningAgent,
+    pub server: crate::kube_support::ApiServerVerifier,
+    pub feed: crate::kube_support::WatchFeed,
+    pub install: serde_json::Value,
+    pub status: serde_json::Value,
+}
+
 /// One test's node.
 pub struct TestNode {
     pub engine: Arc<Engine>,
@@ -109,6 +118,29 @@ impl TestNode {
             self.gate.clone(),
             crate::kube_support::test_config(&self.lock_path),
         )
+    }
+
+    /// Starts an agent over a mocked API server whose list holds one
+    /// install of `b1` as `web` rev 1, and answers the install's fresh read
+    /// and status writes. Returns the agent, the server, the open watch,
+    /// the attempt object and the outcome status it wrote.
+    pub async fn install_web_b1(&self) -> Installed {
+        let b1 = self.build("b1");
+        let install = crate::kube_support::object(&self.spec("web", 1, &b1, "b1"));
+        let (client, mut server) = crate::kube_support::mock_client();
+        let agent = self.start_agent(client);
+        let feed =
+            crate::kube_support::list_and_watch(&mut server, std::slice::from_ref(&install)).await;
+        crate::kube_support::fresh_read(&mut server, &install).await;
+        crate::kube_support::running_status(&mut server, &install).await;
+        let status = crate::kube_support::outcome_status(&mut server, &install).await;
+        Installed {
+            agent,
+            server,
+            feed,
+            install,
+            status,
+        }
     }
 
     /// The instance `instance` of the test namespace.
