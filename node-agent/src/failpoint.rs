@@ -182,12 +182,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn point_names_are_unique_and_scoped_by_mode() {
+    fn point_names_are_unique_and_scoped_by_mode_or_restart() {
         let mut seen = std::collections::BTreeSet::new();
         for point in POINTS {
             assert!(seen.insert(*point), "{point} listed twice");
             let (scope, step) = point.split_once('.').expect("<mode>.<step>");
-            assert!(matches!(scope, "overlap" | "hold"), "{point}");
+            assert!(matches!(scope, "overlap" | "hold" | "restart"), "{point}");
             assert!(!step.is_empty() && !step.contains('.'), "{point}");
         }
     }
