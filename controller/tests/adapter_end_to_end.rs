@@ -136,3 +136,60 @@ async fn a_revision_is_never_issued_twice_across_failed_creates_stale_writers_an
         "an outcome is recorded once, even across a restart: {reasons:?}"
     );
 }
+
+#[tokio::test]
+async fn an_exit_reported_by_an_agent_reaches_the_conditions_and_issues_nothing() {
+    let cluster = FakeCluster::new(ig("1", None));
+    let (mut h, server) = start(&cluster);
+    // Both nodes installed: n1 (the canary, rev 1), then n2 (rev 2).
+    reconcile_once(&mut h, &cluster).await.expect("issue n1");
+    cluster.report("web-n1-1", "done", 1);
+    reconcile_once(&mut h, &cluster).await.expect("issue n2");
+    cluster.report("web-n2-2", "done", 1);
+    reconcile_once(&mut h, &cluster).await.expect("both ready");
+    let ready = |cluster: &FakeCluster| {
+        cluster.ig().status.and_then(|s| {
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == "Ready")
+                .map(|c| format!("{} {}", c.status, c.reason))
+        })
+    };
+    assert_eq!(ready(&cluster).as_deref(), Some("True AllNodesReady"));
+
+    // n1's agent: its generation was SIGKILLed and the restart waits.
+    cluster.with(|s| {
+        let status = s
+            .attempts
+            .get_mut("web-n1-1")
+            .and_then(|a| a.status.as_mut())
+            .expect("n1's install has a status");
+        status.serving = serde_json::from_value(serde_json::json!({
+            "state": "BackOff",
+            "generation": 1,
+            "restarts": 0,
+            "lastExit": { "generation": 1, "signal": 9, "at": "2026-12-01T12:00:00Z" },
+            "message": "generation 1 exited with signal 9 (SIGKILL), 2 exits in a row; restarting it in 10s",
+        }))
+        .expect("a serving block");
+    });
+    reconcile_once(&mut h, &cluster)
+        .await
+        .expect("the exit is read");
+    assert_eq!(ready(&cluster).as_deref(), Some("False CrashLoopBackOff"));
+    let status = cluster.ig().status.expect("a status");
+    let n1 = status.nodes.iter().find(|n| n.name == "n1").expect("n1");
+    assert_eq!(n1.serving, Some(false));
+    assert_eq!(n1.last_exit.as_ref().and_then(|e| e.signal), Some(9));
+    assert_eq!(status.ready.as_deref(), Some("1/2"));
+    assert_eq!(
+        cluster.with(|s| s.create_requests.clone()),
+        vec![1, 2],
+        "the agent restarts it; the controller issues nothing"
+    );
+    assert!(
+        cluster.with(|s| s.event_reasons.iter().any(|r| r == "GenerationExited")),
+        "the exit is an Event"
+    );
+    stop(h, server).await;
+}
