@@ -34,6 +34,7 @@
 //! | `TESTAPP_SLOW_MS=N` | delay every response by N ms |
 //! | `TESTAPP_NEVER_BIND=1` | run, but never bind the socket |
 //! | `TESTAPP_HANG=1` | accept connections and read requests, never answer |
+//! | `TESTAPP_STOP_AFTER_BIND=1` | bind the socket, then stop itself with SIGSTOP (a process that is there and can answer nothing, nor SIGTERM) |
 //!
 //! The forked children are created before the socket is bound, so they never
 //! hold it, and their stdin/stdout/stderr point at `/dev/null`, so they keep
@@ -114,9 +115,11 @@ pub mod knob {
     pub const NEVER_BIND: &str = "TESTAPP_NEVER_BIND";
     /// `1`: read requests but never answer.
     pub const HANG: &str = "TESTAPP_HANG";
+    /// `1`: SIGSTOP itself right after binding.
+    pub const STOP_AFTER_BIND: &str = "TESTAPP_STOP_AFTER_BIND";
 
     /// Every knob, for flag parsing.
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 12] = [
         BOOT_DELAY_MS,
         STATUS,
         EXIT_AFTER_MS,
@@ -128,6 +131,7 @@ pub mod knob {
         SLOW_MS,
         NEVER_BIND,
         HANG,
+        STOP_AFTER_BIND,
     ];
 }
 

@@ -172,6 +172,7 @@ struct Config {
     slow: Option<Duration>,
     never_bind: bool,
     hang: bool,
+    stop_after_bind: bool,
 }
 
 impl Config {
@@ -206,6 +207,7 @@ impl Config {
             slow: knobs.millis(knob::SLOW_MS)?,
             never_bind: knobs.switch(knob::NEVER_BIND)?,
             hang: knobs.switch(knob::HANG)?,
+            stop_after_bind: knobs.switch(knob::STOP_AFTER_BIND)?,
         })
     }
 }
@@ -395,6 +397,10 @@ async fn run(config: Config, responder: Responder, started: Instant) -> Result<(
 
     let listener = bind(&config.socket)?;
     event!("bound socket={}", config.socket.display());
+    if config.stop_after_bind {
+        event!("stopping itself ({})", knob::STOP_AFTER_BIND);
+        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
+    }
     let responder = Arc::new(responder);
     // Each connection holds a receiver: a change asks it to shut down
     // gracefully, and all receivers gone means every connection has ended.
