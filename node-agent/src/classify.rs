@@ -199,7 +199,7 @@ pub fn classify<T>(result: &Result<T, StepError>, lifetime_ended: bool) -> StepO
         StepError::Spawn(error) => match error {
             // The build's own failure: its exec failed (missing
             // interpreter, bad format). Nothing of it ran, but it cannot run.
-            SpawnError::Exec { .. } => StepOutcome::Failed,
+            SpawnError::Exec { .. } | SpawnError::MissingInterpreter { .. } => StepOutcome::Failed,
             // Refused or failed before the exec: nothing of the build ran,
             // and the cause is the host's or the configuration's.
             SpawnError::RootRefused { .. }

@@ -287,6 +287,18 @@ pub enum SpawnError {
         #[source]
         source: io::Error,
     },
+    /// The build is a `#!` script whose interpreter does not exist: the
+    /// kernel's `ENOENT` names the script, which does exist.
+    #[error(
+        "exec of {} for generation {generation} failed: interpreter {} named on its #! line does not exist",
+        exe.display(),
+        interpreter.display()
+    )]
+    MissingInterpreter {
+        generation: u64,
+        exe: PathBuf,
+        interpreter: PathBuf,
+    },
     /// The exec was refused with `ETXTBSY` on every try: some process
     /// holds the file open for writing. Nothing of the build ran, and the
     /// build is not to blame.
@@ -315,12 +327,20 @@ impl SpawnError {
     /// Nothing of the build ran and the cause is not the build: every
     /// variant but `Exec` and `Wait` (`ExecBusy` included). Stale.
     pub fn is_refusal(&self) -> bool {
-        !matches!(self, SpawnError::Exec { .. } | SpawnError::Wait { .. })
+        !matches!(
+            self,
+            SpawnError::Exec { .. }
+                | SpawnError::MissingInterpreter { .. }
+                | SpawnError::Wait { .. }
+        )
     }
 
     /// The build's own failure: its exec failed.
     pub fn is_build_failure(&self) -> bool {
-        matches!(self, SpawnError::Exec { .. })
+        matches!(
+            self,
+            SpawnError::Exec { .. } | SpawnError::MissingInterpreter { .. }
+        )
     }
 
     /// A process of the build may have run: only after a successful start
@@ -380,6 +400,9 @@ pub struct Spawned {
     pid: u32,
     exe: PathBuf,
     resolved_exe: Option<PathBuf>,
+    /// The interpreter named on the build's `#!` line, when the build is a
+    /// script.
+    interpreter: Option<PathBuf>,
     generation: u64,
     build: String,
     socket: PathBuf,
@@ -428,12 +451,18 @@ impl Spawned {
     /// observed.
     pub fn verify(&self) -> Result<Observed, VerifyError> {
         let observed = self.observe()?;
-        let expected_exe = self.resolved_exe.as_deref().unwrap_or(&self.exe);
-        self.expect(
-            "executable",
-            &expected_exe.display().to_string(),
-            &observed.exe.display().to_string(),
-        )?;
+        // A `#!` script runs as its interpreter (reading the store file),
+        // and a wrapper may already have exec'd what it starts: neither is
+        // the store file, and only the script itself can have exec'd, so
+        // for a script the cgroup and environment below are the proof.
+        if self.interpreter.is_none() {
+            let expected_exe = self.resolved_exe.as_deref().unwrap_or(&self.exe);
+            self.expect(
+                "executable",
+                &expected_exe.display().to_string(),
+                &observed.exe.display().to_string(),
+            )?;
+        }
         if let Some(cgroup) = self.cgroup.proc_path() {
             self.expect("cgroup", cgroup, &observed.cgroup)?;
         }
@@ -598,10 +627,17 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
         Ok(child) => child,
         Err(source) => {
             return Err(match reported {
-                Some(EXEC_NEXT) => SpawnError::Exec {
-                    generation,
-                    exe: spec.exe.clone(),
-                    source,
+                Some(EXEC_NEXT) => match missing_interpreter(&spec.exe, &source) {
+                    Some(interpreter) => SpawnError::MissingInterpreter {
+                        generation,
+                        exe: spec.exe.clone(),
+                        interpreter,
+                    },
+                    None => SpawnError::Exec {
+                        generation,
+                        exe: spec.exe.clone(),
+                        source,
+                    },
                 },
                 Some(code) => match SetupStep::from_code(code) {
                     Some(step) => SpawnError::Setup {
@@ -620,12 +656,38 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
         exit: ExitWatch::new(child),
         pid,
         resolved_exe: std::fs::canonicalize(&spec.exe).ok(),
+        interpreter: script_interpreter(&spec.exe),
         exe: spec.exe.clone(),
         generation,
         build: spec.build.clone(),
         socket: spec.socket.clone(),
         cgroup: spec.cgroup.clone(),
     })
+}
+
+/// The interpreter on `exe`'s `#!` line (the first word after it, as the
+/// kernel reads it), when `exe` is a script.
+pub fn script_interpreter(exe: &Path) -> Option<PathBuf> {
+    use std::io::Read;
+    let mut head = [0u8; 256];
+    let mut file = std::fs::File::open(exe).ok()?;
+    let read = file.read(&mut head).ok()?;
+    let line = head[..read].strip_prefix(b"#!")?;
+    let line = line.split(|b| *b == b'\n').next()?;
+    let word = line
+        .split(|b| *b == b' ' || *b == b'\t')
+        .find(|word| !word.is_empty())?;
+    use std::os::unix::ffi::OsStrExt;
+    Some(PathBuf::from(std::ffi::OsStr::from_bytes(word)))
+}
+
+/// The interpreter that made an exec fail with `ENOENT` although `exe`
+/// exists: a script naming one that does not.
+fn missing_interpreter(exe: &Path, error: &io::Error) -> Option<PathBuf> {
+    if error.raw_os_error() != Some(Errno::ENOENT as i32) || !exe.exists() {
+        return None;
+    }
+    script_interpreter(exe).filter(|interpreter| !interpreter.exists())
 }
 
 fn check_root(spec: &SpawnSpec) -> Result<(), SpawnError> {

@@ -242,3 +242,84 @@ fn procs(cgroup: &std::path::Path) -> Vec<u32> {
         .filter_map(|l| l.trim().parse().ok())
         .collect()
 }
+
+/// A build that is a `#!` script with `body` after its first line.
+fn script_build(host: &SwapHost, name: &str, shebang: &str, body: &str) -> testapp::Build {
+    use sha2::Digest;
+    use std::os::unix::fs::PermissionsExt;
+    let path = host.staging.join(name);
+    let text = format!("{shebang}\n{body}\n");
+    std::fs::write(&path, &text).expect("write the script");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    testapp::Build {
+        path,
+        sha256: hex::encode(sha2::Sha256::digest(text.as_bytes())),
+    }
+}
+
+#[tokio::test]
+async fn a_shell_script_build_serves_whether_it_execs_its_server_or_stays_its_parent() {
+    for (tag, body) in [
+        ("exec", "exec {server} \"$@\""),
+        ("parent", "{server} \"$@\"\nexit $?"),
+    ] {
+        let host = SwapHost::new(&format!("build-script-{tag}"));
+        let server = host.build("server");
+        let script = script_build(
+            &host,
+            "wrapper.sh",
+            "#!/bin/sh",
+            &body.replace("{server}", &server.path.display().to_string()),
+        );
+        let result = host.swap(&host.attempt(1, &script, "wrapped")).await;
+        assert_eq!(result.outcome, Outcome::Done, "{tag}: {result:?}");
+        let serving = host.who_serves().await.expect("the wrapped server answers");
+        assert_eq!((serving.build.as_str(), serving.generation), ("wrapped", 1));
+        host.tear_down().await;
+    }
+}
+
+#[tokio::test]
+async fn a_script_whose_interpreter_is_missing_fails_naming_it_and_leaves_nothing() {
+    let host = SwapHost::new("build-no-interpreter");
+    let script = script_build(&host, "broken.sh", "#!/nonexistent/sh -e", "exit 0");
+    let result = host.swap(&host.attempt(1, &script, "broken")).await;
+    assert_eq!(result.outcome, Outcome::Failed, "{result:?}");
+    assert!(!result.executed, "nothing of it ran: {result:?}");
+    swap_host::assert_says(
+        &result.reason,
+        &[
+            "spawn: ",
+            "interpreter /nonexistent/sh named on its #! line does not exist",
+        ],
+    );
+    host.assert_only(None);
+    assert!(
+        !host.instance_cgroup().exists(),
+        "no empty instance cgroup is left"
+    );
+    assert!(
+        !host.run_dir.join(host.instance.to_string()).exists(),
+        "no empty run dir is left"
+    );
+}
+
+#[tokio::test]
+async fn a_build_that_stops_itself_after_binding_fails_at_the_deadline_and_is_killed() {
+    let (host, mut attempt) = SwapHost::serving_b1_releasing_b2("build-sigstop").await;
+    attempt.spec.health.timeout_seconds = 3;
+    attempt.spec.stop.timeout_seconds = 1;
+    knob(&mut attempt, "TESTAPP_STOP_AFTER_BIND", "1");
+    let gen2 = host.instance_cgroup().join("gen-2");
+    let watcher = tokio::spawn(first_pids(gen2));
+    assert_build_failed(&host, &attempt, &["within 3s"]).await;
+    let seen = watcher.await.expect("the pid watcher");
+    assert!(!seen.is_empty(), "generation 2 ran");
+    for pid in seen {
+        assert!(
+            !swap_host::alive(pid),
+            "pid {pid}, stopped by SIGSTOP, survived its cgroup's kill"
+        );
+    }
+    host.tear_down().await;
+}

@@ -152,6 +152,9 @@ pub(super) async fn run(
         Ok(finished) => run.done(finished).await,
         Err(ended) => run.end(ended, true).await,
     };
+    if claim.serving.is_none() {
+        parts::remove_empty_instance(engine, &attempt.instance);
+    }
     drop(claim);
     result
 }

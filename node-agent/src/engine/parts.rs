@@ -12,7 +12,7 @@ use std::time::Duration;
 use genswap_crds::{BuildSpec, ProcessSpec, StopSpec};
 
 use super::flow::{Run, reason_of};
-use super::{Process, Running};
+use super::{Engine, Process, Running};
 use crate::cgroup::{Cgroup, CgroupError, Controller, RaiseRecord, StopReport, stop_signal};
 use crate::classify::StepError;
 use crate::gate::InstanceKey;
@@ -112,6 +112,20 @@ pub(super) fn saved_limits(record: &RaiseRecord) -> SavedLimits {
         }
     }
     saved
+}
+
+/// Nothing of the instance runs after an attempt: its cgroup and run dir
+/// go when they are empty, so a failed install leaves nothing behind. Each
+/// removal refuses what is not empty (a generation, a socket), and the next
+/// attempt makes them again.
+pub(super) fn remove_empty_instance(engine: &Engine, instance: &InstanceKey) {
+    if let Ok(cgroup) = engine
+        .cgroups
+        .instance_handle(instance.namespace(), instance.name())
+    {
+        let _ = cgroup.remove();
+    }
+    let _ = std::fs::remove_dir(engine.layout.instance_dir(instance));
 }
 
 /// Records what serves the instance now. A failed write is logged: the
