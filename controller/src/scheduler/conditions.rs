@@ -30,6 +30,9 @@ pub mod reasons {
     /// A node's generation exited between attempts: it is being restarted,
     /// or (Stalled) its restart policy leaves it down.
     pub const GENERATION_EXITED: &str = "GenerationExited";
+    /// A node refused the desired state's last attempts for one reason:
+    /// they are retried, but a human must act.
+    pub const REPEATED_REFUSAL: &str = "RepeatedRefusal";
     /// A node's generation keeps exiting; its next restart waits.
     pub const CRASH_LOOP_BACK_OFF: &str = "CrashLoopBackOff";
 }
@@ -59,7 +62,9 @@ pub(super) fn write(
     } else {
         reasons::NODE_DOWN
     });
-    let stall_reason = held.or((!left_down.is_empty()).then_some(reasons::GENERATION_EXITED));
+    let stall_reason = held
+        .or((!left_down.is_empty()).then_some(reasons::GENERATION_EXITED))
+        .or((!progress.refused.is_empty()).then_some(reasons::REPEATED_REFUSAL));
     // Down between attempts, the agent restarting it: not stalled, not ready.
     let between_reason = if progress
         .down_between
@@ -168,6 +173,14 @@ pub(super) fn write(
 
     let (stalled_reason, stalled_message) = match (held, stall_reason) {
         (Some(reason), _) => (reason, stall_message(ctx, progress, book)),
+        (None, Some(reasons::REPEATED_REFUSAL)) => (
+            reasons::REPEATED_REFUSAL,
+            format!(
+                "the last {} attempts of {target} were refused for the same reason on {}; they are retried with backoff, but the cause must be fixed",
+                super::rollout::REFUSALS_TO_STALL,
+                refusal_list(&progress.refused)
+            ),
+        ),
         (None, Some(reason)) => (
             reason,
             format!(
@@ -239,14 +252,31 @@ fn describe(desired: &DesiredState) -> String {
 
 /// `n1 (generation 3 exited with signal 9 (SIGKILL); restarting it), …`.
 fn down_list(down: &[(&str, Down)]) -> String {
-    let mut text = down
-        .iter()
+    node_list(
+        down.iter().map(|(node, down)| (*node, down.message())),
+        down.len(),
+    )
+}
+
+/// `n1 (stage: the artifact path … is a directory), …`.
+fn refusal_list(refused: &[(&str, String)]) -> String {
+    node_list(
+        refused
+            .iter()
+            .map(|(node, reason)| (*node, reason.as_str())),
+        refused.len(),
+    )
+}
+
+/// `node (why), …` for the first [`NAMES_SHOWN`] of `len` nodes.
+fn node_list<'a>(nodes: impl Iterator<Item = (&'a str, &'a str)>, len: usize) -> String {
+    let mut text = nodes
         .take(NAMES_SHOWN)
-        .map(|(node, down)| format!("{node} ({})", down.message()))
+        .map(|(node, why)| format!("{node} ({why})"))
         .collect::<Vec<_>>()
         .join(", ");
-    if down.len() > NAMES_SHOWN {
-        text.push_str(&format!(" and {} more", down.len() - NAMES_SHOWN));
+    if len > NAMES_SHOWN {
+        text.push_str(&format!(" and {} more", len - NAMES_SHOWN));
     }
     text
 }

@@ -107,6 +107,8 @@ pub(super) struct Progress<'a> {
     pub down: Vec<&'a str>,
     /// Nodes that run the desired state but are down between attempts.
     pub down_between: Vec<(&'a str, Down)>,
+    /// Nodes whose last attempts were all refused for the same reason.
+    pub refused: Vec<(&'a str, String)>,
 }
 
 pub(super) struct Decisions<'a> {
@@ -127,6 +129,9 @@ struct Facts {
     /// Milliseconds since the epoch before which an abandoned attempt of
     /// the desired state is not re-issued.
     backoff_until: Option<i64>,
+    /// The reason the last [`REFUSALS_TO_STALL`] attempts of the desired
+    /// state were all abandoned with.
+    refused: Option<String>,
 }
 
 impl Facts {
@@ -138,17 +143,20 @@ impl Facts {
             .and_then(|s| s.outcome);
         let aims = newest.is_some_and(|a| aims_at(&a.spec, desired));
         let in_flight = newest.is_some() && outcome.is_none();
-        let backoff_until = if aims && outcome == Some(Outcome::Abandoned) {
-            backoff_until(slot.attempts, desired)
-        } else {
-            None
-        };
+        let abandoned = aims && outcome == Some(Outcome::Abandoned);
+        let backoff_until = abandoned
+            .then(|| backoff_until(slot.attempts, desired))
+            .flatten();
+        let refused = abandoned
+            .then(|| repeated_refusal(slot.attempts, desired))
+            .flatten();
         Self {
             serves: serves(&slot.entry, desired),
             in_flight,
             aims,
             held: book.blocks(&desired.build, ctx.mode, slot.name, ctx.halt),
             backoff_until,
+            refused,
         }
     }
 }
@@ -239,6 +247,11 @@ pub(super) fn decide<'a>(
                 cause: Cause::Retry,
             });
             continue;
+        }
+        if let Some(reason) = &f.refused {
+            // Still retried with the backoff (a file may appear), but a
+            // refusal that keeps coming back needs a human.
+            progress.refused.push((slot.name, reason.clone()));
         }
         if let Some(due) = pending_backoff {
             progress.retrying_abandoned = true;
@@ -389,6 +402,28 @@ fn backoff_until(attempts: &[&SwapAttempt], desired: &DesiredState) -> Option<i6
         .or(newest.metadata.creation_timestamp.as_ref())?;
     let wait = i64::try_from(abandoned_backoff(run).as_millis()).unwrap_or(i64::MAX);
     Some(ended.0.as_millisecond().saturating_add(wait))
+}
+
+/// How many attempts in a row abandoned with one reason make a node stalled.
+pub const REFUSALS_TO_STALL: usize = 3;
+
+/// The reason shared by the node's last [`REFUSALS_TO_STALL`] attempts of
+/// the desired state when each was abandoned with it.
+fn repeated_refusal(attempts: &[&SwapAttempt], desired: &DesiredState) -> Option<String> {
+    let mut reasons = attempts.iter().rev().take(REFUSALS_TO_STALL).map(|a| {
+        let status = a.status.as_ref()?;
+        (aims_at(&a.spec, desired) && status.outcome == Some(Outcome::Abandoned))
+            .then(|| status.reason.clone().unwrap_or_default())
+    });
+    let first = reasons.next()??;
+    let mut count = 1;
+    for reason in reasons {
+        if reason.as_ref() != Some(&first) {
+            return None;
+        }
+        count += 1;
+    }
+    (count == REFUSALS_TO_STALL && !first.is_empty()).then_some(first)
 }
 
 /// Attempts of a selected node that are no longer needed, oldest first: all
