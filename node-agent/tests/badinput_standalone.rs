@@ -201,3 +201,57 @@ async fn a_missing_artifact_is_abandoned_with_the_reason_in_the_status_file() {
     );
     host.stop().await;
 }
+
+/// A refusal that keeps coming back says a human must act: after three
+/// abandoned attempts with one reason (the scheduler's backoff between
+/// them: 5 s, then 10 s) the status is `Stalled=True RepeatedRefusal`, and a
+/// spec change clears it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_repeated_three_times_is_stalled_until_the_spec_changes() {
+    let (host, serving) = host_serving_hello("bad-repeated").await;
+    let one = host.build("build-1");
+    let two = host.build("build-2");
+    fs::remove_file(&two.path).expect("remove build-2");
+    fs::create_dir(&two.path).expect("a directory where the artifact should be");
+    host.write(
+        "hello.yaml",
+        &Manifest::new("hello", "build-2", &two).yaml(),
+    );
+    let reason = |doc: &node_agent::standalone::StatusDocument| {
+        doc.status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Stalled")
+            .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+            .unwrap_or_default()
+    };
+    let stalled = host
+        .status("hello.yaml", "Stalled=True RepeatedRefusal", |doc| {
+            let (status, why, _) = reason(doc);
+            status == "True" && why == "RepeatedRefusal"
+        })
+        .await;
+    let (_, _, message) = reason(&stalled);
+    assert!(
+        message.contains(&two.path.display().to_string()),
+        "the refusal is named: {message}"
+    );
+    let refused = stalled
+        .attempts
+        .iter()
+        .filter(|a| a.status.outcome == Some(Outcome::Abandoned))
+        .count();
+    assert!(refused >= 3, "{:?}", stalled.attempts);
+    assert_eq!(host.who_serves(&key("hello")).await, Some(serving));
+
+    // Back to build-1: a new desired state, which already serves.
+    host.write(
+        "hello.yaml",
+        &Manifest::new("hello", "build-1", &one).yaml(),
+    );
+    host.status("hello.yaml", "Ready again, not stalled", |doc| {
+        doc.is_true(ConditionType::Ready) && reason(doc).0 == "False"
+    })
+    .await;
+    host.stop().await;
+}
