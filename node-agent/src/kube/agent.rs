@@ -322,6 +322,13 @@ impl Running {
                 self.execute(decisions);
             }
             watcher::Event::Delete(attempt) => {
+                let written = (
+                    attempt.metadata.namespace.clone().unwrap_or_default(),
+                    attempt.metadata.name.clone().unwrap_or_default(),
+                );
+                if let Some(write) = self.serving_writes.remove(&written) {
+                    write.abort();
+                }
                 let decisions = self.intake.delete(&attempt);
                 self.execute(decisions);
                 self.retire_unowned(Candidates::All);
