@@ -184,11 +184,7 @@ async fn a_failing_build_that_ignores_sigterm_is_killed_and_leaves_nothing() {
     let gen2 = host.instance_cgroup().join("gen-2");
     let watcher = tokio::spawn(first_pids(gen2));
     assert_build_failed(&host, &attempt, &["answered 500"]).await;
-    let seen = watcher.await.expect("the pid watcher");
-    assert!(!seen.is_empty(), "generation 2 ran");
-    for pid in seen {
-        assert!(!swap_host::alive(pid), "pid {pid} of generation 2 survived");
-    }
+    assert_none_survived(watcher).await;
     host.tear_down().await;
 }
 
@@ -214,6 +210,15 @@ async fn a_failing_build_that_forks_children_takes_them_all_down() {
 }
 
 /// The pids in `cgroup` once it has any (polled until it does).
+/// Generation 2 ran (`watcher` saw its pids) and none of them is alive.
+async fn assert_none_survived(watcher: tokio::task::JoinHandle<Vec<u32>>) {
+    let seen = watcher.await.expect("the pid watcher");
+    assert!(!seen.is_empty(), "generation 2 ran");
+    for pid in seen {
+        assert!(!swap_host::alive(pid), "pid {pid} of generation 2 survived");
+    }
+}
+
 async fn first_pids(cgroup: std::path::PathBuf) -> Vec<u32> {
     let mut pids = Vec::new();
     swap_host::eventually("generation 2 to run", || {
@@ -313,13 +318,6 @@ async fn a_build_that_stops_itself_after_binding_fails_at_the_deadline_and_is_ki
     let gen2 = host.instance_cgroup().join("gen-2");
     let watcher = tokio::spawn(first_pids(gen2));
     assert_build_failed(&host, &attempt, &["within 3s"]).await;
-    let seen = watcher.await.expect("the pid watcher");
-    assert!(!seen.is_empty(), "generation 2 ran");
-    for pid in seen {
-        assert!(
-            !swap_host::alive(pid),
-            "pid {pid}, stopped by SIGSTOP, survived its cgroup's kill"
-        );
-    }
+    assert_none_survived(watcher).await;
     host.tear_down().await;
 }

@@ -518,7 +518,7 @@ impl Loop {
                 .map_or(supervised.generation, |e| e.generation);
             let how = exit
                 .as_ref()
-                .map_or_else(|| "an unknown way".to_string(), describe);
+                .map_or_else(|| "an end this agent did not see".to_string(), describe);
             if !policy.restarts_after(clean) {
                 let message = format!(
                     "generation {generation} exited with {how}; restartPolicy {} does not restart it",
