@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use genswap_controller::scheduler;
-use genswap_crds::{InstanceGeneration, SwapAttempt};
+use genswap_crds::{ConditionType, InstanceGeneration, SwapAttempt, set_condition};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use tokio::sync::mpsc;
@@ -31,6 +31,11 @@ use crate::gate::{InstanceKey, NewestRevisionGate};
 const MAX_PLANS_PER_CHANGE: usize = 4;
 /// A stop that failed is tried again after this long.
 const STOP_RETRY: Duration = Duration::from_secs(5);
+/// How soon an instance whose state could not be written is tried again.
+const STATE_RETRY: Duration = Duration::from_secs(5);
+/// The `Stalled` reason while the state cannot be written (a full disk,
+/// say): a human must make room.
+const STATE_UNWRITABLE: &str = "StateUnwritable";
 
 /// One instance: the file it comes from, the object the scheduler plans,
 /// its attempts, and what runs for it now.
@@ -46,6 +51,9 @@ struct Instance {
     removal: Removal,
     /// The state last written, so an unchanged one is not written again.
     saved: Option<InstanceState>,
+    /// The state could not be written (why, since when): no attempt starts
+    /// and no outcome that is kept nowhere is shown until it can.
+    unkept: Option<(String, Time)>,
 }
 
 /// The attempt the engine runs for an instance.
@@ -66,6 +74,11 @@ enum Removal {
 impl Instance {
     fn generation(&self) -> i64 {
         self.ig.metadata.generation.unwrap_or(1)
+    }
+
+    /// What is in memory is what the state file holds.
+    fn is_saved(&self, key: &InstanceKey) -> bool {
+        self.saved.as_ref() == Some(&self.state(key))
     }
 
     fn state(&self, key: &InstanceKey) -> InstanceState {
@@ -208,6 +221,7 @@ impl Runner {
                 invalid: None,
                 removal: Removal::No,
                 saved: Some(state.clone()),
+                unkept: None,
             };
             instance.ig.status = Some(state.status.clone());
             if let Some(newest) = instance.attempts.iter().map(|a| a.spec.sched_rev).max() {
@@ -450,6 +464,7 @@ impl Runner {
                             invalid: None,
                             removal: Removal::No,
                             saved: None,
+                            unkept: None,
                         };
                         self.instances.insert(key.clone(), instance);
                         owners.insert(key.clone(), name.clone());
@@ -519,8 +534,22 @@ impl Runner {
                 instance.attempts.push(attempt);
             }
         }
-        self.start_next(key);
-        self.save(key).await;
+        // The revisions are reserved durably before anything runs under
+        // them (fail closed): unsaved, nothing starts, and the attempts
+        // this plan made are dropped (nothing knows their revisions).
+        if self.save(key).await {
+            self.start_next(key);
+        } else if let Some(instance) = self.instances.get_mut(key) {
+            let saved: Vec<Option<String>> = instance
+                .saved
+                .iter()
+                .flat_map(|state| state.attempts.iter().map(|a| a.metadata.name.clone()))
+                .collect();
+            instance
+                .attempts
+                .retain(|a| a.status.is_some() || saved.contains(&a.metadata.name));
+            instance.requeue_at = Some(Instant::now() + STATE_RETRY);
+        }
         self.write_status(key).await;
         self.stop_if_unselected(key);
     }
@@ -670,7 +699,21 @@ impl Runner {
         match instance.removal {
             Removal::No => {
                 self.replan(&key).await;
-                self.acknowledge(&key, sched_rev).await;
+                if self.instances.get(&key).is_some_and(|i| i.is_saved(&key)) {
+                    self.acknowledge(&key, sched_rev).await;
+                } else if !self.journal_keeps(&key, sched_rev).await {
+                    // Kept nowhere: a restart would not know it, so it is
+                    // not shown either. The attempt stands as not run and
+                    // runs again once its revision is on disk.
+                    if let Some(attempt) = self.instances.get_mut(&key).and_then(|i| {
+                        i.attempts
+                            .iter_mut()
+                            .find(|a| a.spec.sched_rev == sched_rev)
+                    }) {
+                        attempt.status = None;
+                    }
+                    self.replan(&key).await;
+                }
             }
             Removal::Requested | Removal::Stopping => {
                 // The instance goes away: its outcome has no reader left.
@@ -678,6 +721,23 @@ impl Runner {
                 self.begin_stop(&key);
             }
         }
+    }
+
+    /// Whether the journal holds the outcome of `sched_rev` for a restart
+    /// to deliver.
+    async fn journal_keeps(&self, key: &InstanceKey, sched_rev: i64) -> bool {
+        let engine = self.engine.clone();
+        let owned = key.clone();
+        blocking(move || engine.journal().load_entry(&owned))
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|entry| {
+                entry
+                    .pending_reports()
+                    .iter()
+                    .any(|r| r.attempt.sched_rev == sched_rev)
+            })
     }
 
     /// Drops the journal's copy of an outcome the status file now holds.
@@ -813,20 +873,35 @@ impl Runner {
     }
 
     /// Writes the instance's state when it changed.
-    async fn save(&mut self, key: &InstanceKey) {
+    /// Writes the instance's state unless it is unchanged; `true` when
+    /// what is in memory is on disk.
+    async fn save(&mut self, key: &InstanceKey) -> bool {
         let Some(instance) = self.instances.get_mut(key) else {
-            return;
+            return false;
         };
         let state = instance.state(key);
         if instance.saved.as_ref() == Some(&state) {
-            return;
+            return true;
         }
         let store = self.store.clone();
         let to_write = state.clone();
         match blocking(move || store.save(&to_write)).await {
-            Ok(()) => instance.saved = Some(state),
+            Ok(()) => {
+                instance.saved = Some(state);
+                instance.unkept = None;
+                true
+            }
             Err(error) => {
-                tracing::error!(instance = %key, %error, "the standalone state could not be written; a restart would lose this instance's revisions")
+                tracing::error!(instance = %key, %error, "the standalone state could not be written; nothing starts until it can");
+                if instance.unkept.is_none() {
+                    instance.unkept = Some((
+                        format!(
+                            "the standalone state cannot be written ({error}); no attempt starts until it can"
+                        ),
+                        time_of(SystemTime::now()),
+                    ));
+                }
+                false
             }
         }
     }
@@ -846,6 +921,19 @@ impl Runner {
                 .as_ref()
                 .map(|(error, since)| (error.as_str(), since)),
         );
+        let mut document = document;
+        if let Some((error, since)) = &instance.unkept {
+            set_condition(
+                &mut document.status.conditions,
+                ConditionType::Stalled,
+                true,
+                STATE_UNWRITABLE,
+                error,
+                Some(instance.generation()),
+                since,
+            );
+            document.error.get_or_insert_with(|| error.clone());
+        }
         let file = instance.file.clone();
         self.write_status_document(&file, document).await;
     }

@@ -70,6 +70,18 @@ impl StandaloneHost {
         stop_on_exit: bool,
         labels: BTreeMap<String, String>,
     ) -> StandaloneHost {
+        StandaloneHost::start_prepared(tag, stop_on_exit, labels, |_| {})
+    }
+
+    /// [`StandaloneHost::start_labelled`], calling `prepare` with the state
+    /// dir's path (not yet made) before standalone mode starts; the store
+    /// is kept outside it.
+    pub fn start_prepared(
+        tag: &str,
+        stop_on_exit: bool,
+        labels: BTreeMap<String, String>,
+        prepare: impl FnOnce(&Path),
+    ) -> StandaloneHost {
         let temp = tempfile::Builder::new()
             .prefix(&format!("genswap-standalone-{tag}-"))
             .tempdir()
@@ -82,12 +94,13 @@ impl StandaloneHost {
         fs::create_dir(&dir).expect("manifest dir");
         fs::create_dir(&staging).expect("staging root");
         let tree = TestCgroupTree::new(tag);
+        prepare(&temp.path().join("state"));
         let settings = HostSettings {
             cgroup_root: Some(tree.path().join("genswap")),
             run_dir: temp.path().join("run"),
             state_dir: temp.path().join("state"),
             staging_root: staging.clone(),
-            store_dir: None,
+            store_dir: Some(temp.path().join("store")),
             engine: EngineConfig::default(),
             logs: LogSettings::in_dir(temp.path().join("logs"), env!("CARGO_BIN_EXE_node-agent")),
         };
