@@ -872,7 +872,6 @@ impl Runner {
         }
     }
 
-    /// Writes the instance's state when it changed.
     /// Writes the instance's state unless it is unchanged; `true` when
     /// what is in memory is on disk.
     async fn save(&mut self, key: &InstanceKey) -> bool {
