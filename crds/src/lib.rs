@@ -26,7 +26,7 @@ pub use instance_generation::{
 pub use settings::*;
 pub use swap_attempt::{
     LastExit, ServingState, ServingStatus, StepTiming, SwapAttempt, SwapAttemptSpec,
-    SwapAttemptStatus, exit_text, signal_name,
+    SwapAttemptStatus, describe_exit, exit_text, exited_clean, signal_name,
 };
 
 /// The API group of every genswap resource.

@@ -163,17 +163,27 @@ pub struct LastExit {
 impl LastExit {
     /// An exit 0.
     pub fn clean(&self) -> bool {
-        self.exit_code == Some(0) && self.signal.is_none()
+        exited_clean(self.exit_code, self.signal)
     }
 
     /// `exit code 1`, `signal 9 (SIGKILL)`, with `, OOM-killed`.
     pub fn describe(&self) -> String {
-        let how = exit_text(self.exit_code, self.signal);
-        if self.oom_killed {
-            format!("{how}, OOM-killed")
-        } else {
-            how
-        }
+        describe_exit(self.exit_code, self.signal, self.oom_killed)
+    }
+}
+
+/// An exit 0, not by a signal.
+pub fn exited_clean(code: Option<i32>, signal: Option<i32>) -> bool {
+    code == Some(0) && signal.is_none()
+}
+
+/// [`exit_text`], with `, OOM-killed` when the kernel's OOM killer did it.
+pub fn describe_exit(code: Option<i32>, signal: Option<i32>, oom_killed: bool) -> String {
+    let how = exit_text(code, signal);
+    if oom_killed {
+        format!("{how}, OOM-killed")
+    } else {
+        how
     }
 }
 

@@ -135,7 +135,7 @@ pub struct ExitRecord {
 impl ExitRecord {
     /// An exit 0 this agent saw.
     pub fn clean(&self) -> bool {
-        self.exit_code == Some(0) && self.signal.is_none()
+        genswap_crds::exited_clean(self.exit_code, self.signal)
     }
 }
 
@@ -667,20 +667,19 @@ impl Journal {
         })
     }
 
-    /// Changes the instance's supervised lineage with `change` (which says
-    /// whether it changed anything) and returns it as written; `None` when
-    /// there is none.
+    /// Changes the instance's supervised lineage with `change` and returns
+    /// the entry as written; `None` when there is no lineage.
     pub fn update_supervised(
         &self,
         instance: &InstanceKey,
-        change: impl FnOnce(&mut Supervised) -> bool,
-    ) -> Result<Option<Supervised>, JournalError> {
+        change: impl FnOnce(&mut Supervised),
+    ) -> Result<Option<InstanceEntry>, JournalError> {
         self.update(instance, |entry| {
             let Some(supervised) = entry.supervised.as_mut() else {
                 return Ok((None, false));
             };
-            let changed = change(supervised);
-            Ok((Some(supervised.clone()), changed))
+            change(supervised);
+            Ok((Some(entry.clone()), true))
         })
     }
 

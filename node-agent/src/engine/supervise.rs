@@ -181,12 +181,7 @@ impl GenerationExit {
 }
 
 fn describe(exit: &ExitRecord) -> String {
-    let how = parts::exit_text(exit.exit_code, exit.signal);
-    if exit.oom_killed {
-        format!("{how}, OOM-killed")
-    } else {
-        how
-    }
+    genswap_crds::describe_exit(exit.exit_code, exit.signal, exit.oom_killed)
 }
 
 fn reason_label(exit: &ExitRecord) -> &'static str {
@@ -396,7 +391,9 @@ impl Loop {
             Ok((entries, _corrupt)) => {
                 for entry in entries.into_iter().filter(|e| e.supervised.is_some()) {
                     self.tell_state(&entry);
-                    self.reconcile(&entry.instance).await;
+                    if self.idle(&entry.instance) {
+                        self.reconcile_entry(entry).await;
+                    }
                 }
             }
             Err(error) => tracing::error!(
@@ -463,14 +460,7 @@ impl Loop {
     ) {
         let journal = Arc::clone(&self.engine.journal);
         let key = instance.clone();
-        let write = move || {
-            journal.update_supervised(&key, |supervised| {
-                change(supervised);
-                true
-            })?;
-            journal.load_entry(&key)
-        };
-        match parts::blocking(write).await {
+        match parts::blocking(move || journal.update_supervised(&key, change)).await {
             Ok(Some(entry)) => self.tell_state(&entry),
             Ok(None) => {}
             Err(error) => {
@@ -482,15 +472,25 @@ impl Loop {
     /// Brings an idle instance in line with its policy: schedules the
     /// restart an exit calls for, or records that none follows.
     async fn reconcile(&mut self, instance: &InstanceKey) {
-        if self.pending.contains(instance)
-            || self.engine.is_busy(instance)
-            || self.engine.serving(instance).is_some()
-        {
+        if !self.idle(instance) {
             return;
         }
-        let Some(entry) = self.load(instance).await else {
-            return;
-        };
+        if let Some(entry) = self.load(instance).await {
+            self.reconcile_entry(entry).await;
+        }
+    }
+
+    /// No restart waits or runs, no attempt holds it, nothing serves it.
+    fn idle(&self, instance: &InstanceKey) -> bool {
+        !self.pending.contains(instance)
+            && !self.engine.is_busy(instance)
+            && self.engine.serving(instance).is_none()
+    }
+
+    /// [`reconcile`](Self::reconcile) of an idle instance, from its journal
+    /// entry as just read.
+    async fn reconcile_entry(&mut self, entry: InstanceEntry) {
+        let instance = &entry.instance;
         let Some(supervised) = entry.supervised.clone() else {
             return;
         };
@@ -547,8 +547,7 @@ impl Loop {
                 return;
             }
             let delay = backoff.delay(in_a_row);
-            let restart_at =
-                now.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+            let restart_at = due_in(now, delay);
             let message = if delay.is_zero() {
                 format!("generation {generation} exited with {how}; restarting it")
             } else {
@@ -675,8 +674,7 @@ impl Loop {
         // Another exit in a row: back off before the next try.
         let in_a_row = supervised.consecutive_exits.saturating_add(1);
         let delay = self.engine.config.restart_backoff.delay(in_a_row);
-        let restart_at =
-            unix_millis_now().saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+        let restart_at = due_in(unix_millis_now(), delay);
         let message = format!(
             "restart {} failed ({}); trying again in {}s",
             supervised.restarts.saturating_add(1),
@@ -693,6 +691,11 @@ impl Loop {
         .await;
         self.schedule(instance, delay);
     }
+}
+
+/// Unix millis `delay` after `now`.
+fn due_in(now: i64, delay: Duration) -> i64 {
+    now.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX))
 }
 
 /// `oom_kill` above 0 in the generation cgroup's `memory.events` (each
