@@ -119,6 +119,19 @@ fn assert_down(host: &SwapHost) {
     assert_eq!(host.engine.serving(&host.instance), None);
 }
 
+/// An engine whose restarts wait `initial` doubling to `max` (the reset
+/// after 10 minutes up, as by default).
+fn backing_off(initial: Duration, max: Duration) -> EngineConfig {
+    EngineConfig {
+        restart_backoff: RestartBackoff {
+            initial,
+            max,
+            ..RestartBackoff::default()
+        },
+        ..EngineConfig::default()
+    }
+}
+
 /// A file a `nobody` instance may create: `TESTAPP_EXIT_ONCE`.
 fn once_file(host: &SwapHost) -> PathBuf {
     let dir = host.staging.with_file_name("once");
@@ -249,15 +262,10 @@ async fn never_leaves_an_exited_generation_down_and_says_so() {
 
 #[tokio::test]
 async fn a_crash_loop_backs_off_between_restarts() {
-    let config = EngineConfig {
-        restart_backoff: RestartBackoff {
-            initial: Duration::from_millis(200),
-            max: Duration::from_millis(400),
-            reset_after: Duration::from_secs(600),
-        },
-        ..EngineConfig::default()
-    };
-    let host = SwapHost::with_config("supervise-loop", config);
+    let host = SwapHost::with_config(
+        "supervise-loop",
+        backing_off(Duration::from_millis(200), Duration::from_millis(400)),
+    );
     // Every generation serves, then exits 1 a moment later.
     host.install_with(1, "b1", |attempt| {
         knob(attempt, "TESTAPP_EXIT_AFTER_MS", "1200");
@@ -435,14 +443,10 @@ async fn a_generation_retired_by_a_swap_is_not_reported_as_an_exit() {
 
 #[tokio::test]
 async fn stopping_an_instance_that_backs_off_ends_its_restarts() {
-    let config = EngineConfig {
-        restart_backoff: RestartBackoff {
-            initial: Duration::from_secs(600),
-            ..RestartBackoff::default()
-        },
-        ..EngineConfig::default()
-    };
-    let host = SwapHost::with_config("supervise-stop", config);
+    let host = SwapHost::with_config(
+        "supervise-stop",
+        backing_off(Duration::from_secs(600), Duration::from_secs(600)),
+    );
     host.install_with(1, "b1", |attempt| {
         knob(attempt, "TESTAPP_EXIT_AFTER_MS", "1200");
     })
