@@ -539,6 +539,100 @@ async fn pick_node(client: &Client) -> Node {
         .expect("the cluster has a Ready node (or set GENSWAP_E2E_NODE to a Node's name)")
 }
 
+/// The agent writes a SwapAttempt's status with two field managers: the
+/// outcome's apply states every field but `serving`, the supervisor's
+/// states `serving` alone (SPEC 5.10). The mocked API server of the agent's
+/// tests can only check the requests; this checks, on a real API server,
+/// that neither apply removes the other's fields.
+#[tokio::test]
+async fn the_outcome_and_serving_applies_keep_each_others_fields() {
+    use node_agent::kube::report::{FIELD_MANAGER, SERVING_FIELD_MANAGER};
+    let client = match reachable_cluster().await {
+        Ok(client) => client,
+        Err(why) => {
+            println!("{SKIP_LINE} ({why})");
+            return;
+        }
+    };
+    let crds = workspace().join("crds");
+    kubectl(&[
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "-f",
+        &path_str(&crds),
+    ]);
+    kubectl(&[
+        "wait",
+        "--for=condition=Established",
+        "crd/swapattempts.genswap.dev",
+        "--timeout=60s",
+    ]);
+    let namespace = format!("genswap-e2e-managers-{}", std::process::id());
+    create_namespace(&client, &namespace).await;
+    let _namespace = NamespaceGuard {
+        name: namespace.clone(),
+    };
+    let attempts: Api<SwapAttempt> = Api::namespaced(client.clone(), &namespace);
+    let attempt: SwapAttempt = serde_json::from_value(json!({
+        "apiVersion": "genswap.dev/v1alpha1",
+        "kind": "SwapAttempt",
+        "metadata": {"name": "web-node-1"},
+        "spec": {
+            "instance": "web", "nodeName": "node", "schedRev": 1, "cause": "install",
+            "build": {"id": "b1", "artifact": {"path": "/opt/b1"}, "sha256": "a".repeat(64)},
+            "mode": "overlap",
+        },
+    }))
+    .expect("a SwapAttempt");
+    attempts
+        .create(&PostParams::default(), &attempt)
+        .await
+        .expect("create the attempt");
+    let apply = |manager: &'static str, status: Value| {
+        let attempts = attempts.clone();
+        async move {
+            let body = json!({"apiVersion": "genswap.dev/v1alpha1", "kind": "SwapAttempt", "status": status});
+            attempts
+                .patch_status(
+                    "web-node-1",
+                    &PatchParams::apply(manager).force(),
+                    &Patch::Apply(&body),
+                )
+                .await
+                .unwrap_or_else(|e| panic!("apply as {manager}: {e}"))
+        }
+    };
+    let outcome =
+        json!({"outcome": "done", "effectiveMode": "overlap", "generation": 1, "executed": true});
+    apply(FIELD_MANAGER, outcome.clone()).await;
+    apply(
+        SERVING_FIELD_MANAGER,
+        json!({"serving": {"state": "Running", "generation": 2, "restarts": 1}}),
+    )
+    .await;
+    // The outcome's manager states its whole status again, without serving.
+    let after = apply(FIELD_MANAGER, outcome).await;
+    let status = after.status.expect("a status");
+    assert_eq!(status.outcome, Some(Outcome::Done), "{status:?}");
+    assert_eq!(
+        status.serving.map(|s| (s.generation, s.restarts)),
+        Some((2, 1)),
+        "the outcome's apply left the serving block alone"
+    );
+    // And the serving manager's apply leaves the outcome.
+    let after = apply(
+        SERVING_FIELD_MANAGER,
+        json!({"serving": {"state": "Exited", "generation": 2, "restarts": 1}}),
+    )
+    .await;
+    let status = after.status.expect("a status");
+    assert_eq!(
+        (status.outcome, status.generation),
+        (Some(Outcome::Done), Some(1))
+    );
+}
+
 async fn create_namespace(client: &Client, name: &str) {
     let namespaces: Api<Namespace> = Api::all(client.clone());
     let namespace: Namespace = serde_json::from_value(json!({
