@@ -42,7 +42,7 @@ impl AgentDirs {
         let dirs = AgentDirs {
             manifests: dir.join("manifests"),
             state: dir.join("state"),
-            run: dir.join("run"),
+            run: sandbox.run_dir().to_path_buf(),
             staging: dir.join("staging"),
             cgroup_root: sandbox.cgroup().join("agent"),
             log: dir.join("agent.log"),
@@ -56,7 +56,8 @@ impl AgentDirs {
         Ok(dirs)
     }
 
-    /// `<run>/<namespace>.<name>`: where `current.sock` is.
+    /// `<run>/<namespace>.<name>`: where `current.sock` is (the bench's
+    /// names are short, never cut).
     pub fn instance_run_dir(&self, name: &str) -> PathBuf {
         self.run.join(format!("{NAMESPACE}.{name}"))
     }
@@ -102,7 +103,7 @@ impl Agent {
             .arg("--staging-root")
             .arg(&dirs.staging)
             .arg("--log-dir")
-            .arg(dirs.run.with_file_name("logs"))
+            .arg(dirs.state.with_file_name("logs"))
             .arg("--cgroup-root")
             .arg(&dirs.cgroup_root)
             .args(["--node-name", "bench"])

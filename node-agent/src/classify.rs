@@ -129,6 +129,18 @@ pub enum StepError {
         #[source]
         source: std::io::Error,
     },
+    /// The generation's socket path, which the agent chose, is longer than
+    /// a unix socket path may be: the run dir's fault, never the build's.
+    #[error(
+        "the generation socket {} would be {} bytes, over the {} a unix socket path may have; the run dir is too long",
+        path.display(),
+        path.as_os_str().len(),
+        crate::disk_name::SOCKET_PATH_MAX
+    )]
+    SocketPath {
+        /// The socket path.
+        path: PathBuf,
+    },
     /// The intent journal could not be written.
     #[error("the intent journal could not be written")]
     Journal(#[from] JournalError),
@@ -191,6 +203,7 @@ pub fn classify<T>(result: &Result<T, StepError>, lifetime_ended: bool) -> StepO
         | StepError::Cgroup(_)
         | StepError::RootRefused { .. }
         | StepError::RunDir { .. }
+        | StepError::SocketPath { .. }
         | StepError::Journal(_)
         | StepError::Internal(_) => StepOutcome::Stale,
         // Faults of the host after the build ran: the link that did not
@@ -297,6 +310,9 @@ mod tests {
                 reason: "still populated".into(),
             }),
             StepError::RootRefused { asked: true },
+            StepError::SocketPath {
+                path: format!("/{}/gen-1.sock", "r".repeat(120)).into(),
+            },
             StepError::Journal(JournalError::Write {
                 path: "/state/journal/a.b.json".into(),
                 source: io_error(),

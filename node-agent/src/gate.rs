@@ -21,10 +21,10 @@ use thiserror::Error;
 /// One instance on this node: an InstanceGeneration's namespace and name.
 ///
 /// Both parts are Kubernetes names (a namespace is a DNS label, a name a DNS
-/// subdomain), checked by [`InstanceKey::new`], so the key is safe in file
-/// and cgroup names. Its text form `<namespace>.<name>` is the name of the
-/// instance's run dir, cgroup and journal file; it parses back unambiguously
-/// because a namespace has no dot.
+/// subdomain), checked by [`InstanceKey::new`]. Its text form
+/// `<namespace>.<name>` parses back unambiguously because a namespace has no
+/// dot; it names the instance's directories and files unless it is too long
+/// for them ([`crate::disk_name::DiskName`]).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct InstanceKey {
     namespace: String,

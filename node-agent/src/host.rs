@@ -21,6 +21,7 @@ use thiserror::Error;
 use tracing_subscriber::EnvFilter;
 
 use crate::cgroup::{CgroupError, CgroupManager, discover_mount};
+use crate::disk_name::{self, PathLimitError};
 use crate::engine::{Engine, EngineConfig, EngineParts};
 use crate::gate::NewestRevisionGate;
 use crate::journal::{Journal, JournalError};
@@ -213,6 +214,9 @@ pub enum HostError {
         #[source]
         source: CgroupError,
     },
+    /// A configured directory is too long for the paths made under it.
+    #[error(transparent)]
+    PathTooLong(#[from] PathLimitError),
     /// A directory the agent needs could not be created.
     #[error("cannot create {what} {path}: {source}")]
     CreateDir {
@@ -266,12 +270,20 @@ impl Host {
     /// store, the journal, the engine and a gate that does not own the node
     /// yet (the caller sets that once it holds the node).
     pub fn build(settings: &HostSettings) -> Result<Host, HostError> {
+        disk_name::check_run_dir(&settings.run_dir)?;
+        for (what, dir) in [
+            ("state dir", &settings.state_dir),
+            ("log dir", &settings.logs.dir),
+        ] {
+            disk_name::check_dir(what, dir)?;
+        }
         let cgroups = match &settings.cgroup_root {
             Some(root) => CgroupManager::open(root),
             None => discover_mount()
                 .and_then(|mount| CgroupManager::open(mount.join(DEFAULT_CGROUP_SUBDIR))),
         }
         .map_err(|source| HostError::Cgroup { source })?;
+        disk_name::check_dir("cgroup root", cgroups.root())?;
         let mut resolved = settings.clone();
         resolved.cgroup_root = Some(cgroups.root().to_path_buf());
 
@@ -473,6 +485,35 @@ mod tests {
             !dir.path().join("run").exists(),
             "nothing was created before the refusal"
         );
+    }
+
+    #[test]
+    fn a_run_dir_too_long_for_socket_paths_is_refused_before_anything_is_made() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let run_dir = dir.path().join("r".repeat(40));
+        let settings = HostSettings {
+            cgroup_root: Some(dir.path().join("genswap")),
+            run_dir: run_dir.clone(),
+            state_dir: dir.path().join("state"),
+            staging_root: dir.path().join("staging"),
+            store_dir: None,
+            engine: EngineConfig::default(),
+            logs: LogSettings {
+                dir: dir.path().join("logs"),
+                ..LogSettings::default()
+            },
+        };
+        let Err(error) = Host::build(&settings) else {
+            panic!("a run dir too long for its sockets was accepted");
+        };
+        assert!(matches!(error, HostError::PathTooLong(_)), "{error:?}");
+        let message = error.to_string();
+        assert!(
+            message.contains(&run_dir.display().to_string()),
+            "{message}"
+        );
+        assert!(message.contains("--run-dir"), "{message}");
+        assert!(!run_dir.exists() && !dir.path().join("state").exists());
     }
 
     #[test]

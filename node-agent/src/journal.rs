@@ -53,6 +53,7 @@ use genswap_crds::{
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::disk_name::{self, DiskName};
 use crate::gate::InstanceKey;
 use crate::switch::{fsync_dir, temp_name};
 
@@ -600,9 +601,9 @@ impl Journal {
         &self.dir
     }
 
-    /// `<journal dir>/<namespace>.<instance>.json`.
+    /// `<journal dir>/<disk name>.json`.
     pub fn path_of(&self, instance: &InstanceKey) -> PathBuf {
-        self.dir.join(format!("{instance}.json"))
+        self.dir.join(file_name(instance))
     }
 
     /// Writes `record` as the instance's attempt (durably, before returning).
@@ -744,16 +745,14 @@ impl Journal {
             let Some(stem) = name.strip_suffix(".json") else {
                 continue;
             };
-            let instance = match stem.parse::<InstanceKey>() {
-                Ok(instance) => instance,
-                Err(e) => {
-                    corrupt.push(CorruptEntry {
-                        path,
-                        instance: None,
-                        error: format!("the file name is not an instance key: {e}"),
-                    });
-                    continue;
-                }
+            // A cut name does not say its key; the file does.
+            let Some(instance) = disk_name::resolve_name(stem, || named_in(&path)) else {
+                corrupt.push(CorruptEntry {
+                    path,
+                    instance: None,
+                    error: "the file name is not the disk name of an instance (whole, or cut for the instance the file names)".into(),
+                });
+                continue;
             };
             match self.locked(&instance, || self.read_entry(&instance)) {
                 Ok(Some(entry)) => entries.push(entry),
@@ -1017,8 +1016,7 @@ impl Journal {
             checksum: checksum(entry).map_err(encode_err)?,
         };
         let bytes = serde_json::to_vec_pretty(&on_disk).map_err(encode_err)?;
-        let file_name = format!("{}.json", entry.instance);
-        let temp = self.dir.join(temp_name(&file_name));
+        let temp = self.dir.join(temp_name(&file_name(&entry.instance)));
         let write_err = |source| JournalError::Write {
             path: path.clone(),
             source,
@@ -1053,6 +1051,23 @@ impl Journal {
         let _guard = lock.lock().unwrap_or_else(PoisonError::into_inner);
         f()
     }
+}
+
+/// `<disk name>.json`.
+fn file_name(instance: &InstanceKey) -> String {
+    format!("{}.json", DiskName::of(instance))
+}
+
+/// The instance a journal file says it is about, however broken the rest.
+fn named_in(path: &Path) -> Option<InstanceKey> {
+    #[derive(Deserialize)]
+    struct Named {
+        instance: InstanceKey,
+    }
+    let bytes = fs::read(path).ok()?;
+    serde_json::from_slice::<Named>(&bytes)
+        .ok()
+        .map(|named| named.instance)
 }
 
 /// A journal file: the entry and the checksum of its content.

@@ -17,6 +17,7 @@
 pub mod cgroup;
 pub mod classify;
 pub mod demo;
+pub mod disk_name;
 pub mod engine;
 pub mod failpoint;
 pub mod gate;

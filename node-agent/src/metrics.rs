@@ -244,7 +244,7 @@ impl AgentMetrics {
         self
     }
 
-    /// Reads every `<log dir>/<namespace>_<name>/<N>.dropped` and adds what
+    /// Reads every `<log dir>/<instance>/<N>.dropped` and adds what
     /// each grew by since the last read.
     fn observe_log_drops(&self, dir: &Path) {
         let mut seen = self
@@ -252,7 +252,10 @@ impl AgentMetrics {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         for instance_dir in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-            let name = instance_dir.file_name().to_string_lossy().replace('_', "/");
+            let Some(key) = crate::disk_name::resolve_log_dir(&instance_dir.path()) else {
+                continue;
+            };
+            let name = format!("{}/{}", key.namespace(), key.name());
             for file in std::fs::read_dir(instance_dir.path())
                 .into_iter()
                 .flatten()

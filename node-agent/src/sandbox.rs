@@ -1,7 +1,7 @@
 //! Where a run that starts real instances outside the agent's own layout
-//! works (the demo, the benchmarks): a fresh temp dir and a fresh cgroup
-//! subtree, both removed when it ends, however it ends (a failure and a
-//! panic included).
+//! works (the demo, the benchmarks): a fresh temp dir, a short run dir and
+//! a fresh cgroup subtree, all removed when it ends, however it ends (a
+//! failure and a panic included).
 
 use std::fs;
 use std::io;
@@ -26,9 +26,10 @@ pub struct SandboxError {
     pub source: io::Error,
 }
 
-/// A temp dir and a cgroup subtree.
+/// A temp dir, a run dir and a cgroup subtree.
 pub struct Sandbox {
     temp: Option<TempDir>,
+    run: Option<TempDir>,
     cgroup: PathBuf,
     cleaned: bool,
 }
@@ -57,6 +58,7 @@ impl Sandbox {
         fs::set_permissions(temp.path(), fs::Permissions::from_mode(0o755)).map_err(setup(
             format!("open {} to the instances' user", temp.path().display()),
         ))?;
+        let run = short_dir("gs-").map_err(setup("create a run dir".into()))?;
         let cgroup = cgroup_parent.join(format!("{name}-{}", std::process::id()));
         // A subtree left by a run killed with SIGKILL under the same pid
         // would be reused; make it fresh.
@@ -70,6 +72,7 @@ impl Sandbox {
         )))?;
         Ok(Sandbox {
             temp: Some(temp),
+            run: Some(run),
             cgroup,
             cleaned: false,
         })
@@ -78,6 +81,12 @@ impl Sandbox {
     /// The temp dir.
     pub fn dir(&self) -> &Path {
         self.temp.as_ref().map_or(Path::new("/"), TempDir::path)
+    }
+
+    /// The run dir: short, as a run dir must be
+    /// ([`crate::disk_name::check_run_dir`]).
+    pub fn run_dir(&self) -> &Path {
+        self.run.as_ref().map_or(Path::new("/"), TempDir::path)
     }
 
     /// The cgroup subtree.
@@ -100,11 +109,20 @@ impl Sandbox {
             ..Cleanup::default()
         };
         cleanup.leftover_processes = remove_subtree(&self.cgroup, KILL_WAIT)?;
-        if let Some(temp) = self.temp.take() {
-            temp.close()?;
+        for dir in [self.temp.take(), self.run.take()].into_iter().flatten() {
+            dir.close()?;
         }
         Ok(cleanup)
     }
+}
+
+/// A fresh directory `/tmp/<prefix><random>`, mode 0755, removed when
+/// dropped. Directly under `/tmp` whatever `TMPDIR` says, so that it is
+/// short enough to be a run dir, whose sockets must fit 107 bytes.
+pub fn short_dir(prefix: &str) -> io::Result<TempDir> {
+    let dir = tempfile::Builder::new().prefix(prefix).tempdir_in("/tmp")?;
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755))?;
+    Ok(dir)
 }
 
 impl Drop for Sandbox {

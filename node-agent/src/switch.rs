@@ -1,7 +1,8 @@
 //! Repointing `current.sock` (SPEC §5.5 step 8, §6) and the run-dir layout.
 //!
 //! Each generation serves on its own socket,
-//! `<run dir>/<namespace>.<instance>/gen-<N>.sock`. Beside them,
+//! `<run dir>/<namespace>.<instance>/gen-<N>.sock` (the instance's part is
+//! its [`DiskName`], cut when long). Beside them,
 //! `current.sock` is a symlink naming the incumbent's socket by its file name
 //! only (a relative target such as `gen-4.sock`), so the instance's run dir
 //! can be bind-mounted anywhere and the link still resolves.
@@ -26,6 +27,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use thiserror::Error;
 
+use crate::disk_name::{self, DiskName};
 use crate::gate::InstanceKey;
 
 /// The name of the link that always names the incumbent's socket.
@@ -50,9 +52,9 @@ impl RunLayout {
         &self.run_dir
     }
 
-    /// `<run dir>/<namespace>.<instance>`: the instance's run dir.
+    /// `<run dir>/<disk name>`: the instance's run dir.
     pub fn instance_dir(&self, instance: &InstanceKey) -> PathBuf {
-        self.run_dir.join(instance.to_string())
+        self.run_dir.join(DiskName::of(instance))
     }
 
     /// `<run dir>/<namespace>.<instance>/gen-<N>.sock`: generation N's socket,
@@ -70,18 +72,45 @@ impl RunLayout {
 
     /// Creates the instance's run dir (and the run dir) if missing, mode
     /// 0755 so that a front proxy running as another user can reach the
-    /// sockets, and returns its path.
+    /// sockets, with the record of a cut name, and returns its path.
     pub fn create_instance_dir(&self, instance: &InstanceKey) -> io::Result<PathBuf> {
         let dir = self.instance_dir(instance);
         fs::DirBuilder::new()
             .recursive(true)
             .mode(0o755)
             .create(&dir)?;
+        disk_name::write_record(&dir, instance)?;
         Ok(dir)
     }
 
-    /// The instances that have a run dir, with the names that are not an
-    /// instance key skipped. Crash recovery walks these.
+    /// Removes the instance's run dir if nothing but its name record is
+    /// left in it (a socket, a link or a leftover keeps it). Gone already is
+    /// fine.
+    pub fn remove_instance_dir(&self, instance: &InstanceKey) -> io::Result<()> {
+        let dir = self.instance_dir(instance);
+        let only_the_record = match fs::read_dir(&dir) {
+            Ok(entries) => entries
+                .map(|entry| entry.map(|e| e.file_name() == disk_name::RECORD_FILE))
+                .collect::<io::Result<Vec<bool>>>()?
+                .into_iter()
+                .all(|record| record),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if only_the_record {
+            match fs::remove_file(dir.join(disk_name::RECORD_FILE)) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        match fs::remove_dir(&dir) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            other => other,
+        }
+    }
+
+    /// The instances that have a run dir, by their names or the records of
+    /// cut ones; other names are skipped. Crash recovery walks these.
     pub fn instances(&self) -> io::Result<Vec<InstanceKey>> {
         let entries = match fs::read_dir(&self.run_dir) {
             Ok(entries) => entries,
@@ -94,11 +123,7 @@ impl RunLayout {
             if !entry.file_type()?.is_dir() {
                 continue;
             }
-            if let Some(key) = entry
-                .file_name()
-                .to_str()
-                .and_then(|name| name.parse::<InstanceKey>().ok())
-            {
+            if let Some(key) = disk_name::resolve_dir(&entry.path()) {
                 instances.push(key);
             }
         }

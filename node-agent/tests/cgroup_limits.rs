@@ -9,6 +9,11 @@ use std::time::Duration;
 use node_agent::cgroup::{
     Cgroup, CgroupError, CgroupManager, Controller, InstanceCgroup, ParentRaise, RaiseRecord, Tier,
 };
+use node_agent::gate::InstanceKey;
+
+fn key(namespace: &str, name: &str) -> InstanceKey {
+    InstanceKey::new(namespace, name).expect("a valid instance key")
+}
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -51,7 +56,7 @@ impl FakeCgroupfs {
 
     fn instance(&self) -> InstanceCgroup {
         self.manager()
-            .instance("default", "app")
+            .instance(&key("default", "app"))
             .expect("instance over the fake tree")
     }
 
@@ -372,7 +377,7 @@ async fn a_populated_generation_that_will_not_empty_is_refused_as_not_fresh() {
     let instance = fake
         .manager()
         .with_fresh_kill_wait(Duration::from_millis(200))
-        .instance("default", "app")
+        .instance(&key("default", "app"))
         .expect("instance");
     let err = instance
         .create_generation(3, &Tier::default())

@@ -14,7 +14,13 @@ use nix::sys::signal::Signal;
 use node_agent::cgroup::{
     CgroupError, CgroupManager, Controller, PREFERRED_MOUNT, Tier, cgroup2_mounts, discover_mount,
 };
+use node_agent::disk_name::DiskName;
+use node_agent::gate::InstanceKey;
 use tokio::time::Instant;
+
+fn key(namespace: &str, name: &str) -> InstanceKey {
+    InstanceKey::new(namespace, name).expect("a valid instance key")
+}
 
 const LONG: Duration = Duration::from_secs(30);
 
@@ -62,7 +68,7 @@ async fn layout_is_root_instance_generation() {
     let tree = TestCgroupTree::new("layout");
     let manager = tree.manager();
     let instance = manager
-        .instance("default", "web.app")
+        .instance(&key("default", "web.app"))
         .expect("instance cgroup");
     assert_eq!(instance.path(), tree.path().join("genswap/default.web.app"));
     assert!(
@@ -86,10 +92,18 @@ async fn layout_is_root_instance_generation() {
         Some(format!("/{}", relative.display()).as_str())
     );
 
-    let err = manager
-        .instance("bad.ns", "x")
-        .expect_err("a dot in the namespace");
-    assert!(matches!(err, CgroupError::InvalidName { .. }), "{err:?}");
+    // The longest key Kubernetes allows gets a cut name the kernel takes.
+    let longest = key(&"n".repeat(63), &"a".repeat(253));
+    let long = manager.instance(&longest).expect("a cut instance cgroup");
+    let dir_name = DiskName::of(&longest).as_str().to_owned();
+    assert_eq!(long.path(), tree.path().join("genswap").join(&dir_name));
+    let listed: Vec<String> = manager
+        .list()
+        .expect("list")
+        .into_iter()
+        .map(|listing| listing.dir_name)
+        .collect();
+    assert_eq!(listed, vec!["default.web.app".to_owned(), dir_name]);
 }
 
 #[tokio::test]
@@ -97,7 +111,7 @@ async fn a_requested_limit_without_its_controller_refuses_before_anything_exists
     let tree = TestCgroupTree::new("limit");
     let instance = tree
         .manager()
-        .instance("default", "app")
+        .instance(&key("default", "app"))
         .expect("instance cgroup");
     let subtree = fs::read_to_string(instance.path().join("cgroup.subtree_control"))
         .expect("subtree_control");
@@ -144,7 +158,10 @@ async fn a_requested_limit_without_its_controller_refuses_before_anything_exists
 #[tokio::test]
 async fn stop_proves_exit_of_a_process_that_obeys_the_signal() {
     let tree = TestCgroupTree::new("stop-term");
-    let instance = tree.manager().instance("default", "app").expect("instance");
+    let instance = tree
+        .manager()
+        .instance(&key("default", "app"))
+        .expect("instance");
     let generation = instance
         .create_generation(1, &Tier::default())
         .await
@@ -171,7 +188,10 @@ async fn stop_proves_exit_of_a_process_that_obeys_the_signal() {
 async fn stop_kills_a_tree_that_ignores_the_signal_at_the_timeout() {
     let tree = TestCgroupTree::new("stop-kill");
     let markers = tempfile::tempdir().expect("temp dir");
-    let instance = tree.manager().instance("default", "app").expect("instance");
+    let instance = tree
+        .manager()
+        .instance(&key("default", "app"))
+        .expect("instance");
     let generation = instance
         .create_generation(1, &Tier::default())
         .await
@@ -225,7 +245,10 @@ fn running(pid: u32) -> bool {
 #[tokio::test]
 async fn wait_empty_wakes_when_the_last_process_exits() {
     let tree = TestCgroupTree::new("wait");
-    let instance = tree.manager().instance("default", "app").expect("instance");
+    let instance = tree
+        .manager()
+        .instance(&key("default", "app"))
+        .expect("instance");
     let generation = instance
         .create_generation(1, &Tier::default())
         .await
@@ -261,7 +284,10 @@ async fn wait_empty_wakes_when_the_last_process_exits() {
 #[tokio::test]
 async fn kill_ends_a_forking_tree_with_proof() {
     let tree = TestCgroupTree::new("kill");
-    let instance = tree.manager().instance("default", "app").expect("instance");
+    let instance = tree
+        .manager()
+        .instance(&key("default", "app"))
+        .expect("instance");
     let generation = instance
         .create_generation(3, &Tier::default())
         .await
@@ -278,7 +304,10 @@ async fn kill_ends_a_forking_tree_with_proof() {
 #[tokio::test]
 async fn a_populated_generation_is_killed_and_made_fresh() {
     let tree = TestCgroupTree::new("fresh-pop");
-    let instance = tree.manager().instance("default", "app").expect("instance");
+    let instance = tree
+        .manager()
+        .instance(&key("default", "app"))
+        .expect("instance");
     let generation = instance
         .create_generation(2, &Tier::default())
         .await
@@ -306,7 +335,10 @@ async fn a_populated_generation_is_killed_and_made_fresh() {
 #[tokio::test]
 async fn an_empty_leftover_generation_is_recreated() {
     let tree = TestCgroupTree::new("fresh-empty");
-    let instance = tree.manager().instance("default", "app").expect("instance");
+    let instance = tree
+        .manager()
+        .instance(&key("default", "app"))
+        .expect("instance");
     let gen_dir = instance.path().join("gen-4");
     fs::create_dir(&gen_dir).expect("leftover gen-4");
     fs::create_dir(gen_dir.join("nested")).expect("a leftover child cgroup");
@@ -326,7 +358,7 @@ async fn an_empty_leftover_generation_is_recreated() {
 async fn listing_reports_generations_populated_state_and_pids() {
     let tree = TestCgroupTree::new("list");
     let manager = tree.manager();
-    let instance = manager.instance("prod", "api").expect("instance");
+    let instance = manager.instance(&key("prod", "api")).expect("instance");
     let live = instance
         .create_generation(5, &Tier::default())
         .await
@@ -346,10 +378,7 @@ async fn listing_reports_generations_populated_state_and_pids() {
     let listing = manager.list().expect("list");
     assert_eq!(listing.len(), 1);
     let entry = &listing[0];
-    assert_eq!(
-        (entry.namespace.as_str(), entry.name.as_str()),
-        ("prod", "api")
-    );
+    assert_eq!(entry.dir_name, "prod.api");
     assert_eq!(entry.others, vec![instance.path().join("not-a-gen")]);
     let summary: Vec<(u64, bool, Vec<u32>)> = entry
         .generations

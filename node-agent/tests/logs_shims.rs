@@ -401,6 +401,8 @@ async fn an_instance_with_default_sigpipe_keeps_serving_when_the_agent_and_its_l
     for dir in [&manifests, &staging] {
         fs::create_dir(dir).expect("dir");
     }
+    // A run dir must be short for its sockets; the temp dir's name is not.
+    let run = node_agent::sandbox::short_dir("gs-").expect("run dir");
     let binary = compile_server(temp.path());
     let artifact = staging.join("sigpipe-server");
     fs::copy(&binary, &artifact).expect("stage the build");
@@ -430,10 +432,10 @@ spec:
     fs::create_dir(&pod).expect("the pod cgroup");
     let agent = format!(
         "'{AGENT}' '{}' 2>&1 | cat > /dev/null",
-        agent_args(&manifests, &tree, temp.path(), &staging, &logs).join("' '")
+        agent_args(&manifests, &tree, temp.path(), run.path(), &staging, &logs).join("' '")
     );
     let mut pod_shell = cgroup_guard::start_in(&pod, &agent);
-    let current = temp.path().join("run/default.server/current.sock");
+    let current = run.path().join("default.server/current.sock");
     eventually(
         DEADLINE,
         "the C server to serve through current.sock",
@@ -485,7 +487,14 @@ spec:
     // left alone, and the server's lines keep reaching its log.
     // Killed by pid if the test fails before it is stopped below.
     let mut next = tokio::process::Command::new(AGENT)
-        .args(agent_args(&manifests, &tree, temp.path(), &staging, &logs))
+        .args(agent_args(
+            &manifests,
+            &tree,
+            temp.path(),
+            run.path(),
+            &staging,
+            &logs,
+        ))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -525,6 +534,7 @@ fn agent_args(
     manifests: &Path,
     tree: &TestCgroupTree,
     temp: &Path,
+    run: &Path,
     staging: &Path,
     logs: &Path,
 ) -> Vec<String> {
@@ -537,7 +547,7 @@ fn agent_args(
         "--cgroup-root".into(),
         tree.path().join("genswap").display().to_string(),
         "--run-dir".into(),
-        temp.join("run").display().to_string(),
+        run.display().to_string(),
         "--state-dir".into(),
         temp.join("state").display().to_string(),
         "--staging-root".into(),

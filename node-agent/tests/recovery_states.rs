@@ -46,7 +46,7 @@ async fn start_generation(
     let instance = host
         .engine
         .cgroups()
-        .instance(key.namespace(), key.name())
+        .instance(key)
         .expect("the instance cgroup");
     let cgroup = instance
         .create_generation(n, &Tier::default())

@@ -12,17 +12,22 @@ use std::time::Duration;
 
 use cgroup_guard::{TestCgroupTree, eventually};
 use node_agent::cgroup::{Cgroup, Tier};
+use node_agent::gate::InstanceKey;
 use node_agent::spawn::{
     ENV_BUILD, ENV_GENERATION, ENV_SOCKET, EXEC_BUSY_TRIES, Output, SetupStep, SpawnError,
     SpawnSpec, Spawned, VerifyError, spawn,
 };
+
+fn key(namespace: &str, name: &str) -> InstanceKey {
+    InstanceKey::new(namespace, name).expect("a valid instance key")
+}
 
 const LONG: Duration = Duration::from_secs(30);
 const NOBODY: u32 = 65534;
 
 async fn generation(tree: &TestCgroupTree, n: u64) -> Cgroup {
     tree.manager()
-        .instance("default", "app")
+        .instance(&key("default", "app"))
         .expect("instance")
         .create_generation(n, &Tier::default())
         .await

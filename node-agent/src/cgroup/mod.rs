@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! <root>/                         CgroupManager (e.g. <mount>/genswap)
-//!   <namespace>.<instance>/       InstanceCgroup: carries the tier limits, never a process
+//!   <disk name>/                  InstanceCgroup (crate::disk_name): carries the tier limits, never a process
 //!     gen-<N>/                    Cgroup: one generation's process tree
 //!   logs/                         the log shims (crate::logs), no limits
 //! ```
@@ -51,6 +51,9 @@ use nix::sys::statfs::{CGROUP2_SUPER_MAGIC, statfs};
 use nix::unistd::{AccessFlags, Pid, access};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
+
+use crate::disk_name::DiskName;
+use crate::gate::InstanceKey;
 
 pub use limits::{
     CPU_MIN_QUOTA_US, CPU_PERIOD_US, Controller, ParentRaise, RaiseRecord, SavedLimit, Tier,
@@ -116,13 +119,6 @@ pub enum CgroupError {
         path: PathBuf,
         #[source]
         source: Errno,
-    },
-    /// A namespace or instance name cannot be a cgroup directory name.
-    #[error("invalid {what} {name:?} for a cgroup directory: {reason}")]
-    InvalidName {
-        what: &'static str,
-        name: String,
-        reason: &'static str,
     },
     /// A filesystem operation on the hierarchy failed.
     #[error("cannot {op} {path}: {source}")]
@@ -340,11 +336,11 @@ impl CgroupManager {
         self.mount.as_deref()
     }
 
-    /// The instance cgroup `<root>/<namespace>.<name>`, creating the root and
-    /// the instance directory when missing and enabling the limit
-    /// controllers the hierarchy offers for their children.
-    pub fn instance(&self, namespace: &str, name: &str) -> Result<InstanceCgroup, CgroupError> {
-        let instance = self.instance_handle(namespace, name)?;
+    /// The instance cgroup `<root>/<disk name>`, creating the root and the
+    /// instance directory when missing and enabling the limit controllers
+    /// the hierarchy offers for their children.
+    pub fn instance(&self, key: &InstanceKey) -> Result<InstanceCgroup, CgroupError> {
+        let instance = self.instance_handle(key);
         fs::create_dir_all(&self.root).map_err(|e| io_error("create cgroup", &self.root, e))?;
         enable_controllers(&self.root);
         match fs::create_dir(&instance.path) {
@@ -358,18 +354,12 @@ impl CgroupManager {
 
     /// The handle of an instance cgroup without touching the filesystem
     /// (for recovery from journal records).
-    pub fn instance_handle(
-        &self,
-        namespace: &str,
-        name: &str,
-    ) -> Result<InstanceCgroup, CgroupError> {
-        validate_name("namespace", namespace, false)?;
-        validate_name("instance", name, true)?;
-        Ok(InstanceCgroup {
-            path: self.root.join(format!("{namespace}.{name}")),
+    pub fn instance_handle(&self, key: &InstanceKey) -> InstanceCgroup {
+        InstanceCgroup {
+            path: self.root.join(DiskName::of(key)),
             mount: self.mount.clone(),
             fresh_kill_wait: self.fresh_kill_wait,
-        })
+        }
     }
 
     /// Every instance directory under the root with its generations, their
@@ -381,10 +371,6 @@ impl CgroupManager {
             if is_agent_cgroup(dir_name.as_ref()) {
                 continue;
             }
-            let Some((namespace, name)) = dir_name.split_once('.') else {
-                tracing::warn!(path = %path.display(), "a cgroup under the genswap root is not <namespace>.<instance>; not adopted");
-                continue;
-            };
             let instance = InstanceCgroup {
                 path,
                 mount: self.mount.clone(),
@@ -392,8 +378,7 @@ impl CgroupManager {
             };
             let (generations, others) = instance.list_generations()?;
             listings.push(InstanceListing {
-                namespace: namespace.to_owned(),
-                name: name.to_owned(),
+                dir_name,
                 path: instance.path,
                 generations,
                 others,
@@ -407,10 +392,8 @@ impl CgroupManager {
 /// One instance directory as found by [`CgroupManager::list`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InstanceListing {
-    /// The namespace part of the directory name.
-    pub namespace: String,
-    /// The instance part of the directory name.
-    pub name: String,
+    /// The directory's name: an instance's [`DiskName`] if genswap made it.
+    pub dir_name: String,
     /// The instance directory.
     pub path: PathBuf,
     /// Its `gen-<N>` children, by N.
@@ -431,30 +414,6 @@ pub struct GenerationListing {
     pub populated: bool,
     /// Its `cgroup.procs`.
     pub pids: Vec<u32>,
-}
-
-fn validate_name(what: &'static str, name: &str, dots_allowed: bool) -> Result<(), CgroupError> {
-    let reason = if name.is_empty() {
-        Some("it is empty")
-    } else if name == "." || name == ".." {
-        Some("it is . or ..")
-    } else if name.contains('/') || name.contains('\0') {
-        Some("it contains / or NUL")
-    } else if !dots_allowed && name.contains('.') {
-        Some("it contains a dot, which separates namespace from instance")
-    } else if name.len() > 200 {
-        Some("it is longer than 200 bytes")
-    } else {
-        None
-    };
-    match reason {
-        Some(reason) => Err(CgroupError::InvalidName {
-            what,
-            name: name.to_owned(),
-            reason,
-        }),
-        None => Ok(()),
-    }
 }
 
 /// Enables in `dir/cgroup.subtree_control` every limit controller that
@@ -995,14 +954,5 @@ mod tests {
             ]
         );
         assert!(cgroup2_mounts("").is_empty());
-    }
-
-    #[test]
-    fn names_are_validated() {
-        assert!(validate_name("namespace", "default", false).is_ok());
-        assert!(validate_name("instance", "web.v2", true).is_ok());
-        for bad in ["", ".", "..", "a/b", "a.b"] {
-            assert!(validate_name("namespace", bad, false).is_err(), "{bad:?}");
-        }
     }
 }

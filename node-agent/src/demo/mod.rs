@@ -267,7 +267,7 @@ async fn run_in(sandbox: &Sandbox) -> Result<DemoReport, DemoError> {
     }
     let settings = HostSettings {
         cgroup_root: Some(sandbox.cgroup().to_path_buf()),
-        run_dir: dir.join("run"),
+        run_dir: sandbox.run_dir().to_path_buf(),
         state_dir: dir.join("state"),
         staging_root: staging.clone(),
         store_dir: None,

@@ -287,10 +287,7 @@ impl<'a> Run<'a> {
         let n = parts::blocking(move || journal.allocate_generation(&instance))
             .await
             .map_err(StepError::Journal)?;
-        let instance_cgroup = self.engine.cgroups.instance_handle(
-            self.attempt.instance.namespace(),
-            self.attempt.instance.name(),
-        )?;
+        let instance_cgroup = self.engine.cgroups.instance_handle(&self.attempt.instance);
         self.generation = Some(n);
         self.record.successor = Some(GenerationRecord {
             n,
@@ -334,12 +331,16 @@ impl<'a> Run<'a> {
     /// such a refusal never leaves the instance worse off.
     pub(super) fn preflight(&self, n: u64) -> Result<Tier, StepError> {
         let tier = Tier::from_resources(&self.attempt.spec.resources)?;
-        let instance = self.engine.cgroups.instance(
-            self.attempt.instance.namespace(),
-            self.attempt.instance.name(),
-        )?;
+        let instance = self.engine.cgroups.instance(&self.attempt.instance)?;
         instance.check_generation_limits(n, &tier)?;
         parts::check_user(&self.attempt.spec.process, self.engine.config.allow_root)?;
+        let socket = self
+            .engine
+            .layout
+            .generation_socket(&self.attempt.instance, n);
+        if !crate::disk_name::socket_path_fits(&socket) {
+            return Err(StepError::SocketPath { path: socket });
+        }
         Ok(tier)
     }
 
@@ -568,7 +569,7 @@ async fn spawn_successor(
     tier: &Tier,
 ) -> Result<Running, StepError> {
     let key = &ctx.attempt.instance;
-    let instance = ctx.engine.cgroups.instance(key.namespace(), key.name())?;
+    let instance = ctx.engine.cgroups.instance(key)?;
     let cgroup = instance.create_generation(successor.n, tier).await?;
     let prepared = parts::prepare_run_dir(&ctx.engine.layout, key, &ctx.attempt.spec.process)
         .and_then(|run_dir| ctx.check_gate(GatePoint::Exec).map(|()| run_dir));

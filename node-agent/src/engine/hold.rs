@@ -109,7 +109,7 @@ async fn after_stop(
     let tiered = run
         .engine
         .cgroups
-        .instance(key.namespace(), key.name())
+        .instance(key)
         .and_then(|instance| instance.apply_tier(tier))
         .map_err(StepError::from);
     run.note(Step::Raise, started, tiered)?;

@@ -150,7 +150,7 @@ async fn raise_parent(
     raise: &mut Option<ParentRaise>,
 ) -> Result<(), StepError> {
     let key = &run.attempt.instance;
-    let instance = run.engine.cgroups.instance(key.namespace(), key.name())?;
+    let instance = run.engine.cgroups.instance(key)?;
     let prepared = instance.begin_raise(incumbent, successor)?;
     if prepared.is_noop() {
         return Ok(());
@@ -167,7 +167,7 @@ async fn raise_parent(
 /// Writes the tier as the instance cgroup's own limits.
 fn set_instance_tier(run: &Run<'_>, tier: &Tier) -> Result<(), StepError> {
     let key = &run.attempt.instance;
-    let instance = run.engine.cgroups.instance(key.namespace(), key.name())?;
+    let instance = run.engine.cgroups.instance(key)?;
     instance.apply_tier(tier)?;
     Ok(())
 }

@@ -119,13 +119,8 @@ pub(super) fn saved_limits(record: &RaiseRecord) -> SavedLimits {
 /// removal refuses what is not empty (a generation, a socket), and the next
 /// attempt makes them again.
 pub(super) fn remove_empty_instance(engine: &Engine, instance: &InstanceKey) {
-    if let Ok(cgroup) = engine
-        .cgroups
-        .instance_handle(instance.namespace(), instance.name())
-    {
-        let _ = cgroup.remove();
-    }
-    let _ = std::fs::remove_dir(engine.layout.instance_dir(instance));
+    let _ = engine.cgroups.instance_handle(instance).remove();
+    let _ = engine.layout.remove_instance_dir(instance);
 }
 
 /// Records what serves the instance now. A failed write is logged: the

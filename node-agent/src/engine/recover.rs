@@ -63,6 +63,7 @@ use crate::cgroup::{
     Cgroup, CgroupError, Controller, GenerationListing, InstanceListing, RaiseRecord, SavedLimit,
     StopReport, Tier, stop_signal,
 };
+use crate::disk_name::DiskName;
 use crate::gate::InstanceKey;
 use crate::journal::{
     AttemptRef, CorruptEntry, ExitRecord, GenerationRecord, InstanceEntry, JournalError,
@@ -432,6 +433,19 @@ impl Engine {
         })
         .await;
         let mut found: BTreeMap<InstanceKey, Found> = BTreeMap::new();
+        // Run dirs first: the records of cut names in them say whose a
+        // cgroup or a corrupt journal file is when the journal cannot.
+        match self.layout.instances() {
+            Ok(keys) => {
+                for key in keys {
+                    found.entry(key).or_default();
+                }
+            }
+            Err(source) => report.errors.push(RecoveryError::RunDir {
+                path: self.layout.run_dir().to_path_buf(),
+                source,
+            }),
+        }
         let journal_readable = match read {
             Ok(((entries, corrupt), temp_files)) => {
                 if let Err(error) = temp_files {
@@ -441,7 +455,11 @@ impl Engine {
                     let key = entry.instance.clone();
                     found.entry(key).or_default().entry = Some(entry);
                 }
-                for bad in corrupt {
+                for mut bad in corrupt {
+                    if bad.instance.is_none() {
+                        let stem = bad.path.file_stem().and_then(|s| s.to_str());
+                        bad.instance = stem.and_then(|stem| known_by_disk_name(&found, stem));
+                    }
                     self.quarantine(bad, &mut found, &mut report).await;
                 }
                 true
@@ -464,12 +482,14 @@ impl Engine {
         let mut listed_paths = BTreeSet::new();
         for listing in listings {
             listed_paths.insert(listing.path.clone());
-            match InstanceKey::new(&listing.namespace, &listing.name) {
-                Ok(key) => found.entry(key).or_default().listing = Some(listing),
-                Err(_) if journal_readable => {
+            let key = DiskName::key_spelled_by(&listing.dir_name)
+                .or_else(|| known_by_disk_name(&found, &listing.dir_name));
+            match key {
+                Some(key) => found.entry(key).or_default().listing = Some(listing),
+                None if journal_readable => {
                     self.stop_untracked(&listing.path, &mut report).await;
                 }
-                Err(_) => {}
+                None => {}
             }
         }
         if journal_readable {
@@ -482,17 +502,6 @@ impl Engine {
                     self.stop_untracked(&path, &mut report).await;
                 }
             }
-        }
-        match self.layout.instances() {
-            Ok(keys) => {
-                for key in keys {
-                    found.entry(key).or_default();
-                }
-            }
-            Err(source) => report.errors.push(RecoveryError::RunDir {
-                path: self.layout.run_dir().to_path_buf(),
-                source,
-            }),
         }
 
         let works = futures::future::join_all(
@@ -834,27 +843,20 @@ impl Engine {
 
         // Parent limits go back only now that the extra generation has left.
         if let Some(saved) = in_flight.as_ref().and_then(|r| r.raised_parent.as_ref()) {
-            match self.cgroups.instance_handle(key.namespace(), key.name()) {
-                Ok(instance) => {
-                    let raise = raise_record(instance.path(), saved);
-                    match raise.restore() {
-                        Ok(()) => work.recovery.parent_restored = true,
-                        Err(source) => {
-                            notes.push(format!(
-                                "the instance cgroup's raised limits could not be restored: {}",
-                                reason_of(&source)
-                            ));
-                            work.errors.push(RecoveryError::Restore {
-                                path: instance.path().to_path_buf(),
-                                source,
-                            });
-                        }
-                    }
+            let instance = self.cgroups.instance_handle(&key);
+            let raise = raise_record(instance.path(), saved);
+            match raise.restore() {
+                Ok(()) => work.recovery.parent_restored = true,
+                Err(source) => {
+                    notes.push(format!(
+                        "the instance cgroup's raised limits could not be restored: {}",
+                        reason_of(&source)
+                    ));
+                    work.errors.push(RecoveryError::Restore {
+                        path: instance.path().to_path_buf(),
+                        source,
+                    });
                 }
-                Err(source) => work.errors.push(RecoveryError::Restore {
-                    path: self.cgroups.root().join(key.to_string()),
-                    source,
-                }),
             }
         }
         // An overlap that completed leaves the instance cgroup on the new
@@ -864,8 +866,10 @@ impl Engine {
             && in_flight
                 .as_ref()
                 .is_some_and(|r| r.effective_mode == Mode::Overlap)
-            && let Ok(instance) = self.cgroups.instance_handle(key.namespace(), key.name())
-            && let Err(error) = instance.apply_tier(&tier_of(&kept.cgroup))
+            && let Err(error) = self
+                .cgroups
+                .instance_handle(&key)
+                .apply_tier(&tier_of(&kept.cgroup))
         {
             notes.push(reason_of(&error));
         }
@@ -983,9 +987,10 @@ impl Engine {
                     }),
                 }
             }
-            match fs::remove_dir(&run_dir) {
-                Ok(()) => work.removed.push(run_dir.clone()),
-                Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+            let existed = run_dir.exists();
+            match self.layout.remove_instance_dir(&key) {
+                Ok(()) if existed => work.removed.push(run_dir.clone()),
+                Ok(()) => {}
                 Err(source) => work.errors.push(RecoveryError::Remove {
                     path: run_dir.clone(),
                     source,
@@ -1233,6 +1238,15 @@ fn child_dirs(dir: &Path) -> Vec<PathBuf> {
         .unwrap_or_default();
     dirs.sort();
     dirs
+}
+
+/// The instance already found whose disk name is `name` (how a cut name is
+/// resolved without a record of its own).
+fn known_by_disk_name(found: &BTreeMap<InstanceKey, Found>, name: &str) -> Option<InstanceKey> {
+    found
+        .keys()
+        .find(|key| DiskName::of(key).as_str() == name)
+        .cloned()
 }
 
 /// Removes an empty cgroup subtree bottom-up.

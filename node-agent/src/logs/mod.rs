@@ -26,6 +26,7 @@ use nix::fcntl::{FcntlArg, OFlag, fcntl};
 use thiserror::Error;
 
 use crate::cgroup::CgroupManager;
+use crate::disk_name::DiskName;
 use crate::gate::InstanceKey;
 
 /// The default log directory.
@@ -79,9 +80,10 @@ impl LogSettings {
     }
 }
 
-/// `<log dir>/<namespace>_<name>`.
+/// `<log dir>/<namespace>_<name>`, or the cut form of a long key
+/// ([`DiskName::log_dir_name`]).
 pub fn instance_dir(log_dir: &Path, instance: &InstanceKey) -> PathBuf {
-    log_dir.join(format!("{}_{}", instance.namespace(), instance.name()))
+    log_dir.join(DiskName::of(instance).log_dir_name())
 }
 
 /// Why a generation's log could not be set up.
@@ -174,10 +176,12 @@ impl LogSink {
         serving: Option<u64>,
     ) -> Result<GenerationOutput, LogError> {
         let dir = self.instance_dir(instance);
-        fs::create_dir_all(&dir).map_err(|source| LogError::Dir {
-            path: dir.clone(),
-            source,
-        })?;
+        fs::create_dir_all(&dir)
+            .and_then(|()| crate::disk_name::write_record(&dir, instance))
+            .map_err(|source| LogError::Dir {
+                path: dir.clone(),
+                source,
+            })?;
         let mut keep: Vec<u64> = file::generations_in(&dir);
         keep.retain(|n| *n < generation);
         let newest = keep.len().saturating_sub(GENERATIONS_KEPT - 1);

@@ -815,24 +815,14 @@ impl Runner {
         let store = self.store.clone();
         let owned = key.clone();
         blocking(move || {
-            match engine
-                .cgroups()
-                .instance_handle(owned.namespace(), owned.name())
+            let cgroup = engine.cgroups().instance_handle(&owned);
+            if cgroup.path().exists()
+                && let Err(error) = cgroup.remove()
             {
-                Ok(cgroup) if cgroup.path().exists() => {
-                    if let Err(error) = cgroup.remove() {
-                        tracing::warn!(instance = %owned, %error, "the instance cgroup could not be removed");
-                    }
-                }
-                Ok(_) => {}
-                Err(error) => {
-                    tracing::warn!(instance = %owned, %error, "the instance cgroup cannot be named")
-                }
+                tracing::warn!(instance = %owned, %error, "the instance cgroup could not be removed");
             }
             let run_dir = engine.layout().instance_dir(&owned);
-            if let Err(error) = fs::remove_dir(&run_dir)
-                && error.kind() != std::io::ErrorKind::NotFound
-            {
+            if let Err(error) = engine.layout().remove_instance_dir(&owned) {
                 tracing::warn!(instance = %owned, dir = %run_dir.display(), %error, "the instance run dir could not be removed");
             }
             if let Err(error) = engine.journal().remove_instance(&owned) {

@@ -1,5 +1,6 @@
 //! What standalone mode keeps across restarts, one file per instance:
-//! `<state dir>/standalone/<namespace>.<name>.yaml`.
+//! `<state dir>/standalone/<disk name>.yaml` (`<namespace>.<name>`, cut when long:
+//! [`crate::disk_name`]).
 //!
 //! In a cluster the API server keeps the InstanceGeneration's status (the
 //! issued `schedRev`, the failure book, the node's generation) and the
@@ -18,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use super::files::{remove_if_exists, write_atomically};
+use crate::disk_name::DiskName;
 use crate::gate::InstanceKey;
 
 /// The state directory's subdirectory standalone mode uses.
@@ -104,9 +106,9 @@ impl StateStore {
         &self.dir
     }
 
-    /// `<dir>/<namespace>.<name>.yaml`.
+    /// `<dir>/<disk name>.yaml`.
     pub fn path_of(&self, instance: &InstanceKey) -> PathBuf {
-        self.dir.join(format!("{instance}.yaml"))
+        self.dir.join(file_name(instance))
     }
 
     /// Every instance's state. A corrupt file is reported beside the others
@@ -155,6 +157,11 @@ impl StateStore {
     }
 }
 
+/// `<disk name>.yaml`.
+fn file_name(instance: &InstanceKey) -> String {
+    format!("{}.yaml", DiskName::of(instance))
+}
+
 fn read_state(path: &Path) -> Result<InstanceState, StateError> {
     let text = fs::read_to_string(path).map_err(|source| StateError::Read {
         path: path.to_path_buf(),
@@ -165,7 +172,7 @@ fn read_state(path: &Path) -> Result<InstanceState, StateError> {
             path: path.to_path_buf(),
             error: error.to_string(),
         })?;
-    let expected = format!("{}.yaml", state.instance);
+    let expected = file_name(&state.instance);
     if path.file_name().and_then(|n| n.to_str()) != Some(expected.as_str()) {
         return Err(StateError::Corrupt {
             path: path.to_path_buf(),

@@ -67,8 +67,9 @@ pub struct Node {
     pub key: InstanceKey,
     runs: AtomicU64,
     tree: TestCgroupTree,
-    // Dropped after the tree: nothing runs from it by then.
+    // Dropped after the tree: nothing runs from them by then.
     temp: tempfile::TempDir,
+    run: tempfile::TempDir,
 }
 
 impl Node {
@@ -87,15 +88,18 @@ impl Node {
         // runs (the agent keeps an existing one).
         fs::create_dir(dir.join(node_agent::standalone::STATUS_SUBDIR)).expect("status dir");
         fs::create_dir(&staging).expect("staging root");
+        // A run dir must be short for its sockets; the temp dir's name is not.
+        let run = node_agent::sandbox::short_dir("gs-").expect("run dir");
         Node {
             dir,
             staging,
-            run_dir: temp.path().join("run"),
+            run_dir: run.path().to_path_buf(),
             state_dir: temp.path().join("state"),
             key: InstanceKey::new("default", "app").expect("instance key"),
             runs: AtomicU64::new(0),
             tree: TestCgroupTree::new(tag),
             temp,
+            run,
         }
     }
 

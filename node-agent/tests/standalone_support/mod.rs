@@ -1,8 +1,9 @@
-//! One standalone host per test: a manifest directory, a staging root, run
-//! and state dirs in one temp dir, a unique cgroup v2 subtree, and standalone
+//! One standalone host per test: a manifest directory, a staging root and a
+//! state dir in one temp dir, a short run dir beside it, a unique cgroup v2
+//! subtree, and standalone
 //! mode running over them (stopping every instance on exit). Everything is
 //! removed on drop, after a panic too: the subtree is killed and removed by
-//! [`TestCgroupTree`], the temp dir deleted.
+//! [`TestCgroupTree`], the temp dirs deleted.
 //!
 //! Include it after the cgroup guard and the swap host:
 //! `#[path = "support/cgroup_guard.rs"] mod cgroup_guard;`
@@ -46,8 +47,9 @@ pub struct StandaloneHost {
     runner: Option<Runner>,
     labels: BTreeMap<String, String>,
     tree: TestCgroupTree,
-    // Dropped after the tree: nothing runs from it by then.
+    // Dropped after the tree: nothing runs from them by then.
     temp: tempfile::TempDir,
+    run: tempfile::TempDir,
 }
 
 impl StandaloneHost {
@@ -94,10 +96,12 @@ impl StandaloneHost {
         fs::create_dir(&dir).expect("manifest dir");
         fs::create_dir(&staging).expect("staging root");
         let tree = TestCgroupTree::new(tag);
+        // A run dir must be short for its sockets; the temp dir's name is not.
+        let run = node_agent::sandbox::short_dir("gs-").expect("run dir");
         prepare(&temp.path().join("state"));
         let settings = HostSettings {
             cgroup_root: Some(tree.path().join("genswap")),
-            run_dir: temp.path().join("run"),
+            run_dir: run.path().to_path_buf(),
             state_dir: temp.path().join("state"),
             staging_root: staging.clone(),
             store_dir: Some(temp.path().join("store")),
@@ -114,6 +118,7 @@ impl StandaloneHost {
             labels,
             tree,
             temp,
+            run,
         }
     }
 
@@ -201,7 +206,10 @@ impl StandaloneHost {
 
     /// The instance's cgroup directory.
     pub fn instance_cgroup(&self, key: &InstanceKey) -> PathBuf {
-        self.tree.path().join("genswap").join(key.to_string())
+        self.tree
+            .path()
+            .join("genswap")
+            .join(node_agent::disk_name::DiskName::of(key))
     }
 
     /// Every pid in the test's cgroup subtree.
