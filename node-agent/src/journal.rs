@@ -606,6 +606,11 @@ impl Journal {
         self.dir.join(file_name(instance))
     }
 
+    /// [`Journal::path_of`] for the journal of `state_dir`, without opening it.
+    pub fn path_in(state_dir: &Path, instance: &InstanceKey) -> PathBuf {
+        state_dir.join(JOURNAL_DIR).join(file_name(instance))
+    }
+
     /// Writes `record` as the instance's attempt (durably, before returning).
     ///
     /// The same attempt (same name and schedRev) is replaced. A different

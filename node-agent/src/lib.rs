@@ -28,6 +28,7 @@ pub mod kube;
 pub mod logs;
 pub mod metrics;
 pub mod ownership;
+pub mod paths;
 pub mod sandbox;
 pub mod spawn;
 pub mod stage;

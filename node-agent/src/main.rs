@@ -41,6 +41,9 @@ enum Command {
     /// Prints an instance's log: the stdout and stderr of one of its
     /// generations, as written under the log dir.
     Logs(node_agent::logs::read::LogsArgs),
+    /// Prints where an instance's sockets, cgroup, journal, state and logs
+    /// are under the given flags (a long name's are under a cut name).
+    Paths(node_agent::paths::PathsArgs),
     /// The log shim the agent starts for each generation (not for people).
     #[command(hide = true)]
     LogShim(node_agent::logs::shim::ShimArgs),
@@ -98,7 +101,7 @@ impl Command {
             Command::Run(args) => Some(&args.host),
             Command::Standalone(args) => Some(&args.host),
             Command::Demo(args) => Some(&args.host),
-            Command::Logs(_) | Command::LogShim(_) => None,
+            Command::Logs(_) | Command::Paths(_) | Command::LogShim(_) => None,
         }
     }
 }
@@ -169,6 +172,18 @@ fn main() -> ExitCode {
                 }
             };
         }
+        Command::Paths(args) => {
+            return match node_agent::paths::render(args) {
+                Ok(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(error) => {
+                    eprintln!("node-agent paths: {error}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
         _ => {}
     }
     // The demo talks to a human on stdout and its failing builds are part
@@ -227,7 +242,7 @@ fn run(command: Command) -> Result<(), MainError> {
                     Err(MainError::DemoUnexpected)
                 }
             }
-            Command::Logs(_) | Command::LogShim(_) => Ok(()),
+            Command::Logs(_) | Command::Paths(_) | Command::LogShim(_) => Ok(()),
         }
     })
 }

@@ -111,6 +111,12 @@ impl StateStore {
         self.dir.join(file_name(instance))
     }
 
+    /// [`StateStore::path_of`] for the store of `state_dir`, without opening
+    /// it.
+    pub fn path_in(state_dir: &Path, instance: &InstanceKey) -> PathBuf {
+        state_dir.join(STATE_SUBDIR).join(file_name(instance))
+    }
+
     /// Every instance's state. A corrupt file is reported beside the others
     /// and hides none of them.
     pub fn load_all(&self) -> Result<(Vec<InstanceState>, Vec<StateError>), StateError> {
