@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 
 use genswap_crds::{Cause, InstanceKind, Mode, Outcome, StopSignal, StopSpec};
 use node_agent::cgroup::Tier;
+use node_agent::disk_name::DiskName;
 use node_agent::engine::{Engine, EngineConfig, RecoveryReport, SwapResult};
 use node_agent::gate::InstanceKey;
 use node_agent::journal::{AttemptRef, GenerationRecord, Phase, Record};
@@ -793,4 +794,49 @@ async fn recovery_leaves_alone_what_this_engine_already_runs() {
     assert_eq!(serving(&host).await, Some(("v2".into(), 2)));
     host.assert_only(Some(2));
     host.tear_down().await;
+}
+
+/// A cut disk name does not say its key: with its journal file broken, the
+/// record in its run dir still does, so the instance is adopted, not
+/// stopped as a stranger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_longest_name_with_a_corrupt_journal_file_is_adopted_through_its_run_dir_record() {
+    let host = SwapHost::new("rec-cut");
+    let long = InstanceKey::new("n".repeat(63), "l".repeat(253)).expect("the longest key");
+    let v1 = host.build("v1");
+    let mut attempt = host.attempt(1, &v1, "v1");
+    attempt.instance = long.clone();
+    attempt.spec.instance = long.name().into();
+    assert_eq!(host.swap(&attempt).await.outcome, Outcome::Done);
+    host.engine
+        .journal()
+        .acknowledge(&long, 1)
+        .expect("acknowledge");
+    let pid = ask(&host.engine.layout().current_socket(&long))
+        .await
+        .expect("the long-named instance answers")
+        .pid;
+    let path = host.engine.journal().path_of(&long);
+    let disk = DiskName::of(&long);
+    assert_eq!(
+        path.file_name().and_then(|n| n.to_str()),
+        Some(format!("{disk}.json").as_str())
+    );
+    let text = fs::read(&path).expect("the journal file");
+    fs::write(&path, &text[..text.len() / 2]).expect("truncate it");
+
+    let engine = restarted(&host);
+    let report = engine.recover().await;
+    assert!(report.is_clean(), "{:?}", report.errors);
+    assert_eq!(report.quarantined.len(), 1);
+    assert_eq!(report.quarantined[0].entry.instance.as_ref(), Some(&long));
+    assert!(report.untracked.is_empty(), "{:?}", report.untracked);
+    let serving = engine.serving(&long).expect("adopted");
+    assert_eq!((serving.generation, serving.pid), (1, pid));
+    assert!(alive(pid));
+    engine
+        .stop_instance(&long, &StopSpec::default())
+        .await
+        .expect("stop it");
+    assert_eq!(host.pids_in_tree(), Vec::<u32>::new());
 }

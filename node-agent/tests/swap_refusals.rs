@@ -148,3 +148,41 @@ async fn swaps_off_abandons_every_attempt_and_spawns_nothing() {
     assert!(!host.run_dir.exists(), "no run dir was made");
     host.assert_only(None);
 }
+
+/// A socket path is the agent's choice: one too long to bind (here the run
+/// dir of an engine made without the start-up check) refuses the start as
+/// the host's fault, before anything runs, instead of blaming the build
+/// for the bind it cannot make.
+#[tokio::test]
+async fn a_generation_socket_path_too_long_to_bind_is_refused_as_the_hosts_fault() {
+    let mut host = SwapHost::new("refuse-socket-path");
+    host.run_dir = host.run_dir.join("r".repeat(90));
+    let engine = host.next_agent(EngineConfig::default());
+    let b1 = host.build("b1");
+    let attempt = host.attempt(1, &b1, "b1");
+    let result = engine
+        .swap(
+            &attempt,
+            &swap_host::OpenGate,
+            &node_agent::engine::Cancel::new(),
+        )
+        .await;
+    assert_eq!(result.outcome, Outcome::Abandoned, "{result:?}");
+    assert!(!result.executed, "nothing ran: {result:?}");
+    let last = result.steps.last().expect("a step record");
+    assert_eq!((last.step, last.result), (Step::Admit, StepOutcome::Stale));
+    let socket = engine.layout().generation_socket(&host.instance, 1);
+    swap_host::assert_says(
+        &result.reason,
+        &[
+            &socket.display().to_string(),
+            "over the 107 a unix socket path may have",
+        ],
+    );
+    assert!(!host.instance_cgroup().exists(), "no cgroup left");
+    assert!(
+        !engine.layout().instance_dir(&host.instance).exists(),
+        "no run dir left"
+    );
+    host.assert_only(None);
+}

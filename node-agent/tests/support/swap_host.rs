@@ -151,7 +151,7 @@ impl SwapHost {
         self.tree
             .path()
             .join("genswap")
-            .join(self.instance.to_string())
+            .join(node_agent::disk_name::DiskName::of(&self.instance))
     }
 
     /// The `gen-<N>` cgroups that exist, ascending.
