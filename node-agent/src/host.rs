@@ -459,21 +459,27 @@ mod tests {
         assert_eq!(settings.store_dir(), PathBuf::from("/tmp/s/store"));
     }
 
-    #[test]
-    fn a_cgroup_root_outside_cgroup_v2_is_refused_with_what_to_do() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let settings = HostSettings {
-            cgroup_root: Some(dir.path().join("genswap")),
-            run_dir: dir.path().join("run"),
-            state_dir: dir.path().join("state"),
-            staging_root: dir.path().join("staging"),
+    /// Settings with every directory in `dir` (the cgroup root a plain
+    /// directory).
+    fn settings_in(dir: &Path) -> HostSettings {
+        HostSettings {
+            cgroup_root: Some(dir.join("genswap")),
+            run_dir: dir.join("run"),
+            state_dir: dir.join("state"),
+            staging_root: dir.join("staging"),
             store_dir: None,
             engine: EngineConfig::default(),
             logs: LogSettings {
-                dir: dir.path().join("logs"),
+                dir: dir.join("logs"),
                 ..LogSettings::default()
             },
-        };
+        }
+    }
+
+    #[test]
+    fn a_cgroup_root_outside_cgroup_v2_is_refused_with_what_to_do() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let settings = settings_in(dir.path());
         let Err(error) = Host::build(&settings) else {
             panic!("a root in a plain directory was accepted");
         };
@@ -492,16 +498,8 @@ mod tests {
         let dir = tempfile::tempdir().expect("temp dir");
         let run_dir = dir.path().join("r".repeat(40));
         let settings = HostSettings {
-            cgroup_root: Some(dir.path().join("genswap")),
             run_dir: run_dir.clone(),
-            state_dir: dir.path().join("state"),
-            staging_root: dir.path().join("staging"),
-            store_dir: None,
-            engine: EngineConfig::default(),
-            logs: LogSettings {
-                dir: dir.path().join("logs"),
-                ..LogSettings::default()
-            },
+            ..settings_in(dir.path())
         };
         let Err(error) = Host::build(&settings) else {
             panic!("a run dir too long for its sockets was accepted");

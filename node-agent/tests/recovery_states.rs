@@ -645,6 +645,21 @@ async fn strays_are_stopped_and_removed_and_the_serving_generation_is_untouched(
     );
 }
 
+/// Cuts the journal file at `path` short, as a disk fault would, and runs
+/// the next agent's recovery, which must quarantine it (and only it).
+async fn recover_after_cutting_short(
+    host: &SwapHost,
+    path: &Path,
+) -> (std::sync::Arc<Engine>, RecoveryReport) {
+    let text = fs::read(path).expect("the journal file");
+    fs::write(path, &text[..text.len() / 2]).expect("truncate it");
+    let engine = restarted(host);
+    let report = engine.recover().await;
+    assert!(report.is_clean(), "{:?}", report.errors);
+    assert_eq!(report.quarantined.len(), 1, "{:?}", report.quarantined);
+    (engine, report)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_journal_file_is_quarantined_and_hides_no_other_instance() {
     let host = SwapHost::new("rec-corrupt");
@@ -661,15 +676,8 @@ async fn a_corrupt_journal_file_is_quarantined_and_hides_no_other_instance() {
         .journal()
         .acknowledge(&other, 1)
         .expect("acknowledge");
-    // The app's journal file is cut short by a disk fault.
     let path = host.engine.journal().path_of(&host.instance);
-    let text = fs::read(&path).expect("the journal file");
-    fs::write(&path, &text[..text.len() / 2]).expect("truncate it");
-
-    let engine = restarted(&host);
-    let report = engine.recover().await;
-    assert!(report.is_clean(), "{:?}", report.errors);
-    assert_eq!(report.quarantined.len(), 1);
+    let (engine, report) = recover_after_cutting_short(&host, &path).await;
     let quarantined = &report.quarantined[0];
     assert_eq!(quarantined.entry.instance.as_ref(), Some(&host.instance));
     let moved = quarantined.moved_to.as_ref().expect("moved aside");
@@ -822,13 +830,7 @@ async fn the_longest_name_with_a_corrupt_journal_file_is_adopted_through_its_run
         path.file_name().and_then(|n| n.to_str()),
         Some(format!("{disk}.json").as_str())
     );
-    let text = fs::read(&path).expect("the journal file");
-    fs::write(&path, &text[..text.len() / 2]).expect("truncate it");
-
-    let engine = restarted(&host);
-    let report = engine.recover().await;
-    assert!(report.is_clean(), "{:?}", report.errors);
-    assert_eq!(report.quarantined.len(), 1);
+    let (engine, report) = recover_after_cutting_short(&host, &path).await;
     assert_eq!(report.quarantined[0].entry.instance.as_ref(), Some(&long));
     assert!(report.untracked.is_empty(), "{:?}", report.untracked);
     let serving = engine.serving(&long).expect("adopted");
