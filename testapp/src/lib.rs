@@ -35,6 +35,9 @@
 //! | `TESTAPP_NEVER_BIND=1` | run, but never bind the socket |
 //! | `TESTAPP_HANG=1` | accept connections and read requests, never answer |
 //! | `TESTAPP_STOP_AFTER_BIND=1` | bind the socket, then stop itself with SIGSTOP (a process that is there and can answer nothing, nor SIGTERM) |
+//! | `TESTAPP_ALLOC_MB=N` | allocate N MiB, write every page and keep it: before binding, or `TESTAPP_ALLOC_AFTER_MS` after the start (a memory limit's test) |
+//! | `TESTAPP_ALLOC_AFTER_MS=N` | allocate `TESTAPP_ALLOC_MB` N ms after the process started, while serving |
+//! | `TESTAPP_ALLOC_ONCE=path` | `TESTAPP_ALLOC_MB` applies only to the process that creates `path` first |
 //!
 //! The forked children are created before the socket is bound, so they never
 //! hold it, and their stdin/stdout/stderr point at `/dev/null`, so they keep
@@ -117,9 +120,16 @@ pub mod knob {
     pub const HANG: &str = "TESTAPP_HANG";
     /// `1`: SIGSTOP itself right after binding.
     pub const STOP_AFTER_BIND: &str = "TESTAPP_STOP_AFTER_BIND";
+    /// Allocate and write this many MiB, and keep them.
+    pub const ALLOC_MB: &str = "TESTAPP_ALLOC_MB";
+    /// With [`ALLOC_MB`]: allocate this many ms after the start, not before
+    /// binding.
+    pub const ALLOC_AFTER_MS: &str = "TESTAPP_ALLOC_AFTER_MS";
+    /// With [`ALLOC_MB`]: allocate only if this path can be created.
+    pub const ALLOC_ONCE: &str = "TESTAPP_ALLOC_ONCE";
 
     /// Every knob, for flag parsing.
-    pub const ALL: [&str; 12] = [
+    pub const ALL: [&str; 15] = [
         BOOT_DELAY_MS,
         STATUS,
         EXIT_AFTER_MS,
@@ -132,6 +142,9 @@ pub mod knob {
         NEVER_BIND,
         HANG,
         STOP_AFTER_BIND,
+        ALLOC_MB,
+        ALLOC_AFTER_MS,
+        ALLOC_ONCE,
     ];
 }
 

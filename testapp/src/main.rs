@@ -173,6 +173,9 @@ struct Config {
     never_bind: bool,
     hang: bool,
     stop_after_bind: bool,
+    alloc_mib: u32,
+    alloc_after: Option<Duration>,
+    alloc_once: Option<PathBuf>,
 }
 
 impl Config {
@@ -208,6 +211,11 @@ impl Config {
             never_bind: knobs.switch(knob::NEVER_BIND)?,
             hang: knobs.switch(knob::HANG)?,
             stop_after_bind: knobs.switch(knob::STOP_AFTER_BIND)?,
+            alloc_mib: knobs
+                .parsed(knob::ALLOC_MB, "a number of MiB")?
+                .unwrap_or(0),
+            alloc_after: knobs.millis(knob::ALLOC_AFTER_MS)?,
+            alloc_once: knobs.raw(knob::ALLOC_ONCE).map(PathBuf::from),
         })
     }
 }
@@ -352,6 +360,25 @@ fn sleep_forever_ignoring_sigterm() -> ! {
     }
 }
 
+/// Whether this process created `path` (it did not exist before).
+fn first_to_create(path: &Path) -> bool {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .is_ok()
+}
+
+/// Allocates `mib` MiB, writes every byte so each page is charged to the
+/// cgroup, and keeps them for the process's life.
+fn allocate(mib: u32) {
+    event!("allocating {mib} MiB");
+    for _ in 0..mib {
+        std::hint::black_box(Box::leak(vec![1u8; 1 << 20].into_boxed_slice()));
+    }
+    event!("allocated {mib} MiB");
+}
+
 /// Resolves on SIGTERM, or never when SIGTERM is ignored.
 async fn terminated(sigterm: &mut Option<tokio::signal::unix::Signal>) {
     match sigterm {
@@ -368,13 +395,19 @@ async fn run(config: Config, responder: Responder, started: Instant) -> Result<(
     } else {
         Some(tokio_signal(SignalKind::terminate()).map_err(RunError::SigtermHandler)?)
     };
-    let first_to_exit = config.exit_once.as_ref().is_none_or(|path| {
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(path)
-            .is_ok()
-    });
+    let first_to_exit = config.exit_once.as_deref().is_none_or(first_to_create);
+    if config.alloc_mib > 0 && config.alloc_once.as_deref().is_none_or(first_to_create) {
+        let mib = config.alloc_mib;
+        match config.alloc_after {
+            None => allocate(mib),
+            Some(after) => {
+                tokio::spawn(async move {
+                    sleep_until(started + after).await;
+                    allocate(mib);
+                });
+            }
+        }
+    }
     if let Some(after) = config.exit_after.filter(|_| first_to_exit) {
         let code = config.exit_code;
         tokio::spawn(async move {
