@@ -157,7 +157,7 @@ pub enum StepError {
     #[error("the successor did not become healthy")]
     Unhealthy(#[source] HealthError),
     /// The successor's main process exited when it should be serving.
-    #[error("generation {generation} exited {when} ({status})")]
+    #[error("generation {generation} exited {when} ({status}{})", if *oom_killed { "; the kernel OOM-killed it at its memory limit: memory.events counts an oom_kill" } else { "" })]
     Exited {
         /// The generation.
         generation: u64,
@@ -166,6 +166,8 @@ pub enum StepError {
         when: &'static str,
         /// How.
         status: ExitStatus,
+        /// The kernel's OOM killer killed a process of its cgroup.
+        oom_killed: bool,
     },
     /// `current.sock` could not move; nothing switched.
     #[error("current.sock could not be switched")]
@@ -363,6 +365,13 @@ mod tests {
                 generation: 2,
                 when: "inside the settle window",
                 status: ExitStatus::from_raw(256),
+                oom_killed: false,
+            },
+            StepError::Exited {
+                generation: 2,
+                when: "before it was healthy",
+                status: ExitStatus::from_raw(9),
+                oom_killed: true,
             },
             StepError::Identity {
                 what: "another executable".into(),

@@ -791,6 +791,22 @@ impl Cgroup {
             .collect()
     }
 
+    /// Whether the kernel's OOM killer killed a process of this cgroup:
+    /// `oom_kill` above 0 in its `memory.events` (false where the memory
+    /// controller is not enabled). A generation's cgroup is fresh, so any
+    /// count is its own.
+    pub fn oom_killed(&self) -> bool {
+        fs::read_to_string(self.path.join("memory.events"))
+            .ok()
+            .and_then(|events| {
+                events
+                    .lines()
+                    .find_map(|line| line.strip_prefix("oom_kill "))
+                    .and_then(|n| n.trim().parse::<u64>().ok())
+            })
+            .is_some_and(|kills| kills > 0)
+    }
+
     /// Writes each limit the tier requests. All interface files are checked
     /// before the first write; a missing one (controller not enabled) or a
     /// failed write is [`CgroupError::LimitNotApplied`].

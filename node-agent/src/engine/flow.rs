@@ -656,10 +656,10 @@ async fn healthy_or_exit(
     timeout: Duration,
     worker: bool,
 ) -> Result<HealthEnd, StepError> {
-    let n = running.record.n;
+    let (n, cgroup) = (running.record.n, running.cgroup.clone());
     tokio::select! {
         result = parts::wait_healthy(socket, path, timeout) => result.map(|()| HealthEnd::Healthy),
-        status = parts::exited(running) => exit_verdict(n, status, worker, "before it was healthy")
+        status = parts::exited(running) => exit_verdict(n, &cgroup, status, worker, "before it was healthy")
             .map(|()| HealthEnd::CleanExit),
     }
 }
@@ -677,10 +677,10 @@ async fn settle(
     window: Duration,
     worker: bool,
 ) -> Result<SettleEnd, StepError> {
-    let n = running.record.n;
+    let (n, cgroup) = (running.record.n, running.cgroup.clone());
     tokio::select! {
         () = tokio::time::sleep(window) => Ok(SettleEnd::Survived),
-        status = parts::exited(running) => exit_verdict(n, status, worker, "inside the settle window")
+        status = parts::exited(running) => exit_verdict(n, &cgroup, status, worker, "inside the settle window")
             .map(|()| SettleEnd::CleanExit),
     }
 }
@@ -688,6 +688,7 @@ async fn settle(
 /// `Ok` only for a worker's exit 0; any other exit is the build's failure.
 fn exit_verdict(
     generation: u64,
+    cgroup: &crate::cgroup::Cgroup,
     status: Result<ExitStatus, StepError>,
     worker: bool,
     when: &'static str,
@@ -700,6 +701,7 @@ fn exit_verdict(
         generation,
         when,
         status,
+        oom_killed: cgroup.oom_killed(),
     })
 }
 

@@ -201,6 +201,7 @@ async fn switch(run: &mut Run<'_>, successor: &mut Running) -> Result<(), StepEr
             generation: successor.record.n,
             when: "before the switch",
             status,
+            oom_killed: successor.cgroup.oom_killed(),
         });
     }
     run.record.advance(Phase::Switched);

@@ -350,7 +350,7 @@ impl Engine {
             build: running.record.build.clone(),
             exit_code: status.and_then(|s| s.code()),
             signal: status.and_then(|s| s.signal()),
-            oom_killed: oom_killed(&running),
+            oom_killed: running.cgroup.oom_killed(),
             at_ms: unix_millis_now(),
             serving_since_ms: running.record.serving_since_ms,
         };
@@ -696,20 +696,6 @@ impl Loop {
 /// Unix millis `delay` after `now`.
 fn due_in(now: i64, delay: Duration) -> i64 {
     now.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX))
-}
-
-/// `oom_kill` above 0 in the generation cgroup's `memory.events` (each
-/// generation's cgroup is fresh, so any count is its own).
-fn oom_killed(running: &Running) -> bool {
-    std::fs::read_to_string(running.cgroup.path().join("memory.events"))
-        .ok()
-        .and_then(|events| {
-            events
-                .lines()
-                .find_map(|line| line.strip_prefix("oom_kill "))
-                .and_then(|n| n.trim().parse::<u64>().ok())
-        })
-        .is_some_and(|kills| kills > 0)
 }
 
 #[cfg(test)]
