@@ -70,8 +70,9 @@ pub struct HostArgs {
     pub allow_root_instances: bool,
     /// `run` only: do not join the host's mount and cgroup namespaces
     /// (`/proc/1/ns/mnt`, `/proc/1/ns/cgroup`) at start. Set it when the
-    /// agent already runs on the host rather than in a pod. `standalone` and
-    /// `demo` never join them.
+    /// agent already runs on the host rather than in a pod. `standalone`
+    /// joins them only with `--join-host-namespaces`; `demo` never does.
+    /// Every mode refuses to start in a cgroup namespace other than PID 1's.
     #[arg(long, env = "GENSWAP_NO_HOST_NAMESPACES")]
     pub no_host_namespaces: bool,
     /// Where each generation's stdout and stderr are written
@@ -244,6 +245,12 @@ pub enum HostError {
         #[source]
         source: io::Error,
     },
+    /// The agent is in a cgroup namespace other than PID 1's (a pod's):
+    /// every cgroup it made would lie inside the pod's and die with it.
+    #[error(
+        "the agent's cgroup namespace is not the host's (PID 1's): it runs in a pod or container with a cgroup namespace of its own, so the instances' cgroups would lie inside its cgroup and be killed with it; let it join the host's namespaces (hostPID and CAP_SYS_ADMIN, and `run` without --no-host-namespaces, or `standalone --join-host-namespaces`)"
+    )]
+    PrivateCgroupNamespace,
     /// The log directory or the shims' cgroup could not be set up.
     #[error("cannot set up the instances' logs: {0}")]
     Logs(#[source] LogError),
@@ -270,6 +277,9 @@ impl Host {
     /// store, the journal, the engine and a gate that does not own the node
     /// yet (the caller sets that once it holds the node).
     pub fn build(settings: &HostSettings) -> Result<Host, HostError> {
+        if !shares_cgroup_namespace_with_pid_1() {
+            return Err(HostError::PrivateCgroupNamespace);
+        }
         disk_name::check_run_dir(&settings.run_dir)?;
         for (what, dir) in [
             ("state dir", &settings.state_dir),
@@ -390,6 +400,17 @@ pub fn join_host_namespaces() -> Result<JoinedNamespaces, HostError> {
         joined.joined.push(namespace);
     }
     Ok(joined)
+}
+
+/// Whether this process is in PID 1's cgroup namespace. Where PID 1's cannot
+/// be inspected (no hostPID, or a sandbox that hides it) this cannot be
+/// told, and it says yes: the joining step reports that case itself.
+pub fn shares_cgroup_namespace_with_pid_1() -> bool {
+    let id = |path: &str| fs::metadata(path).map(|m| (m.dev(), m.ino())).ok();
+    match (id("/proc/1/ns/cgroup"), id("/proc/self/ns/cgroup")) {
+        (Some(host), Some(own)) => host == own,
+        _ => true,
+    }
 }
 
 /// Installs the global log subscriber (stderr, level from `RUST_LOG`, else

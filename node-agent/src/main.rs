@@ -82,6 +82,11 @@ struct StandaloneArgs {
     /// agent leaves them.
     #[arg(long, env = "GENSWAP_STOP_ON_EXIT")]
     stop_on_exit: bool,
+    /// Join PID 1's mount and cgroup namespaces at start, as `run` does:
+    /// for standalone mode in a pod (hostPID, CAP_SYS_ADMIN) rather than on
+    /// the host.
+    #[arg(long, env = "GENSWAP_JOIN_HOST_NAMESPACES")]
+    join_host_namespaces: bool,
     #[command(flatten)]
     host: HostArgs,
 }
@@ -215,9 +220,12 @@ fn main() -> ExitCode {
 }
 
 fn run(command: Command) -> Result<(), MainError> {
-    if let Command::Run(args) = &command
-        && !args.host.no_host_namespaces
-    {
+    let join = match &command {
+        Command::Run(args) => !args.host.no_host_namespaces,
+        Command::Standalone(args) => args.join_host_namespaces,
+        _ => false,
+    };
+    if join {
         // Before the runtime starts any thread: setns into a mount
         // namespace needs a single-threaded process.
         let joined = host::join_host_namespaces()?;
