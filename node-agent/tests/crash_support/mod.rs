@@ -422,6 +422,8 @@ pub struct Manifest {
     pub mode: &'static str,
     /// Every attempt is watched this long after it is healthy.
     pub settle_seconds: u32,
+    /// `spec.resources` as a YAML flow mapping, such as `{memoryMax: 96Mi}`.
+    pub resources: Option<String>,
 }
 
 impl Manifest {
@@ -432,6 +434,7 @@ impl Manifest {
             sha256: build.sha256.clone(),
             mode,
             settle_seconds: 1,
+            resources: None,
         }
     }
 
@@ -458,7 +461,11 @@ spec:
     allNodes: true
   stop:
     timeoutSeconds: 10
-",
+{resources}",
+            resources = self
+                .resources
+                .as_ref()
+                .map_or_else(String::new, |r| format!("  resources: {r}\n")),
             id = self.build_id,
             path = self.path.display(),
             sha = self.sha256,

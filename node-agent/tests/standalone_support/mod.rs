@@ -338,6 +338,8 @@ pub struct Manifest {
     pub health_timeout_seconds: u32,
     /// The labels of the nodes it selects; empty selects every node.
     pub node_selector: BTreeMap<String, String>,
+    /// `spec.resources` as a YAML flow mapping, such as `{memoryMax: 64Mi}`.
+    pub resources: Option<String>,
 }
 
 impl Manifest {
@@ -356,6 +358,7 @@ impl Manifest {
             env: Vec::new(),
             health_timeout_seconds: 20,
             node_selector: BTreeMap::new(),
+            resources: None,
         }
     }
 
@@ -411,7 +414,11 @@ spec:{node_selector}
     seconds: 0
   stop:
     timeoutSeconds: 10
-",
+{resources}",
+            resources = self
+                .resources
+                .as_ref()
+                .map_or_else(String::new, |r| format!("  resources: {r}\n")),
             name = self.name,
             id = self.build_id,
             path = self.path.display(),

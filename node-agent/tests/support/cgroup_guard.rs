@@ -22,9 +22,37 @@ pub struct TestCgroupTree {
     mount: PathBuf,
 }
 
+/// The controllers genswap writes limits for.
+pub const LIMIT_CONTROLLERS: [&str; 3] = ["memory", "cpu", "pids"];
+
 impl TestCgroupTree {
-    /// Creates a fresh subtree directly under the cgroup v2 mount.
+    /// Creates a fresh subtree directly under the cgroup v2 mount, passing
+    /// every limit controller offered there down to its children.
     pub fn new(tag: &str) -> TestCgroupTree {
+        TestCgroupTree::delegating(tag, &LIMIT_CONTROLLERS)
+    }
+
+    /// A fresh subtree that enables those of `controllers` the mount offers
+    /// here in its own `cgroup.subtree_control`, as a delegating parent
+    /// (systemd's `Delegate=yes`) does: the agent's root below it can use
+    /// them, and nothing else. Where none is offered (a hybrid host) it
+    /// writes nothing.
+    pub fn delegating(tag: &str, controllers: &[&str]) -> TestCgroupTree {
+        let tree = TestCgroupTree::bare(tag);
+        let offered = fs::read_to_string(tree.path.join("cgroup.controllers")).unwrap_or_default();
+        let enable: Vec<String> = offered
+            .split_whitespace()
+            .filter(|c| controllers.contains(c))
+            .map(|c| format!("+{c}"))
+            .collect();
+        if !enable.is_empty() {
+            fs::write(tree.path.join("cgroup.subtree_control"), enable.join(" "))
+                .expect("delegate the limit controllers to the test subtree");
+        }
+        tree
+    }
+
+    fn bare(tag: &str) -> TestCgroupTree {
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         let mount = discover_mount().expect("this host has a writable cgroup v2 mount");
         let nonce = SystemTime::now()

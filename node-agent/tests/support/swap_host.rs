@@ -54,6 +54,11 @@ impl SwapHost {
     }
 
     pub fn with_config(tag: &str, config: EngineConfig) -> SwapHost {
+        SwapHost::in_tree(tag, config, TestCgroupTree::new(tag))
+    }
+
+    /// A node whose agent's cgroup root is `<tree>/genswap`.
+    pub fn in_tree(tag: &str, config: EngineConfig, tree: TestCgroupTree) -> SwapHost {
         let dir = tempfile::Builder::new()
             .prefix(&format!("genswap-{tag}-"))
             .tempdir()
@@ -65,7 +70,6 @@ impl SwapHost {
         let run_dir = dir.path().join("run");
         let state_dir = dir.path().join("state");
         fs::create_dir(&staging).expect("staging root");
-        let tree = TestCgroupTree::new(tag);
         let stager = Stager::new(
             Store::open(dir.path().join("store")).expect("store"),
             StagerConfig::new(&staging),
@@ -144,6 +148,11 @@ impl SwapHost {
     /// Who answers through `current.sock` now; `None` when nobody does.
     pub async fn who_serves(&self) -> Option<Identity> {
         ask(&self.current_sock()).await
+    }
+
+    /// The test's cgroup subtree (the agent's root is `<it>/genswap`).
+    pub fn tree_path(&self) -> &Path {
+        self.tree.path()
     }
 
     /// The instance's cgroup directory.
