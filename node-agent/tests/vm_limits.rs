@@ -3,8 +3,8 @@
 //! like cgroupfs, here enforced by the kernel. They need a cgroup v2
 //! hierarchy that offers those controllers, which a hybrid host does not:
 //! `tests/tests/vm_cgroup_v2.rs` boots a pure cgroup v2 kernel and runs this
-//! binary in it, with `GENSWAP_VM=1`. Elsewhere each test says in one line
-//! that it skipped; with `GENSWAP_VM=1` a missing controller fails it.
+//! binary in it, with `GENSWAP_IN_VM=1`. Elsewhere each test says in one line
+//! that it skipped; with `GENSWAP_IN_VM=1` a missing controller fails it.
 //!
 //! Each test's subtree passes the controllers down as a delegating parent
 //! does (`TestCgroupTree::delegating`), and the agent enables them below its
@@ -42,7 +42,7 @@ fn enforced_here(test: &str) -> bool {
         return true;
     }
     assert!(
-        std::env::var_os("GENSWAP_VM").is_none(),
+        std::env::var_os("GENSWAP_IN_VM").is_none(),
         "the VM's cgroup v2 root at {} does not offer {missing:?}",
         mount.display()
     );

@@ -1,5 +1,7 @@
 //! Runs the tests that need a pure cgroup v2 kernel (real memory, cpu and
-//! pids controllers: `node-agent/tests/vm_limits.rs`) in a QEMU guest.
+//! pids controllers: `node-agent/tests/vm_limits.rs`) or a PID 1 whose
+//! namespaces can be joined (`node-agent/tests/vm_pod_namespaces.rs`) in a
+//! QEMU guest.
 //!
 //! The guest is Debian's kernel under software emulation (`-accel tcg`: a
 //! KVM guest does not boot on these machines) with `cgroup_no_v1=all`, an
@@ -21,7 +23,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The guest test binaries: `(package, test target)`.
-const GUEST_TESTS: [(&str, &str); 1] = [("node-agent", "vm_limits")];
+const GUEST_TESTS: [(&str, &str); 2] = [
+    ("node-agent", "vm_limits"),
+    ("node-agent", "vm_pod_namespaces"),
+];
 
 /// Everything the guest runs must end within this, boot included.
 const DEADLINE: Duration = Duration::from_secs(25 * 60);

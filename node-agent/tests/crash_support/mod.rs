@@ -103,6 +103,16 @@ impl Node {
         }
     }
 
+    /// The test's cgroup subtree (the agent's root is `<it>/genswap`).
+    pub fn tree_path(&self) -> &Path {
+        self.tree.path()
+    }
+
+    /// The cgroup v2 mount the subtree lies in.
+    pub fn cgroup_mount(&self) -> &Path {
+        self.tree.mount()
+    }
+
     /// The agent's `--cgroup-root`.
     pub fn cgroup_root(&self) -> PathBuf {
         self.tree.path().join("genswap")
@@ -110,7 +120,8 @@ impl Node {
 
     /// The instance's cgroup directory.
     pub fn instance_cgroup(&self) -> PathBuf {
-        self.cgroup_root().join(self.key.to_string())
+        self.cgroup_root()
+            .join(node_agent::disk_name::DiskName::of(&self.key))
     }
 
     /// The instance's `current.sock`.
@@ -133,10 +144,38 @@ impl Node {
 
     /// Starts `node-agent standalone` over this host.
     pub fn start(&self, crash: Crash) -> Agent {
+        self.start_as(Command::new(env!("CARGO_BIN_EXE_node-agent")), crash, &[])
+    }
+
+    /// Starts it as a DaemonSet pod's container runs: in the cgroup `pod`,
+    /// in new mount and cgroup namespaces (the pod's cgroup their root, and
+    /// cgroup2 mounted again at `mount` to show only it), sharing the PID
+    /// namespace (hostPID). With `join` it joins PID 1's namespaces as the
+    /// DaemonSet's agent does.
+    pub fn start_in_pod(&self, pod: &Path, mount: &Path, join: bool) -> Agent {
+        fs::create_dir_all(pod).expect("the pod's cgroup");
+        let mut command = Command::new("/bin/sh");
+        command
+            .arg("-c")
+            .arg(
+                r#"echo $$ > "$1/cgroup.procs" && shift && exec /usr/bin/unshare --mount --cgroup --fork -- /bin/sh -c '/usr/bin/umount "$0" && /usr/bin/mount -t cgroup2 cgroup2 "$0" && exec "$@"' "$@""#,
+            )
+            .arg("sh")
+            .arg(pod)
+            .arg(mount)
+            .arg(env!("CARGO_BIN_EXE_node-agent"));
+        let joining: &[&str] = if join {
+            &["--join-host-namespaces"]
+        } else {
+            &[]
+        };
+        self.start_as(command, Crash::No, joining)
+    }
+
+    fn start_as(&self, mut command: Command, crash: Crash, extra: &[&str]) -> Agent {
         let run = self.runs.fetch_add(1, Ordering::SeqCst) + 1;
         let log = self.temp.path().join(format!("agent-{run}.log"));
         let file = fs::File::create(&log).expect("the agent's log file");
-        let mut command = Command::new(env!("CARGO_BIN_EXE_node-agent"));
         command
             .arg("standalone")
             .arg("--dir")
@@ -152,6 +191,7 @@ impl Node {
             .arg(&self.staging)
             .arg("--log-dir")
             .arg(self.temp.path().join("logs"))
+            .args(extra)
             // Nothing from the test's environment steers the agent.
             .env_clear()
             .env("RUST_LOG", "info")
