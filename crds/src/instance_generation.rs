@@ -6,8 +6,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::settings::{
-    BuildSpec, Cause, Demand, HealthSpec, InstanceKind, Mode, NodeSelector, Outcome, ProcessSpec,
-    ResourcesSpec, RestartPolicy, SettleSpec, SocketSpec, StopSpec,
+    BuildSpec, Cause, Demand, HealthSpec, InstanceKind, Listeners, Mode, NodeSelector, Outcome,
+    ProcessSpec, ResourcesSpec, RestartPolicy, SettleSpec, SocketSpec, StopSpec,
 };
 use crate::swap_attempt::LastExit;
 
@@ -67,6 +67,10 @@ pub struct InstanceGenerationSpec {
     pub rollout: RolloutSpec,
     #[serde(default)]
     pub socket: SocketSpec,
+    /// Sockets the agent binds and holds for every generation (SPEC 6.2).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]), validation = Rule::new("self.size() <= 8").message("at most 8 listeners"))]
+    pub listeners: Listeners,
     /// What the agent does when a serving generation exits between
     /// attempts; unset: `Always` for an instance, `OnFailure` for a worker.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -326,6 +326,45 @@ pub struct SocketSpec {
     pub layout: SocketLayout,
 }
 
+/// A listening socket the agent binds once, holds for the instance's life
+/// and hands to every generation by systemd's socket activation (SPEC 6.2):
+/// exactly one of `tcp` and `unix`.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.tcp) != has(self.unix)").message("a listener needs exactly one of tcp and unix"))]
+pub struct ListenerSpec {
+    /// Its name in `LISTEN_FDNAMES`, unique among the listeners.
+    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$')").message("a listener's name must be 1 to 63 of a-z, 0-9 and '-', starting and ending alphanumeric"))]
+    pub name: String,
+    /// `<IPv4>:<port>` or `[<IPv6>]:<port>`, such as `0.0.0.0:53` or
+    /// `[::1]:8080`; port 1 to 65535. The agent binds it as root, so a
+    /// privileged port serves an unprivileged instance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new(LISTENER_TCP_RULE).message("listener tcp must be <IPv4>:<port> or [<IPv6>]:<port> with a port from 1 to 65535"))]
+    pub tcp: Option<String>,
+    /// An absolute path for a unix stream socket, at most 107 bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self.startsWith('/') && self.size() <= 107").message("listener unix must be an absolute path of at most 107 bytes"))]
+    pub unix: Option<String>,
+    /// The listen(2) backlog: connections that wait while no generation
+    /// accepts (a hold's gap).
+    #[serde(default = "default_backlog")]
+    #[x_kube(validation = Rule::new("self >= 1 && self <= 65535").message("listener backlog must be from 1 to 65535"))]
+    pub backlog: i32,
+}
+
+/// An IP literal (dotted IPv4, or IPv6 in brackets) and a port of 1 to
+/// 65535; the agent parses the address itself and refuses what this lets
+/// through but no address is. `\\[` is the regex's `\[` in a CEL string.
+const LISTENER_TCP_RULE: &str = r"self.matches('^([0-9]{1,3}([.][0-9]{1,3}){3}|\\[[0-9a-fA-F:.]+\\]):([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])$')";
+
+fn default_backlog() -> i32 {
+    4096
+}
+
+/// The listeners of an instance: at most eight, by unique name.
+pub type Listeners = Vec<ListenerSpec>;
+
 /// Node labels that select nodes; empty selects every node.
 pub type NodeSelector = BTreeMap<String, String>;
 

@@ -6,8 +6,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::settings::{
-    BuildSpec, Cause, Demand, HealthSpec, InstanceKind, Mode, Outcome, ProcessSpec, ResourcesSpec,
-    RestartPolicy, SettleSpec, SocketSpec, StopSpec,
+    BuildSpec, Cause, Demand, HealthSpec, InstanceKind, Listeners, Mode, Outcome, ProcessSpec,
+    ResourcesSpec, RestartPolicy, SettleSpec, SocketSpec, StopSpec,
 };
 
 /// An attempt as the controller issued it. It never changes after creation.
@@ -65,6 +65,10 @@ pub struct SwapAttemptSpec {
     pub resources: ResourcesSpec,
     #[serde(default)]
     pub socket: SocketSpec,
+    /// Sockets the agent binds and holds for every generation (SPEC 6.2).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]), validation = Rule::new("self.size() <= 8").message("at most 8 listeners"))]
+    pub listeners: Listeners,
     /// What the agent does when the generation this attempt installs exits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_policy: Option<RestartPolicy>,

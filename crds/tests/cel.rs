@@ -201,6 +201,65 @@ fn resource_limits_must_be_positive_quantities() {
         .expect("a plain byte count passes");
 }
 
+#[test]
+fn listeners_are_validated() {
+    let listener = |json: serde_json::Value| {
+        move |v: &mut serde_json::Value| v["spec"]["listeners"] = serde_json::json!([json])
+    };
+    verdict(|v| {
+        v["spec"]["listeners"] = serde_json::json!([
+            {"name": "dns", "tcp": "0.0.0.0:53"},
+            {"name": "admin", "tcp": "[::1]:8080", "backlog": 128},
+            {"name": "local", "unix": "/run/app/app.sock"},
+        ])
+    })
+    .expect("well-formed listeners pass");
+    assert_refused(
+        listener(serde_json::json!({"name": "both", "tcp": "127.0.0.1:80", "unix": "/run/a.sock"})),
+        "a listener needs exactly one of tcp and unix",
+    );
+    assert_refused(
+        listener(serde_json::json!({"name": "none"})),
+        "a listener needs exactly one of tcp and unix",
+    );
+    for bad in [
+        "127.0.0.1:0",
+        "127.0.0.1:65536",
+        "localhost:80",
+        "127.0.0.1",
+        "::1:80",
+    ] {
+        assert_refused(
+            listener(serde_json::json!({"name": "web", "tcp": bad})),
+            "listener tcp must be <IPv4>:<port> or [<IPv6>]:<port>",
+        );
+    }
+    assert_refused(
+        listener(serde_json::json!({"name": "web", "unix": "run/app.sock"})),
+        "listener unix must be an absolute path",
+    );
+    assert_refused(
+        listener(serde_json::json!({"name": "web", "unix": format!("/{}", "s".repeat(107))})),
+        "listener unix must be an absolute path of at most 107 bytes",
+    );
+    assert_refused(
+        listener(serde_json::json!({"name": "Web_1", "tcp": "127.0.0.1:80"})),
+        "a listener's name must be 1 to 63",
+    );
+    assert_refused(
+        listener(serde_json::json!({"name": "web", "tcp": "127.0.0.1:80", "backlog": 0})),
+        "listener backlog must be from 1 to 65535",
+    );
+    assert_refused(
+        |v| {
+            v["spec"]["listeners"] = (0..9)
+                .map(|n| serde_json::json!({"name": format!("l{n}"), "tcp": format!("127.0.0.1:{}", 8000 + n)}))
+                .collect()
+        },
+        "at most 8 listeners",
+    );
+}
+
 fn attempt() -> SwapAttempt {
     let ig = parse_instance_generation(VALID).expect("fixture parses");
     let spec = genswap_crds::SwapAttemptSpec {
@@ -221,6 +280,7 @@ fn attempt() -> SwapAttempt {
         stop: ig.spec.stop.clone(),
         resources: ig.spec.resources.clone(),
         socket: ig.spec.socket.clone(),
+        listeners: ig.spec.listeners.clone(),
         restart_policy: ig.spec.restart_policy,
     };
     SwapAttempt::new("app-node-a-3", spec)

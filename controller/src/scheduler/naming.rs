@@ -135,6 +135,7 @@ pub(super) fn build_attempt(
             stop: spec.stop.clone(),
             resources: spec.resources.clone(),
             socket: spec.socket.clone(),
+            listeners: spec.listeners.clone(),
             restart_policy: spec.restart_policy,
         },
         status: None,

@@ -338,6 +338,7 @@ pub fn spec(rev: i64, build: &testapp::Build, id: &str) -> SwapAttemptSpec {
         },
         resources: Default::default(),
         socket: Default::default(),
+        listeners: Vec::new(),
         restart_policy: None,
     }
 }
