@@ -8,6 +8,13 @@
 //! binding; parent directories are not created. `GENSWAP_BUILD` and
 //! `GENSWAP_GENERATION` identify it (`unknown` when unset).
 //!
+//! It also serves every socket handed to it by systemd's socket activation
+//! (`sd_listen_fds(3)`: fds 3.. when `LISTEN_PID` is its pid, `LISTEN_FDS`
+//! of them, TCP or unix), as a service using a socket-activation library
+//! would. At SIGTERM it stops accepting on all of them, serves what is
+//! already queued on each, and drains; its copy of a held listener closes,
+//! the listener does not.
+//!
 //! Every request, whatever its method or path, is answered with status `200`
 //! (or `TESTAPP_STATUS`), `content-type: text/plain; charset=utf-8`, the headers
 //! `x-genswap-build` and `x-genswap-generation`, and the body

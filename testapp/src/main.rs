@@ -6,6 +6,7 @@ use std::convert::Infallible;
 use std::ffi::OsString;
 use std::fs::File;
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
@@ -22,7 +23,7 @@ use hyper_util::rt::TokioIo;
 use nix::sys::signal::{SigHandler, Signal, signal};
 use nix::unistd::{ForkResult, dup2_stderr, dup2_stdin, dup2_stdout, fork, pause};
 use testapp::{BINARY_NAME, env, identity_body, knob};
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::signal::unix::{SignalKind, signal as tokio_signal};
 use tokio::sync::watch;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
@@ -77,6 +78,12 @@ enum RunError {
     #[error("removing the stale file at {path}")]
     RemoveStale {
         path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("taking the activated socket fd {fd}")]
+    Activated {
+        fd: i32,
         #[source]
         source: io::Error,
     },
@@ -422,14 +429,17 @@ async fn run(config: Config, responder: Responder, started: Instant) -> Result<(
             () = terminated(&mut sigterm) => return Ok(()),
         }
     }
+    let mut listeners = activated_listeners()?;
     if config.never_bind {
         event!("not binding ({})", knob::NEVER_BIND);
-        terminated(&mut sigterm).await;
-        return Ok(());
+        if listeners.is_empty() {
+            terminated(&mut sigterm).await;
+            return Ok(());
+        }
+    } else {
+        listeners.push(Listener::Unix(bind(&config.socket)?));
+        event!("bound socket={}", config.socket.display());
     }
-
-    let listener = bind(&config.socket)?;
-    event!("bound socket={}", config.socket.display());
     if config.stop_after_bind {
         event!("stopping itself ({})", knob::STOP_AFTER_BIND);
         let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
@@ -438,27 +448,20 @@ async fn run(config: Config, responder: Responder, started: Instant) -> Result<(
     // Each connection holds a receiver: a change asks it to shut down
     // gracefully, and all receivers gone means every connection has ended.
     let (shutdown, _) = watch::channel(());
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    tokio::spawn(serve(stream, Arc::clone(&responder), shutdown.subscribe()));
-                }
-                Err(err) => {
-                    event!("error accepting: {err}");
-                    sleep(ACCEPT_BACKOFF).await;
-                }
-            },
-            () = terminated(&mut sigterm) => break,
-        }
+    // One accept loop per listener, all stopped together at SIGTERM.
+    let (stop_accepting, _) = watch::channel(());
+    let mut loops = tokio::task::JoinSet::new();
+    for listener in listeners {
+        loops.spawn(accept_until_stopped(
+            listener,
+            Arc::clone(&responder),
+            shutdown.clone(),
+            stop_accepting.subscribe(),
+        ));
     }
-
-    // A connection already queued on the listener was made before SIGTERM
-    // (the agent signals only after current.sock has moved on): serve it
-    // rather than let the kernel reset it when the listener closes.
-    for stream in queued_connections(listener) {
-        tokio::spawn(serve(stream, Arc::clone(&responder), shutdown.subscribe()));
-    }
+    terminated(&mut sigterm).await;
+    stop_accepting.send_replace(());
+    while loops.join_next().await.is_some() {}
     event!("draining drain_ms={}", config.drain.as_millis());
     shutdown.send_replace(());
     let drained = timeout(config.drain, shutdown.closed()).await.is_ok();
@@ -466,36 +469,145 @@ async fn run(config: Config, responder: Responder, started: Instant) -> Result<(
     Ok(())
 }
 
-/// Accepts every connection waiting on the listener without waiting for
-/// more, then closes the listener.
-fn queued_connections(listener: UnixListener) -> Vec<UnixStream> {
-    let mut queued = Vec::new();
-    // into_std keeps the listener non-blocking, so accept stops at WouldBlock.
-    let listener = match listener.into_std() {
-        Ok(listener) => listener,
-        Err(err) => {
-            event!("error taking the queued connections: {err}");
-            return queued;
+/// A socket this process accepts on: its own `GENSWAP_SOCKET`, or one
+/// handed to it by socket activation.
+enum Listener {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+/// An accepted connection of either kind.
+enum Stream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Listener {
+    async fn accept(&self) -> io::Result<Stream> {
+        match self {
+            Listener::Unix(listener) => listener.accept().await.map(|(s, _)| Stream::Unix(s)),
+            Listener::Tcp(listener) => listener.accept().await.map(|(s, _)| Stream::Tcp(s)),
         }
-    };
-    loop {
-        match listener.accept() {
-            Ok((stream, _)) => match stream
-                .set_nonblocking(true)
-                .and_then(|()| UnixStream::from_std(stream))
-            {
-                Ok(stream) => queued.push(stream),
-                Err(err) => event!("error accepting: {err}"),
-            },
-            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
-            Err(err) => {
-                if err.kind() != io::ErrorKind::WouldBlock {
-                    event!("error accepting: {err}");
+    }
+
+    /// Accepts every connection waiting on the listener without waiting for
+    /// more, then closes this process's copy of it.
+    fn queued(self) -> Vec<Stream> {
+        // into_std keeps the listener non-blocking: accept stops at WouldBlock.
+        let accept: Box<dyn Fn() -> io::Result<Stream>> = match self {
+            Listener::Unix(listener) => match listener.into_std() {
+                Ok(listener) => Box::new(move || {
+                    let (stream, _) = listener.accept()?;
+                    stream.set_nonblocking(true)?;
+                    UnixStream::from_std(stream).map(Stream::Unix)
+                }),
+                Err(err) => {
+                    event!("error taking the queued connections: {err}");
+                    return Vec::new();
                 }
-                return queued;
+            },
+            Listener::Tcp(listener) => match listener.into_std() {
+                Ok(listener) => Box::new(move || {
+                    let (stream, _) = listener.accept()?;
+                    stream.set_nonblocking(true)?;
+                    TcpStream::from_std(stream).map(Stream::Tcp)
+                }),
+                Err(err) => {
+                    event!("error taking the queued connections: {err}");
+                    return Vec::new();
+                }
+            },
+        };
+        let mut queued = Vec::new();
+        loop {
+            match accept() {
+                Ok(stream) => queued.push(stream),
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+                Err(err) => {
+                    if err.kind() != io::ErrorKind::WouldBlock {
+                        event!("error accepting: {err}");
+                    }
+                    return queued;
+                }
             }
         }
     }
+}
+
+/// Serves what `listener` accepts until `stop` changes, then the
+/// connections already queued on it: they were made before SIGTERM (the
+/// agent signals only after current.sock has moved on, and a listener it
+/// holds stays open for the next generation), so they are served rather
+/// than reset.
+async fn accept_until_stopped(
+    listener: Listener,
+    responder: Arc<Responder>,
+    shutdown: watch::Sender<()>,
+    mut stop: watch::Receiver<()>,
+) {
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(stream) => {
+                    tokio::spawn(serve(stream, Arc::clone(&responder), shutdown.subscribe()));
+                }
+                Err(err) => {
+                    event!("error accepting: {err}");
+                    sleep(ACCEPT_BACKOFF).await;
+                }
+            },
+            _ = stop.changed() => break,
+        }
+    }
+    for stream in listener.queued() {
+        tokio::spawn(serve(stream, Arc::clone(&responder), shutdown.subscribe()));
+    }
+}
+
+/// The sockets systemd's socket activation hands this process
+/// (`sd_listen_fds(3)`): fds 3.. when `LISTEN_PID` is this process and
+/// `LISTEN_FDS` counts them, named by `LISTEN_FDNAMES`.
+fn activated_listeners() -> Result<Vec<Listener>, RunError> {
+    let for_us = std::env::var("LISTEN_PID")
+        .ok()
+        .and_then(|pid| pid.parse::<u32>().ok())
+        == Some(std::process::id());
+    if !for_us {
+        return Ok(Vec::new());
+    }
+    let count: i32 = std::env::var("LISTEN_FDS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    let names = std::env::var("LISTEN_FDNAMES").unwrap_or_default();
+    let mut names = names.split(':');
+    let mut listeners = Vec::new();
+    for fd in 3..3 + count.max(0) {
+        let name = names.next().unwrap_or("unknown").to_owned();
+        // SAFETY: the protocol hands fds 3 to 3 + LISTEN_FDS - 1 to this
+        // process, open; from here this OwnedFd is their only owner.
+        let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+        let activated = |source| RunError::Activated { fd, source };
+        nix::fcntl::fcntl(
+            &owned,
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+        )
+        .map_err(|e| activated(e.into()))?;
+        let address: nix::sys::socket::SockaddrStorage =
+            nix::sys::socket::getsockname(owned.as_raw_fd()).map_err(|e| activated(e.into()))?;
+        let listener = if address.as_unix_addr().is_some() {
+            let listener = std::os::unix::net::UnixListener::from(owned);
+            listener.set_nonblocking(true).map_err(activated)?;
+            Listener::Unix(UnixListener::from_std(listener).map_err(activated)?)
+        } else {
+            let listener = std::net::TcpListener::from(owned);
+            listener.set_nonblocking(true).map_err(activated)?;
+            Listener::Tcp(TcpListener::from_std(listener).map_err(activated)?)
+        };
+        event!("activated name={name} fd={fd} address={address}");
+        listeners.push(listener);
+    }
+    Ok(listeners)
 }
 
 fn bind(path: &Path) -> Result<UnixListener, RunError> {
@@ -515,7 +627,17 @@ fn bind(path: &Path) -> Result<UnixListener, RunError> {
     })
 }
 
-async fn serve(stream: UnixStream, responder: Arc<Responder>, mut shutdown: watch::Receiver<()>) {
+async fn serve(stream: Stream, responder: Arc<Responder>, shutdown: watch::Receiver<()>) {
+    match stream {
+        Stream::Unix(stream) => serve_on(stream, responder, shutdown).await,
+        Stream::Tcp(stream) => serve_on(stream, responder, shutdown).await,
+    }
+}
+
+async fn serve_on<S>(stream: S, responder: Arc<Responder>, mut shutdown: watch::Receiver<()>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let draining = shutdown.clone();
     let service = service_fn(move |_: Request<Incoming>| {
         let responder = Arc::clone(&responder);
