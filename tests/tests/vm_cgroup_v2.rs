@@ -220,6 +220,18 @@ fn the_cgroup_v2_tests_pass_in_a_pure_cgroup_v2_guest() {
     fs::write(results.join("commands"), commands).expect("write the commands");
     fs::copy(workspace().join("tests/vm/guest"), results.join("guest"))
         .expect("copy the guest script");
+    // The guest covers /tmp with its own; what it runs must stay visible.
+    let target = binaries[0]
+        .1
+        .ancestors()
+        .nth(3)
+        .expect("<target>/<profile>/deps/<binary>")
+        .to_path_buf();
+    fs::write(
+        results.join("keep"),
+        format!("{}\n{}\n", workspace().display(), target.display()),
+    )
+    .expect("write the kept paths");
     let initrd = work.path().join("initramfs.cpio");
     fs::write(&initrd, initramfs(&kit)).expect("write the initramfs");
 
