@@ -54,7 +54,7 @@ use std::ffi::CString;
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
@@ -80,6 +80,24 @@ pub const ENV_BUILD: &str = "GENSWAP_BUILD";
 
 /// The status byte the hook writes once every setup step passed.
 const EXEC_NEXT: u8 = b'x';
+/// After [`EXEC_NEXT`]: the child's own exec failed; its errno follows
+/// (four bytes, little-endian).
+const EXEC_FAILED: u8 = b'e';
+
+/// Socket activation (`sd_listen_fds(3)`): how many fds from 3 are passed.
+pub const ENV_LISTEN_FDS: &str = "LISTEN_FDS";
+/// Socket activation: the pid they are for, the generation's own.
+pub const ENV_LISTEN_PID: &str = "LISTEN_PID";
+/// Socket activation: their names, `:`-separated, in fd order.
+pub const ENV_LISTEN_FDNAMES: &str = "LISTEN_FDNAMES";
+
+/// The first fd of the sockets handed over by socket activation.
+const LISTEN_FDS_START: i32 = 3;
+
+/// Descriptors the child uses during setup are moved at least this high
+/// when sockets are handed over, so that placing those at 3.. cannot
+/// overwrite them.
+const SETUP_FD_FLOOR: i32 = 100;
 
 /// Where a generation's stdout or stderr goes.
 #[derive(Clone, Debug, Default)]
@@ -130,6 +148,18 @@ pub struct SpawnSpec {
     pub stdout: Output,
     /// Where stderr goes.
     pub stderr: Output,
+    /// Listening sockets handed over by socket activation, in fd order from
+    /// 3 (SPEC 6.2).
+    pub listeners: Vec<ActivatedSocket>,
+}
+
+/// A listening socket a generation receives at exec.
+#[derive(Clone, Debug)]
+pub struct ActivatedSocket {
+    /// Its name in `LISTEN_FDNAMES`.
+    pub name: String,
+    /// The agent's descriptor of it; the child gets a copy.
+    pub fd: std::sync::Arc<OwnedFd>,
 }
 
 impl SpawnSpec {
@@ -156,6 +186,7 @@ impl SpawnSpec {
             build: build.into(),
             stdout: Output::Inherit,
             stderr: Output::Inherit,
+            listeners: Vec::new(),
         }
     }
 }
@@ -177,10 +208,12 @@ pub enum SetupStep {
     Uid,
     /// `chdir` to the working directory.
     WorkingDir,
+    /// Placing the handed-over sockets at fds 3...
+    ListenFds,
 }
 
 impl SetupStep {
-    const ALL: [SetupStep; 7] = [
+    const ALL: [SetupStep; 8] = [
         SetupStep::JoinCgroup,
         SetupStep::NewSession,
         SetupStep::NoNewPrivs,
@@ -188,6 +221,7 @@ impl SetupStep {
         SetupStep::Gid,
         SetupStep::Uid,
         SetupStep::WorkingDir,
+        SetupStep::ListenFds,
     ];
 
     fn code(self) -> u8 {
@@ -199,6 +233,7 @@ impl SetupStep {
             SetupStep::Gid => b'g',
             SetupStep::Uid => b'u',
             SetupStep::WorkingDir => b'w',
+            SetupStep::ListenFds => b'l',
         }
     }
 
@@ -217,6 +252,7 @@ impl fmt::Display for SetupStep {
             SetupStep::Gid => "set its gid",
             SetupStep::Uid => "set its uid",
             SetupStep::WorkingDir => "enter its working directory",
+            SetupStep::ListenFds => "place its listening sockets at fds 3..",
         })
     }
 }
@@ -591,6 +627,37 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
         })?;
     let stdout = stdio_for(&spec.stdout, generation)?;
     let stderr = stdio_for(&spec.stderr, generation)?;
+    let prepare = |what: &str, source: io::Error| SpawnError::Prepare {
+        generation,
+        what: what.to_owned(),
+        source,
+    };
+    let (procs, status_write, activation) = if spec.listeners.is_empty() {
+        (procs, status_write, None)
+    } else {
+        let high = |fd: &OwnedFd| -> io::Result<OwnedFd> {
+            let raw = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(SETUP_FD_FLOOR))?;
+            // SAFETY: fcntl just returned this new descriptor; nothing else owns it.
+            Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+        };
+        let sources = spec
+            .listeners
+            .iter()
+            .map(|listener| high(&listener.fd))
+            .collect::<io::Result<Vec<_>>>()
+            .map_err(|e| prepare("copy the listening sockets", e))?;
+        let image = ExecImage::new(&spec.exe, &spec.args, &plan.env)
+            .map_err(|e| prepare("prepare the exec", e))?;
+        let moved = (
+            high(&procs).map_err(|e| prepare("move cgroup.procs", e))?,
+            high(&status_write).map_err(|e| prepare("move the status pipe", e))?,
+            Some(Activation { sources, image }),
+        );
+        // Closed now: a write end of the status pipe left open here would
+        // keep its reader waiting for an end-of-file that never comes.
+        drop((procs, status_write));
+        moved
+    };
 
     let mut command = std::process::Command::new(&spec.exe);
     command
@@ -606,14 +673,15 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
         gid: plan.gid,
         uid: plan.uid,
         working_dir: plan.working_dir,
+        activation,
     };
     // SAFETY: the hook runs in the forked child of a possibly
     // multi-threaded parent, where only async-signal-safe calls are
     // allowed. `ChildSetup::run` makes only raw system calls (write,
-    // setsid, prctl, setgroups, setgid, setuid, chdir) on values prepared
-    // before the fork (descriptors, ids, a CString); it neither allocates
-    // nor takes locks. Its errors are `io::Error::from_raw_os_error`, which
-    // does not allocate.
+    // setsid, prctl, setgroups, setgid, setuid, chdir, dup2, getpid,
+    // execve) on values prepared before the fork (descriptors, ids,
+    // CStrings, pointer arrays); it neither allocates nor takes locks. Its
+    // errors are `io::Error::from_raw_os_error`, which does not allocate.
     unsafe {
         command.pre_exec(move || setup.run());
     }
@@ -621,7 +689,18 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     // Drops the hook, closing the parent's copies of the status pipe's
     // write end and of cgroup.procs, so the read below sees end-of-file.
     drop(command);
-    let reported = read_status(&status_read);
+    let (reported, exec_failed) = read_status(&status_read);
+    // The child's own exec (socket activation) failed after it had placed
+    // the sockets over whatever it held at 3.., std's error pipe included:
+    // std may then have seen a successful spawn. The errno came through the
+    // status pipe; the child exits at once.
+    let started = match (started, exec_failed) {
+        (Ok(mut child), Some(errno)) => {
+            let _ = child.wait();
+            Err(io::Error::from(errno))
+        }
+        (started, _) => started,
+    };
 
     let child = match started {
         Ok(child) => child,
@@ -753,7 +832,16 @@ impl Plan {
                     "invalid environment variable name or value for {name:?}"
                 )));
             }
-            if [ENV_SOCKET, ENV_GENERATION, ENV_BUILD].contains(&name.as_str()) {
+            if [
+                ENV_SOCKET,
+                ENV_GENERATION,
+                ENV_BUILD,
+                ENV_LISTEN_FDS,
+                ENV_LISTEN_PID,
+                ENV_LISTEN_FDNAMES,
+            ]
+            .contains(&name.as_str())
+            {
                 continue;
             }
             env.push((name.clone(), value.clone()));
@@ -773,6 +861,20 @@ impl Plan {
         env.push((ENV_SOCKET.to_owned(), socket.to_owned()));
         env.push((ENV_GENERATION.to_owned(), spec.generation.to_string()));
         env.push((ENV_BUILD.to_owned(), spec.build.clone()));
+        if !spec.listeners.is_empty() {
+            if spec
+                .listeners
+                .iter()
+                .any(|l| l.name.is_empty() || l.name.contains([':', '\0']))
+            {
+                return Err(invalid(
+                    "a listener name is empty or contains ':' or NUL".to_owned(),
+                ));
+            }
+            env.push((ENV_LISTEN_FDS.to_owned(), spec.listeners.len().to_string()));
+            let names: Vec<&str> = spec.listeners.iter().map(|l| l.name.as_str()).collect();
+            env.push((ENV_LISTEN_FDNAMES.to_owned(), names.join(":")));
+        }
 
         let working_dir = spec
             .working_dir
@@ -823,16 +925,24 @@ fn stdio_for(output: &Output, generation: u64) -> Result<Stdio, SpawnError> {
 
 /// The first byte the hook reported, or `None` at end-of-file (the hook
 /// never ran or never reached a report).
-fn read_status(status: &OwnedFd) -> Option<u8> {
-    let mut byte = [0u8; 1];
-    loop {
-        match nix::unistd::read(status, &mut byte) {
-            Ok(1) => return Some(byte[0]),
-            Ok(_) => return None,
+/// The child's status bytes, read to end-of-file (its exec or exit closes
+/// the pipe): the step byte, and the errno of an exec the child made itself
+/// and saw fail.
+fn read_status(status: &OwnedFd) -> (Option<u8>, Option<Errno>) {
+    let mut bytes = [0u8; 6];
+    let mut len = 0;
+    while len < bytes.len() {
+        match nix::unistd::read(status, &mut bytes[len..]) {
+            Ok(0) => break,
+            Ok(n) => len += n,
             Err(Errno::EINTR) => continue,
-            Err(_) => return None,
+            Err(_) => break,
         }
     }
+    let step = (len > 0).then_some(bytes[0]);
+    let exec_failed = (len == 6 && bytes[1] == EXEC_FAILED)
+        .then(|| Errno::from_raw(i32::from_le_bytes([bytes[2], bytes[3], bytes[4], bytes[5]])));
+    (step, exec_failed)
 }
 
 /// What the child does between fork and exec.
@@ -842,6 +952,101 @@ struct ChildSetup {
     gid: Option<Gid>,
     uid: Option<Uid>,
     working_dir: Option<CString>,
+    activation: Option<Activation>,
+}
+
+/// Socket activation's share of the child's setup: the sockets (copies at
+/// [`SETUP_FD_FLOOR`] or above) to place at fds 3.., and the exec the child
+/// makes itself, since `LISTEN_PID` must be its own pid, which only it
+/// knows, and std's exec takes an environment fixed before the fork.
+struct Activation {
+    sources: Vec<OwnedFd>,
+    image: ExecImage,
+}
+
+/// `execve`'s arguments, built before the fork, with room in the
+/// environment for the child to write its pid into.
+struct ExecImage {
+    path: CString,
+    _strings: Vec<CString>,
+    argv: Vec<*const nix::libc::c_char>,
+    envp: Vec<*const nix::libc::c_char>,
+    /// `LISTEN_PID=` and room for the digits and their NUL.
+    pid_entry: Box<[u8; PID_ENTRY_LEN]>,
+}
+
+/// `LISTEN_PID=` (11 bytes), up to 20 digits, NUL.
+const PID_ENTRY_LEN: usize = 32;
+
+// SAFETY: the raw pointers point into buffers the image owns (`_strings`'
+// and `pid_entry`'s heap allocations, which never move); only the forked
+// child reads them or writes the pid digits, and the parent drops the
+// image without touching them.
+unsafe impl Send for ExecImage {}
+// SAFETY: as for Send: no thread of the parent dereferences the pointers.
+unsafe impl Sync for ExecImage {}
+
+impl ExecImage {
+    fn new(exe: &Path, args: &[String], env: &[(String, String)]) -> io::Result<ExecImage> {
+        let nul = |_| io::Error::from(io::ErrorKind::InvalidInput);
+        let path = CString::new(exe.as_os_str().as_bytes()).map_err(nul)?;
+        let mut strings = Vec::with_capacity(1 + args.len() + env.len());
+        strings.push(path.clone());
+        for arg in args {
+            strings.push(CString::new(arg.as_str()).map_err(nul)?);
+        }
+        let argc = strings.len();
+        for (name, value) in env {
+            strings.push(CString::new(format!("{name}={value}")).map_err(nul)?);
+        }
+        let mut pid_entry = Box::new([0u8; PID_ENTRY_LEN]);
+        let prefix = format!("{ENV_LISTEN_PID}=");
+        pid_entry[..prefix.len()].copy_from_slice(prefix.as_bytes());
+        let mut argv: Vec<*const nix::libc::c_char> =
+            strings[..argc].iter().map(|s| s.as_ptr()).collect();
+        argv.push(std::ptr::null());
+        let mut envp: Vec<*const nix::libc::c_char> =
+            strings[argc..].iter().map(|s| s.as_ptr()).collect();
+        envp.push(pid_entry.as_ptr().cast());
+        envp.push(std::ptr::null());
+        Ok(ExecImage {
+            path,
+            _strings: strings,
+            argv,
+            envp,
+            pid_entry,
+        })
+    }
+
+    /// In the child: writes its pid into `LISTEN_PID` and execs. Returns
+    /// only if the exec failed.
+    fn exec(&self) -> Errno {
+        let start = ENV_LISTEN_PID.len() + 1;
+        let mut digits = [0u8; 20];
+        let mut pid = nix::unistd::getpid().as_raw().unsigned_abs();
+        let mut len = 0;
+        loop {
+            digits[len] = b'0' + (pid % 10) as u8;
+            len += 1;
+            pid /= 10;
+            if pid == 0 {
+                break;
+            }
+        }
+        let entry = self.pid_entry.as_ptr().cast_mut();
+        for (i, digit) in digits[..len].iter().rev().enumerate() {
+            // SAFETY: start + len + 1 <= PID_ENTRY_LEN; the child owns its
+            // copy of the buffer, and nothing else reads it until execve.
+            unsafe { entry.add(start + i).write(*digit) };
+        }
+        // SAFETY: as above; the NUL ends the entry after the digits.
+        unsafe { entry.add(start + len).write(0) };
+        // SAFETY: path, argv and envp are NUL-terminated strings and
+        // null-terminated pointer arrays built before the fork and alive
+        // as long as `self`.
+        unsafe { nix::libc::execve(self.path.as_ptr(), self.argv.as_ptr(), self.envp.as_ptr()) };
+        Errno::last()
+    }
 }
 
 impl ChildSetup {
@@ -866,10 +1071,33 @@ impl ChildSetup {
         if let Some(dir) = &self.working_dir {
             self.step(SetupStep::WorkingDir, || nix::unistd::chdir(dir.as_c_str()))?;
         }
+        if let Some(activation) = &self.activation {
+            self.step(SetupStep::ListenFds, || {
+                for (offset, source) in (LISTEN_FDS_START..).zip(&activation.sources) {
+                    // SAFETY: dup2 onto 3.. in the child, whose setup
+                    // descriptors all lie at SETUP_FD_FLOOR or above; the
+                    // copy it makes is not close-on-exec, as the protocol
+                    // wants.
+                    if unsafe { nix::libc::dup2(source.as_raw_fd(), offset) } < 0 {
+                        return Err(Errno::last());
+                    }
+                }
+                Ok(())
+            })?;
+        }
         // From here on a failure is the exec's.
         nix::unistd::write(&self.status, &[EXEC_NEXT])
             .map(drop)
-            .map_err(|errno| io::Error::from_raw_os_error(errno as i32))
+            .map_err(|errno| io::Error::from_raw_os_error(errno as i32))?;
+        match &self.activation {
+            Some(activation) => {
+                let errno = activation.image.exec() as i32;
+                let [a, b, c, d] = errno.to_le_bytes();
+                let _ = nix::unistd::write(&self.status, &[EXEC_FAILED, a, b, c, d]);
+                Err(io::Error::from_raw_os_error(errno))
+            }
+            None => Ok(()),
+        }
     }
 
     fn step(&self, step: SetupStep, call: impl FnOnce() -> nix::Result<()>) -> io::Result<()> {

@@ -14,8 +14,8 @@ use cgroup_guard::{TestCgroupTree, eventually};
 use node_agent::cgroup::{Cgroup, Tier};
 use node_agent::gate::InstanceKey;
 use node_agent::spawn::{
-    ENV_BUILD, ENV_GENERATION, ENV_SOCKET, EXEC_BUSY_TRIES, Output, SetupStep, SpawnError,
-    SpawnSpec, Spawned, VerifyError, spawn,
+    ActivatedSocket, ENV_BUILD, ENV_GENERATION, ENV_SOCKET, EXEC_BUSY_TRIES, Output, SetupStep,
+    SpawnError, SpawnSpec, Spawned, VerifyError, spawn,
 };
 
 fn key(namespace: &str, name: &str) -> InstanceKey {
@@ -419,5 +419,106 @@ async fn a_dropped_handle_still_reaps_its_process() {
         !proc_dir.exists()
     })
     .await;
+    assert!(!cgroup.is_populated().expect("events"));
+}
+
+fn environ(pid: u32) -> Vec<String> {
+    fs::read(format!("/proc/{pid}/environ"))
+        .expect("read environ")
+        .split(|b| *b == 0)
+        .filter(|e| !e.is_empty())
+        .map(|e| String::from_utf8_lossy(e).into_owned())
+        .collect()
+}
+
+fn activated(name: &str, fd: impl Into<std::os::fd::OwnedFd>) -> ActivatedSocket {
+    ActivatedSocket {
+        name: name.into(),
+        fd: std::sync::Arc::new(fd.into()),
+    }
+}
+
+/// Socket activation as `sd_listen_fds(3)` reads it: the sockets at fds 3..
+/// in order, `LISTEN_FDS`, `LISTEN_FDNAMES`, and `LISTEN_PID` the
+/// generation's own pid, which only the child can know.
+#[tokio::test]
+async fn listeners_are_handed_over_at_fds_3_with_listen_pid_the_childs_own() {
+    let tree = TestCgroupTree::new("spawn-listen");
+    let cgroup = generation(&tree, 7).await;
+    let tcp = std::net::TcpListener::bind("127.0.0.1:0").expect("a TCP listener");
+    let tcp_port = tcp.local_addr().expect("address").port();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let unix = std::os::unix::net::UnixListener::bind(dir.path().join("admin.sock"))
+        .expect("a unix listener");
+    let mut spec = sh(cgroup, 7, "exec sleep 1000");
+    spec.env = vec![("LISTEN_PID".into(), "1".into())];
+    spec.listeners = vec![activated("web", tcp), activated("admin", unix)];
+    let spawned = spawn(spec).await.expect("spawned");
+    let pid = spawned.pid();
+    // The exe link changes before the kernel has written the new
+    // environment: wait for the environment itself.
+    eventually(LONG, "the exec of sleep with its environment", || {
+        spawned.observe().is_ok_and(|o| o.exe.ends_with("sleep"))
+            && environ(pid).iter().any(|e| e.starts_with("LISTEN_FDS="))
+    })
+    .await;
+    let env = environ(pid);
+    for expected in [
+        format!("LISTEN_PID={pid}"),
+        "LISTEN_FDS=2".to_string(),
+        "LISTEN_FDNAMES=web:admin".to_string(),
+    ] {
+        assert!(env.contains(&expected), "{expected} not in {env:?}");
+    }
+    assert_eq!(
+        env.iter().filter(|e| e.starts_with("LISTEN_PID=")).count(),
+        1,
+        "the spec cannot forge LISTEN_PID: {env:?}"
+    );
+    let link = |fd: u32| fs::read_link(format!("/proc/{pid}/fd/{fd}")).ok();
+    let socket_inode = |path: Option<PathBuf>| {
+        path.and_then(|p| p.to_str().map(str::to_owned))
+            .filter(|p| p.starts_with("socket:"))
+    };
+    assert!(socket_inode(link(3)).is_some(), "{:?}", link(3));
+    assert!(socket_inode(link(4)).is_some(), "{:?}", link(4));
+    assert!(
+        link(5).is_none(),
+        "nothing else is handed over: {:?}",
+        link(5)
+    );
+    // fd 3 is the TCP listener: its inode is the one this process holds.
+    let tcp_inode = fs::read_to_string("/proc/net/tcp")
+        .expect("/proc/net/tcp")
+        .lines()
+        .find(|line| {
+            line.split_whitespace()
+                .nth(1)
+                .is_some_and(|local| local.ends_with(&format!(":{tcp_port:04X}")))
+        })
+        .and_then(|line| line.split_whitespace().nth(9).map(str::to_owned))
+        .expect("the listener in /proc/net/tcp");
+    assert_eq!(socket_inode(link(3)), Some(format!("socket:[{tcp_inode}]")));
+}
+
+#[tokio::test]
+async fn an_exec_failure_with_listeners_is_still_the_builds() {
+    let tree = TestCgroupTree::new("spawn-listen-exec");
+    let cgroup = generation(&tree, 8).await;
+    let scratch = tempfile::tempdir().expect("temp dir");
+    let script = scratch.path().join("build");
+    fs::write(&script, b"#!/nonexistent/sh\n").expect("write");
+    fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).expect("chmod");
+    let mut spec = sh(cgroup.clone(), 8, "");
+    spec.exe = script;
+    spec.listeners = vec![activated(
+        "web",
+        std::net::TcpListener::bind("127.0.0.1:0").expect("listener"),
+    )];
+    let err = spawn(spec).await.expect_err("no interpreter");
+    assert!(
+        matches!(err, SpawnError::MissingInterpreter { .. }),
+        "{err:?}"
+    );
     assert!(!cgroup.is_populated().expect("events"));
 }
