@@ -141,6 +141,9 @@ pub enum StepError {
         /// The socket path.
         path: PathBuf,
     },
+    /// A listening socket the spec asks for could not be held.
+    #[error("the instance's listeners could not be held")]
+    Listener(#[from] crate::listeners::ListenerError),
     /// The intent journal could not be written.
     #[error("the intent journal could not be written")]
     Journal(#[from] JournalError),
@@ -206,6 +209,7 @@ pub fn classify<T>(result: &Result<T, StepError>, lifetime_ended: bool) -> StepO
         | StepError::RootRefused { .. }
         | StepError::RunDir { .. }
         | StepError::SocketPath { .. }
+        | StepError::Listener(_)
         | StepError::Journal(_)
         | StepError::Internal(_) => StepOutcome::Stale,
         // Faults of the host after the build ran: the link that did not

@@ -149,7 +149,13 @@ pub(super) async fn run(
         Mode::Hold => hold::run(&mut run, &mut claim).await,
     };
     let result = match flow {
-        Ok(finished) => run.done(finished).await,
+        Ok(finished) => {
+            // The new generation's listeners are the instance's now.
+            engine
+                .listeners
+                .keep_only(&attempt.instance, &attempt.spec.listeners);
+            run.done(finished).await
+        }
         Err(ended) => run.end(ended, true).await,
     };
     if claim.serving.is_none() {
@@ -341,6 +347,11 @@ impl<'a> Run<'a> {
         if !crate::disk_name::socket_path_fits(&socket) {
             return Err(StepError::SocketPath { path: socket });
         }
+        // Bound before anything changes, so a port in use refuses the
+        // attempt while the incumbent still serves.
+        self.engine
+            .listeners
+            .hold(&self.attempt.instance, &self.attempt.spec.listeners)?;
         Ok(tier)
     }
 
@@ -600,6 +611,10 @@ async fn spawn_successor(
             None
         }
     };
+    let listeners = ctx
+        .engine
+        .listeners
+        .activated(key, &ctx.attempt.spec.listeners);
     let child = match parts::spawn(
         &ctx.attempt.spec,
         successor,
@@ -607,7 +622,7 @@ async fn spawn_successor(
         &cgroup,
         &run_dir,
         ctx.engine.config.allow_root,
-        output,
+        parts::Handed { output, listeners },
     )
     .await
     {

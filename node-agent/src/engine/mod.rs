@@ -243,6 +243,8 @@ pub struct Engine {
     logs: LogSink,
     config: EngineConfig,
     instances: Mutex<HashMap<InstanceKey, InstanceState>>,
+    /// The listening sockets held for instances (SPEC 6.2).
+    listeners: crate::listeners::Listeners,
     notices: supervise::Notices,
 }
 
@@ -257,6 +259,7 @@ impl Engine {
             logs: parts.logs,
             config,
             instances: Mutex::new(HashMap::new()),
+            listeners: crate::listeners::Listeners::default(),
             notices: supervise::Notices::new(),
         }
     }
@@ -331,6 +334,7 @@ impl Engine {
         let Some(running) = claim.serving.take() else {
             // Nothing runs (it exited, a restart may be owed): nothing is
             // restarted either from now on.
+            self.listeners.release(instance);
             self.journal_stopped(instance).await?;
             return Ok(None);
         };
@@ -345,6 +349,7 @@ impl Engine {
             }
         };
         parts::remove_current_link(&self.layout, instance);
+        self.listeners.release(instance);
         self.journal_stopped(instance).await?;
         Ok(Some(drain))
     }

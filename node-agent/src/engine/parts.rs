@@ -267,6 +267,13 @@ pub(super) use genswap_crds::exit_text;
 /// to show it is exiting (to be reaped) before that counts as a mismatch.
 const EXITING_GRACE: Duration = Duration::from_secs(1);
 
+/// What a generation is handed at exec besides its environment: its
+/// output's pipes and the instance's listening sockets.
+pub(super) struct Handed {
+    pub(super) output: Option<GenerationOutput>,
+    pub(super) listeners: Vec<crate::spawn::ActivatedSocket>,
+}
+
 /// SPEC 5.5 step 5: starts the successor inside its fresh cgroup, with its
 /// own socket, uid/gid and environment. Its working directory defaults to
 /// the instance's run dir, which its uid can use.
@@ -277,8 +284,9 @@ pub(super) async fn spawn(
     cgroup: &Cgroup,
     run_dir: &Path,
     allow_root: bool,
-    output: Option<GenerationOutput>,
+    handed: Handed,
 ) -> Result<Spawned, StepError> {
+    let Handed { output, listeners } = handed;
     let mut request = SpawnSpec::new(
         &staged.path,
         cgroup.clone(),
@@ -302,6 +310,7 @@ pub(super) async fn spawn(
     request.uid = spec.process.user.and_then(|uid| u32::try_from(uid).ok());
     request.gid = spec.process.group.and_then(|gid| u32::try_from(gid).ok());
     request.allow_root = allow_root;
+    request.listeners = listeners;
     // Never the agent's own output: an agent restart would close it under
     // the instance (SPEC 5.11). Without a log shim the output is dropped.
     (request.stdout, request.stderr) = match output {

@@ -1,0 +1,310 @@
+//! Listening sockets the agent binds for an instance and holds across its
+//! generations (SPEC 6.2): bound once, as root, before the first generation
+//! that asks for them; handed to every generation by socket activation
+//! ([`crate::spawn::ActivatedSocket`]); closed when the instance is removed.
+//! A socket that never closes between generations is what lets a hold drop
+//! nothing: connections wait in its backlog while no generation runs.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use genswap_crds::ListenerSpec;
+use nix::sys::socket::{
+    AddressFamily, Backlog, SockFlag, SockType, SockaddrIn, SockaddrIn6, UnixAddr, bind, listen,
+    setsockopt, socket, sockopt,
+};
+use thiserror::Error;
+
+use crate::gate::InstanceKey;
+use crate::spawn::ActivatedSocket;
+
+/// Why a listener could not be held. Never the build's fault: nothing of
+/// it ran, and the address is the host's to give.
+#[derive(Debug, Error)]
+pub enum ListenerError {
+    #[error("listener {name}: {address:?} is not an IP address and port")]
+    Address { name: String, address: String },
+    #[error("listener {name} is named twice")]
+    Duplicate { name: String },
+    #[error("listener {name}: {path} exists and is not a socket; it is left alone")]
+    NotASocket { name: String, path: PathBuf },
+    #[error("listener {name}: cannot {op} {address}: {source}")]
+    Socket {
+        name: String,
+        op: &'static str,
+        address: String,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// One held socket and the spec it was bound for.
+#[derive(Debug)]
+struct Held {
+    spec: ListenerSpec,
+    fd: Arc<OwnedFd>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        // The socket file of a unix listener goes with it.
+        if let Some(path) = &self.spec.unix {
+            let _ = fs::remove_file(path);
+        }
+    }
+}
+
+/// Every instance's held listeners.
+#[derive(Debug, Default)]
+pub struct Listeners {
+    held: Mutex<HashMap<InstanceKey, Vec<Held>>>,
+}
+
+impl Listeners {
+    /// Makes sure each of `specs` is held for `instance`, binding those
+    /// that are not (the ones held with the same spec are kept as they
+    /// are). On an error nothing new stays bound.
+    pub fn hold(
+        &self,
+        instance: &InstanceKey,
+        specs: &[ListenerSpec],
+    ) -> Result<(), ListenerError> {
+        for (i, spec) in specs.iter().enumerate() {
+            if specs[..i].iter().any(|other| other.name == spec.name) {
+                return Err(ListenerError::Duplicate {
+                    name: spec.name.clone(),
+                });
+            }
+        }
+        let mut held = self.lock();
+        let have = held.entry(instance.clone()).or_default();
+        let mut bound = Vec::new();
+        for spec in specs {
+            if !have.iter().any(|h| h.spec == *spec) {
+                bound.push(Held {
+                    fd: Arc::new(bind_listener(spec)?),
+                    spec: spec.clone(),
+                });
+            }
+        }
+        have.extend(bound);
+        Ok(())
+    }
+
+    /// The sockets `specs` name, in their order, for a generation's spawn.
+    /// Each must have been [held](Self::hold).
+    pub fn activated(
+        &self,
+        instance: &InstanceKey,
+        specs: &[ListenerSpec],
+    ) -> Vec<ActivatedSocket> {
+        let held = self.lock();
+        let Some(have) = held.get(instance) else {
+            return Vec::new();
+        };
+        specs
+            .iter()
+            .filter_map(|spec| {
+                have.iter()
+                    .find(|h| h.spec == *spec)
+                    .map(|h| ActivatedSocket {
+                        name: spec.name.clone(),
+                        fd: Arc::clone(&h.fd),
+                    })
+            })
+            .collect()
+    }
+
+    /// Closes the listeners of `instance` that `specs` no longer names
+    /// (after a release that changed them is done).
+    pub fn keep_only(&self, instance: &InstanceKey, specs: &[ListenerSpec]) {
+        if let Some(have) = self.lock().get_mut(instance) {
+            have.retain(|h| specs.contains(&h.spec));
+        }
+    }
+
+    /// Closes every listener of `instance` (it is removed).
+    pub fn release(&self, instance: &InstanceKey) {
+        self.lock().remove(instance);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<InstanceKey, Vec<Held>>> {
+        // A poisoned lock guards a map a panicking thread left whole.
+        self.held.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Binds and listens on what `spec` names.
+fn bind_listener(spec: &ListenerSpec) -> Result<OwnedFd, ListenerError> {
+    let backlog = Backlog::new(spec.backlog.clamp(1, 65535)).unwrap_or(Backlog::MAXCONN);
+    let fail = |op: &'static str, address: &str| {
+        let name = spec.name.clone();
+        let address = address.to_owned();
+        move |errno: nix::Error| ListenerError::Socket {
+            name,
+            op,
+            address,
+            source: io::Error::from(errno),
+        }
+    };
+    if let Some(address) = &spec.tcp {
+        let parsed: SocketAddr = address.parse().map_err(|_| ListenerError::Address {
+            name: spec.name.clone(),
+            address: address.clone(),
+        })?;
+        let family = match parsed {
+            SocketAddr::V4(_) => AddressFamily::Inet,
+            SocketAddr::V6(_) => AddressFamily::Inet6,
+        };
+        let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)
+            .map_err(fail("create a socket for", address))?;
+        // A restarted agent rebinds a port its predecessor's connections
+        // still linger on.
+        setsockopt(&fd, sockopt::ReuseAddr, &true).map_err(fail("set SO_REUSEADDR on", address))?;
+        match parsed {
+            SocketAddr::V4(v4) => bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrIn::from(v4)),
+            SocketAddr::V6(v6) => {
+                bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrIn6::from(v6))
+            }
+        }
+        .map_err(fail("bind", address))?;
+        listen(&fd, backlog).map_err(fail("listen on", address))?;
+        return Ok(fd);
+    }
+    let path = spec.unix.as_deref().unwrap_or_default();
+    remove_stale_socket(&spec.name, Path::new(path))?;
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(fail("create a socket for", path))?;
+    let address = UnixAddr::new(path).map_err(fail("name", path))?;
+    bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &address).map_err(fail("bind", path))?;
+    // Anyone may connect, as systemd's SocketMode default: the instance
+    // decides what to serve, and the directory what to reach.
+    fs::set_permissions(path, fs::Permissions::from_mode(0o666)).map_err(|source| {
+        ListenerError::Socket {
+            name: spec.name.clone(),
+            op: "open up",
+            address: path.to_owned(),
+            source,
+        }
+    })?;
+    listen(&fd, backlog).map_err(fail("listen on", path))?;
+    Ok(fd)
+}
+
+/// A socket file left at `path` (by an agent that was killed) is removed;
+/// anything else there is refused.
+fn remove_stale_socket(name: &str, path: &Path) -> Result<(), ListenerError> {
+    match fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            fs::remove_file(path).map_err(|source| ListenerError::Socket {
+                name: name.to_owned(),
+                op: "remove the stale",
+                address: path.display().to_string(),
+                source,
+            })
+        }
+        Ok(_) => Err(ListenerError::NotASocket {
+            name: name.to_owned(),
+            path: path.to_path_buf(),
+        }),
+        Err(_) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> InstanceKey {
+        InstanceKey::new("default", "app").expect("key")
+    }
+
+    fn tcp(name: &str, address: &str) -> ListenerSpec {
+        ListenerSpec {
+            name: name.into(),
+            tcp: Some(address.into()),
+            unix: None,
+            backlog: 16,
+        }
+    }
+
+    #[test]
+    fn a_held_listener_is_kept_until_released_and_accepts_meanwhile() {
+        let listeners = Listeners::default();
+        let spec = tcp("web", "127.0.0.1:0");
+        listeners
+            .hold(&key(), std::slice::from_ref(&spec))
+            .expect("bound");
+        let first = listeners.activated(&key(), std::slice::from_ref(&spec));
+        listeners
+            .hold(&key(), std::slice::from_ref(&spec))
+            .expect("already held");
+        let again = listeners.activated(&key(), std::slice::from_ref(&spec));
+        assert_eq!(first.len(), 1);
+        assert!(Arc::ptr_eq(&first[0].fd, &again[0].fd), "the same socket");
+        let address: SockaddrIn =
+            nix::sys::socket::getsockname(std::os::fd::AsRawFd::as_raw_fd(first[0].fd.as_ref()))
+                .expect("bound address");
+        // Nothing accepts, yet a client connects: it waits in the backlog.
+        let client = std::net::TcpStream::connect(("127.0.0.1", address.port()));
+        assert!(client.is_ok(), "{client:?}");
+        listeners.release(&key());
+        drop((first, again));
+        assert!(std::net::TcpStream::connect(("127.0.0.1", address.port())).is_err());
+    }
+
+    #[test]
+    fn a_unix_listener_replaces_a_stale_socket_and_refuses_anything_else() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("app.sock");
+        drop(std::os::unix::net::UnixListener::bind(&path).expect("a stale socket"));
+        let spec = ListenerSpec {
+            name: "local".into(),
+            tcp: None,
+            unix: Some(path.display().to_string()),
+            backlog: 8,
+        };
+        let listeners = Listeners::default();
+        listeners
+            .hold(&key(), std::slice::from_ref(&spec))
+            .expect("stale socket replaced");
+        std::os::unix::net::UnixStream::connect(&path).expect("connects");
+        listeners.release(&key());
+        assert!(!path.exists(), "its file goes with it");
+
+        fs::write(&path, b"data").expect("a file");
+        let error = Listeners::default()
+            .hold(&key(), &[spec])
+            .expect_err("not a socket");
+        assert!(matches!(error, ListenerError::NotASocket { .. }), "{error}");
+        assert!(path.exists());
+    }
+
+    #[test]
+    fn a_taken_port_and_a_duplicate_name_are_refused() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bound");
+        let address = taken.local_addr().expect("address").to_string();
+        let error = Listeners::default()
+            .hold(&key(), &[tcp("web", &address)])
+            .expect_err("in use");
+        assert!(error.to_string().contains("cannot bind"), "{error}");
+        let error = Listeners::default()
+            .hold(
+                &key(),
+                &[tcp("web", "127.0.0.1:0"), tcp("web", "127.0.0.1:0")],
+            )
+            .expect_err("twice");
+        assert!(matches!(error, ListenerError::Duplicate { .. }));
+    }
+}

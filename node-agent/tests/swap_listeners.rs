@@ -1,0 +1,186 @@
+//! Listeners the agent holds (SPEC 6.2), with a real TCP listener on a
+//! free 127.0.0.1 port and a real unix listener: every generation gets them
+//! by socket activation, and a client sending requests straight to them,
+//! without pause and one new connection each, sees every one answered
+//! through a hold and through an overlap. Real processes, real cgroups.
+
+#[path = "support/cgroup_guard.rs"]
+mod cgroup_guard;
+#[path = "support/swap_host.rs"]
+mod swap_host;
+
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use genswap_crds::{ListenerSpec, Mode, Outcome};
+use swap_host::SwapHost;
+
+/// A port nothing listens on now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn listener(port: u16) -> ListenerSpec {
+    ListenerSpec {
+        name: "web".into(),
+        tcp: Some(format!("127.0.0.1:{port}")),
+        unix: None,
+        backlog: 4096,
+    }
+}
+
+/// `GET /` on a new TCP connection: the body, or why not.
+fn get(port: u16) -> Result<String, String> {
+    let mut stream =
+        std::net::TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .map_err(|e| e.to_string())?;
+    stream
+        .write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .map_err(|e| format!("write: {e}"))?;
+    let mut text = String::new();
+    stream
+        .read_to_string(&mut text)
+        .map_err(|e| format!("read: {e}"))?;
+    if text.starts_with("HTTP/1.1 200") {
+        Ok(text)
+    } else {
+        Err(format!("answered {:?}", text.lines().next()))
+    }
+}
+
+/// Requests to the port on a thread of their own until stopped.
+struct Load {
+    running: Arc<AtomicBool>,
+    sent: Arc<AtomicU64>,
+    failures: Arc<std::sync::Mutex<Vec<String>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(port: u16) -> Load {
+        let running = Arc::new(AtomicBool::new(true));
+        let sent = Arc::new(AtomicU64::new(0));
+        let failures = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let thread = std::thread::spawn({
+            let (running, sent, failures) = (running.clone(), sent.clone(), failures.clone());
+            move || {
+                while running.load(Ordering::SeqCst) {
+                    sent.fetch_add(1, Ordering::SeqCst);
+                    if let Err(error) = get(port) {
+                        failures.lock().expect("failures").push(error);
+                    }
+                }
+            }
+        });
+        Load {
+            running,
+            sent,
+            failures,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops after the request in flight; (sent, failures).
+    fn finish(mut self) -> (u64, Vec<String>) {
+        self.running.store(false, Ordering::SeqCst);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        let failures = self.failures.lock().expect("failures").clone();
+        (self.sent.load(Ordering::SeqCst), failures)
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.running.store(false, Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_and_an_overlap_with_a_held_tcp_listener_drop_nothing() {
+    let host = SwapHost::new("listen-tcp");
+    let port = free_port();
+    let b1 = host.build("b1");
+    let mut install = host.attempt(1, &b1, "b1");
+    install.spec.listeners = vec![listener(port)];
+    assert_eq!(host.swap(&install).await.outcome, Outcome::Done);
+    let first = get(port).expect("b1 answers on the held port");
+    assert!(first.contains("build=b1"), "{first}");
+
+    let load = Load::start(port);
+    // A hold: b1 stops before b2 starts; the port's backlog holds what
+    // arrives in between.
+    let b2 = host.build("b2");
+    let mut hold = host.attempt(2, &b2, "b2");
+    hold.spec.mode = Mode::Hold;
+    hold.spec.listeners = vec![listener(port)];
+    let result = host.swap(&hold).await;
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    assert!(get(port).expect("b2 answers").contains("build=b2"));
+    // An overlap: b3 shares the port with b2, then b2 drains.
+    let b3 = host.build("b3");
+    let mut overlap = host.attempt(3, &b3, "b3");
+    overlap.spec.listeners = vec![listener(port)];
+    let result = host.swap(&overlap).await;
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    let (sent, failures) = load.finish();
+    assert!(sent > 10, "the load ran: {sent}");
+    assert!(
+        failures.is_empty(),
+        "{} of {sent} requests failed: {failures:?}",
+        failures.len()
+    );
+    assert!(get(port).expect("b3 answers").contains("build=b3"));
+
+    // Removed: the port is closed.
+    host.tear_down().await;
+    assert!(get(port).is_err(), "the port closes with the instance");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_listener_is_held_across_generations_and_a_taken_port_refuses_the_attempt() {
+    let host = SwapHost::new("listen-unix");
+    let path = host.staging.with_file_name("app.sock");
+    let spec = ListenerSpec {
+        name: "local".into(),
+        tcp: None,
+        unix: Some(path.display().to_string()),
+        backlog: 64,
+    };
+    let b1 = host.build("b1");
+    let mut install = host.attempt(1, &b1, "b1");
+    install.spec.listeners = vec![spec.clone()];
+    assert_eq!(host.swap(&install).await.outcome, Outcome::Done);
+    let ask = || async { swap_host::ask(&path).await };
+    assert_eq!(ask().await.map(|i| i.build), Some("b1".to_string()));
+    let b2 = host.build("b2");
+    let mut release = host.attempt(2, &b2, "b2");
+    release.spec.mode = Mode::Hold;
+    release.spec.listeners = vec![spec];
+    assert_eq!(host.swap(&release).await.outcome, Outcome::Done);
+    assert_eq!(ask().await.map(|i| i.build), Some("b2".to_string()));
+
+    // A port someone else holds: refused before the incumbent is touched.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("taken");
+    let port = taken.local_addr().expect("address").port();
+    let before = host.who_serves().await.expect("b2 serves");
+    let b3 = host.build("b3");
+    let mut refused = host.attempt(3, &b3, "b3");
+    refused.spec.mode = Mode::Hold;
+    refused.spec.listeners = vec![listener(port)];
+    let result = host.swap(&refused).await;
+    assert_eq!(result.outcome, Outcome::Abandoned, "{result:?}");
+    assert!(!result.executed);
+    swap_host::assert_says(&result.reason, &["listener web", "cannot bind"]);
+    host.assert_still_serves(&before).await;
+    host.tear_down().await;
+    assert!(!path.exists(), "the socket file goes with the instance");
+}
