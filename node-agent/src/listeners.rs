@@ -129,6 +129,46 @@ impl Listeners {
         }
     }
 
+    /// After an agent restart: takes back from the serving generation `pid`
+    /// the sockets `specs` handed it at fds 3.. (`pidfd_getfd(2)`, which
+    /// needs ptrace rights over it: root with CAP_SYS_PTRACE), each checked
+    /// to be a listening socket on its spec's address. Returns why each one
+    /// that could not be taken back could not; the next attempt binds those
+    /// anew.
+    pub fn take_back(
+        &self,
+        instance: &InstanceKey,
+        pid: u32,
+        specs: &[ListenerSpec],
+    ) -> Vec<String> {
+        if specs.is_empty() {
+            return Vec::new();
+        }
+        let pidfd = match crate::spawn::pidfd_open(pid) {
+            Ok(pidfd) => pidfd,
+            Err(error) => return vec![format!("cannot open a pidfd of {pid}: {error}")],
+        };
+        let mut problems = Vec::new();
+        let mut taken = Vec::new();
+        for (fd, spec) in (3..).zip(specs) {
+            match take_fd(&pidfd, fd).and_then(|owned| check_is(&owned, spec).map(|()| owned)) {
+                Ok(owned) => taken.push(Held {
+                    spec: spec.clone(),
+                    fd: Arc::new(owned),
+                }),
+                Err(why) => {
+                    problems.push(format!("listener {} (fd {fd} of {pid}): {why}", spec.name))
+                }
+            }
+        }
+        let mut held = self.lock();
+        let have = held.entry(instance.clone()).or_default();
+        // Taking back must not unlink a unix socket file a held one names.
+        have.retain(|h| !taken.iter().any(|t| t.spec == h.spec));
+        have.extend(taken);
+        problems
+    }
+
     /// Closes every listener of `instance` (it is removed).
     pub fn release(&self, instance: &InstanceKey) {
         self.lock().remove(instance);
@@ -200,6 +240,63 @@ fn bind_listener(spec: &ListenerSpec) -> Result<OwnedFd, ListenerError> {
     })?;
     listen(&fd, backlog).map_err(fail("listen on", path))?;
     Ok(fd)
+}
+
+/// A copy of `fd` of the process `pidfd` refers to.
+fn take_fd(pidfd: &OwnedFd, fd: i32) -> Result<OwnedFd, String> {
+    // SAFETY: pidfd_getfd takes a pidfd, a descriptor number of that
+    // process and flags, and returns a new descriptor (close-on-exec) that
+    // nothing else owns, or -1.
+    let raw = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_pidfd_getfd,
+            std::os::fd::AsRawFd::as_raw_fd(pidfd),
+            fd,
+            0,
+        )
+    };
+    if raw < 0 {
+        return Err(io::Error::last_os_error().to_string());
+    }
+    let raw = i32::try_from(raw).map_err(|_| "an impossible descriptor".to_string())?;
+    // SAFETY: the syscall just returned this descriptor; it is ours alone.
+    Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(raw) })
+}
+
+/// Whether `fd` is a listening socket on what `spec` names.
+fn check_is(fd: &OwnedFd, spec: &ListenerSpec) -> Result<(), String> {
+    let listening =
+        nix::sys::socket::getsockopt(fd, sockopt::AcceptConn).map_err(|e| e.to_string())?;
+    if !listening {
+        return Err("not a listening socket".into());
+    }
+    let local: nix::sys::socket::SockaddrStorage =
+        nix::sys::socket::getsockname(std::os::fd::AsRawFd::as_raw_fd(fd))
+            .map_err(|e| e.to_string())?;
+    let matches = match (&spec.tcp, &spec.unix) {
+        (Some(address), _) => {
+            let want: Option<SocketAddr> = address.parse().ok();
+            let have = local
+                .as_sockaddr_in()
+                .map(|a| SocketAddr::from(std::net::SocketAddrV4::from(*a)))
+                .or_else(|| {
+                    local
+                        .as_sockaddr_in6()
+                        .map(|a| SocketAddr::from(std::net::SocketAddrV6::from(*a)))
+                });
+            want.is_some() && want == have
+        }
+        (None, Some(path)) => local
+            .as_unix_addr()
+            .and_then(UnixAddr::path)
+            .is_some_and(|p| p == Path::new(path)),
+        (None, None) => false,
+    };
+    if matches {
+        Ok(())
+    } else {
+        Err(format!("it listens on {local}, not on what the spec names"))
+    }
 }
 
 /// A socket file left at `path` (by an agent that was killed) is removed;

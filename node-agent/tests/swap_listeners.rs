@@ -184,3 +184,46 @@ async fn a_unix_listener_is_held_across_generations_and_a_taken_port_refuses_the
     host.tear_down().await;
     assert!(!path.exists(), "the socket file goes with the instance");
 }
+
+/// A restarted agent takes the listener back from the serving generation
+/// (`pidfd_getfd`) instead of binding it again, which the kernel would
+/// refuse while that generation holds it; its next hold drops nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_agent_takes_the_listener_back_and_its_hold_drops_nothing() {
+    let host = SwapHost::new("listen-restart");
+    let port = free_port();
+    let b1 = host.build("b1");
+    let mut install = host.attempt(1, &b1, "b1");
+    install.spec.listeners = vec![listener(port)];
+    assert_eq!(host.swap(&install).await.outcome, Outcome::Done);
+    host.engine
+        .journal()
+        .acknowledge(&host.instance, 1)
+        .expect("acknowledge");
+
+    let next = host.next_agent(node_agent::engine::EngineConfig::default());
+    let report = next.recover().await;
+    assert!(report.is_clean(), "{:?}", report.errors);
+    let load = Load::start(port);
+    let b2 = host.build("b2");
+    let mut hold = host.attempt(2, &b2, "b2");
+    hold.spec.mode = Mode::Hold;
+    hold.spec.listeners = vec![listener(port)];
+    let result = next
+        .swap(
+            &hold,
+            &swap_host::OpenGate,
+            &node_agent::engine::Cancel::new(),
+        )
+        .await;
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    let (sent, failures) = load.finish();
+    assert!(sent > 10, "the load ran: {sent}");
+    assert!(failures.is_empty(), "{failures:?}");
+    assert!(get(port).expect("b2 answers").contains("build=b2"));
+    // The first engine stands for an agent that died: its copy of the
+    // socket stays open in this process, so closing is checked elsewhere.
+    next.stop_instance(&host.instance, &genswap_crds::StopSpec::default())
+        .await
+        .expect("stop");
+}

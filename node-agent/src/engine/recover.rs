@@ -704,6 +704,11 @@ impl Engine {
             .as_ref()
             .and_then(|e| e.attempt.clone())
             .filter(|r| r.outcome.is_none());
+        // The listeners the attempt in flight handed its successor.
+        let successor_listeners = in_flight.as_ref().and_then(|r| {
+            let n = r.successor.as_ref()?.n;
+            Some((n, r.spec.as_deref()?.listeners.clone()))
+        });
         let kind = entry
             .as_ref()
             .and_then(|e| e.attempt.as_ref().or(e.unreported.last()))
@@ -970,7 +975,24 @@ impl Engine {
             && let Some(listing) = generations.get(&kept.n)
         {
             let preferred = record_successor_pid(entry.as_ref(), kept.n);
-            self.adopt(&key, kept, listing, kind, preferred, &mut work);
+            // The spec that started the generation kept: the attempt's in
+            // flight if it is its successor, else the lineage's.
+            let listeners = successor_listeners
+                .filter(|(n, _)| *n == kept.n)
+                .map(|(_, listeners)| listeners)
+                .or_else(|| {
+                    entry
+                        .as_ref()
+                        .and_then(|e| e.supervised.as_ref())
+                        .map(|s| s.spec.listeners.clone())
+                })
+                .unwrap_or_default();
+            let pid = self.adopt(&key, kept, listing, kind, preferred, &mut work);
+            if let Some(pid) = pid {
+                for problem in self.listeners.take_back(&key, pid, &listeners) {
+                    tracing::warn!(instance = %key, %problem, "a held listener could not be taken back; the next attempt binds it anew");
+                }
+            }
         }
 
         // An instance the journal knows nothing of and that runs nothing
@@ -1009,7 +1031,7 @@ impl Engine {
     }
 
     /// Makes `record` the instance's serving generation in the engine, with
-    /// its main process found in its cgroup.
+    /// its main process found in its cgroup; returns that process's pid.
     fn adopt(
         &self,
         key: &InstanceKey,
@@ -1018,7 +1040,7 @@ impl Engine {
         kind: InstanceKind,
         preferred_pid: Option<u32>,
         work: &mut InstanceWork,
-    ) {
+    ) -> Option<u32> {
         let pid = main_pid(&listing.pids, record.n, preferred_pid);
         let running = Running {
             tier: tier_of(listing.cgroup.path()),
@@ -1035,13 +1057,14 @@ impl Engine {
                 instance: key.clone(),
                 generation: info.generation,
             });
-            return;
+            return None;
         }
         tracing::info!(instance = %key, generation = info.generation, pid, build = %info.build, "adopted the serving generation");
         state.info = Some(info.clone());
         state.serving = Some(running);
         self.watch_serving(key, state);
         work.recovery.serving = Some(info);
+        Some(pid)
     }
 }
 
