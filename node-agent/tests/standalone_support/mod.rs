@@ -340,6 +340,8 @@ pub struct Manifest {
     pub node_selector: BTreeMap<String, String>,
     /// `spec.resources` as a YAML flow mapping, such as `{memoryMax: 64Mi}`.
     pub resources: Option<String>,
+    /// `spec.listeners` as a YAML flow sequence.
+    pub listeners: Option<String>,
 }
 
 impl Manifest {
@@ -359,6 +361,7 @@ impl Manifest {
             health_timeout_seconds: 20,
             node_selector: BTreeMap::new(),
             resources: None,
+            listeners: None,
         }
     }
 
@@ -414,11 +417,15 @@ spec:{node_selector}
     seconds: 0
   stop:
     timeoutSeconds: 10
-{resources}",
+{resources}{listeners}",
             resources = self
                 .resources
                 .as_ref()
                 .map_or_else(String::new, |r| format!("  resources: {r}\n")),
+            listeners = self
+                .listeners
+                .as_ref()
+                .map_or_else(String::new, |l| format!("  listeners: {l}\n")),
             name = self.name,
             id = self.build_id,
             path = self.path.display(),
