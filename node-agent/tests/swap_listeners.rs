@@ -8,22 +8,15 @@
 mod cgroup_guard;
 #[path = "support/swap_host.rs"]
 mod swap_host;
+#[path = "support/tcp_client.rs"]
+mod tcp_client;
 
-use std::io::{Read, Write};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
 
 use genswap_crds::{ListenerSpec, Mode, Outcome};
 use swap_host::SwapHost;
-
-/// A port nothing listens on now.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
+use tcp_client::{free_port, get};
 
 fn listener(port: u16) -> ListenerSpec {
     ListenerSpec {
@@ -31,27 +24,6 @@ fn listener(port: u16) -> ListenerSpec {
         tcp: Some(format!("127.0.0.1:{port}")),
         unix: None,
         backlog: 4096,
-    }
-}
-
-/// `GET /` on a new TCP connection: the body, or why not.
-fn get(port: u16) -> Result<String, String> {
-    let mut stream =
-        std::net::TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .map_err(|e| e.to_string())?;
-    stream
-        .write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        .map_err(|e| format!("write: {e}"))?;
-    let mut text = String::new();
-    stream
-        .read_to_string(&mut text)
-        .map_err(|e| format!("read: {e}"))?;
-    if text.starts_with("HTTP/1.1 200") {
-        Ok(text)
-    } else {
-        Err(format!("answered {:?}", text.lines().next()))
     }
 }
 
