@@ -49,12 +49,15 @@ pub enum ListenerError {
 struct Held {
     spec: ListenerSpec,
     fd: Arc<OwnedFd>,
+    /// Dropping it removes the unix listener's file: false for a second
+    /// copy of a socket already held.
+    owns_path: bool,
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
         // The socket file of a unix listener goes with it.
-        if let Some(path) = &self.spec.unix {
+        if let (true, Some(path)) = (self.owns_path, &self.spec.unix) {
             let _ = fs::remove_file(path);
         }
     }
@@ -90,6 +93,7 @@ impl Listeners {
                 bound.push(Held {
                     fd: Arc::new(bind_listener(spec)?),
                     spec: spec.clone(),
+                    owns_path: true,
                 });
             }
         }
@@ -155,6 +159,7 @@ impl Listeners {
                 Ok(owned) => taken.push(Held {
                     spec: spec.clone(),
                     fd: Arc::new(owned),
+                    owns_path: true,
                 }),
                 Err(why) => {
                     problems.push(format!("listener {} (fd {fd} of {pid}): {why}", spec.name))
@@ -163,9 +168,15 @@ impl Listeners {
         }
         let mut held = self.lock();
         let have = held.entry(instance.clone()).or_default();
-        // Taking back must not unlink a unix socket file a held one names.
-        have.retain(|h| !taken.iter().any(|t| t.spec == h.spec));
-        have.extend(taken);
+        // One already held stays; dropping either copy of a unix listener
+        // would unlink the file both name.
+        for mut one in taken {
+            if have.iter().any(|h| h.spec == one.spec) {
+                one.owns_path = false;
+            } else {
+                have.push(one);
+            }
+        }
         problems
     }
 
