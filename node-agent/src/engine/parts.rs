@@ -365,16 +365,27 @@ pub(super) async fn verify_identity(
             chosen.socket.display()
         ));
     }
-    let Err(error) = child.verify() else {
-        return Ok(());
-    };
     // A process on its way out loses `/proc/<pid>/exe`, and reads of its
-    // environment come back cut short, a moment before it can be reaped:
-    // what it showed then proves nothing. Once it is reaped, its exit is
-    // the health step's to report.
-    if let Ok(Ok(_)) = tokio::time::timeout(EXITING_GRACE, child.wait()).await {
-        return Ok(());
-    }
+    // environment come back cut short, a moment before it can be reaped;
+    // one in the middle of an exec (a script's `exec` of its server) shows
+    // the new exe before the kernel has written its environment. What it
+    // showed then proves nothing: it is looked at again until the grace
+    // ends. Once it is reaped, its exit is the health step's to report.
+    let deadline = tokio::time::Instant::now() + EXITING_GRACE;
+    let error = loop {
+        let Err(error) = child.verify() else {
+            return Ok(());
+        };
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            break error;
+        }
+        if let Ok(Ok(_)) =
+            tokio::time::timeout(left.min(Duration::from_millis(10)), child.wait()).await
+        {
+            return Ok(());
+        }
+    };
     match error {
         VerifyError::Mismatch { .. } => mismatch(error.to_string()),
         VerifyError::Unreadable { .. } => mismatch(format!("it cannot be inspected: {error}")),
