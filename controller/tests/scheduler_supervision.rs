@@ -37,6 +37,7 @@ fn block(
         last_exit: exit,
         restart_at: None,
         message: Some(format!("generation {generation} is {state:?}")),
+        listeners: Vec::new(),
     }
 }
 

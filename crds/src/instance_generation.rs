@@ -28,6 +28,7 @@ use crate::swap_attempt::LastExit;
     printcolumn = r#"{"name":"Mode","type":"string","jsonPath":".spec.mode"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","description":"nodes ready / nodes selected","jsonPath":".status.ready"}"#,
     printcolumn = r#"{"name":"Status","type":"string","description":"the Ready condition's reason","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
+    printcolumn = r#"{"name":"Listeners","type":"string","description":"name=address of each listener the agents hold","jsonPath":".status.listeners"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -125,6 +126,10 @@ pub struct InstanceGenerationStatus {
     /// Nodes ready / nodes selected, for `kubectl get`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready: Option<String>,
+    /// `name=address` of each of `spec.listeners`, for `kubectl get`; what
+    /// a node holds is in its attempt's `status.serving.listeners`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listeners: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
     pub nodes: Vec<NodeGeneration>,

@@ -25,7 +25,7 @@ pub use instance_generation::{
 };
 pub use settings::*;
 pub use swap_attempt::{
-    LastExit, ServingState, ServingStatus, StepTiming, SwapAttempt, SwapAttemptSpec,
+    HeldListener, LastExit, ServingState, ServingStatus, StepTiming, SwapAttempt, SwapAttemptSpec,
     SwapAttemptStatus, describe_exit, exit_text, exited_clean, signal_name,
 };
 

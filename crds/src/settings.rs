@@ -362,6 +362,26 @@ fn default_backlog() -> i32 {
     4096
 }
 
+impl ListenerSpec {
+    /// Its `tcp` or `unix` address, as written.
+    pub fn address(&self) -> &str {
+        self.tcp
+            .as_deref()
+            .or(self.unix.as_deref())
+            .unwrap_or_default()
+    }
+}
+
+/// `name=address` of each listener, comma-separated, for a printer column;
+/// `None` without listeners.
+pub fn listeners_summary(listeners: &[ListenerSpec]) -> Option<String> {
+    let summary: Vec<String> = listeners
+        .iter()
+        .map(|l| format!("{}={}", l.name, l.address()))
+        .collect();
+    (!summary.is_empty()).then(|| summary.join(","))
+}
+
 /// The listeners of an instance: at most eight, by unique name.
 pub type Listeners = Vec<ListenerSpec>;
 

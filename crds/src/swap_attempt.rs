@@ -134,6 +134,20 @@ pub struct ServingStatus {
     /// Why it is not running, in words a human can act on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// The listening sockets the agent holds for the instance (SPEC 6.2):
+    /// handed to the serving generation, and open even while none runs,
+    /// so connections wait in their backlog.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub listeners: Vec<HeldListener>,
+}
+
+/// A listener held by the agent.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct HeldListener {
+    pub name: String,
+    /// The `tcp` or `unix` address it is bound to.
+    pub address: String,
 }
 
 /// Running, or down between attempts.

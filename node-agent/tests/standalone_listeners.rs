@@ -12,7 +12,8 @@ mod swap_host;
 #[path = "support/tcp_client.rs"]
 mod tcp_client;
 
-use genswap_crds::ConditionType;
+use genswap_crds::{ConditionType, HeldListener};
+use node_agent::standalone::StatusDocument;
 use standalone_support::{Manifest, StandaloneHost};
 use tcp_client::{free_port, get};
 
@@ -25,11 +26,26 @@ async fn a_manifests_listener_is_held_across_a_hold_release_and_closed_on_deleti
     let mut manifest = Manifest::new("web", "build-1", &one);
     manifest.listeners = Some(listeners.clone());
     host.write("web.yaml", &manifest.yaml());
-    host.status("web.yaml", "build-1 to serve", |doc| {
-        doc.is_true(ConditionType::Ready)
-    })
-    .await;
+    let doc = host
+        .status("web.yaml", "build-1 to serve, its listener shown", |doc| {
+            doc.is_true(ConditionType::Ready) && serving_listeners(doc).is_some()
+        })
+        .await;
     assert!(get(port).is_ok_and(|b| b.contains("build=build-1")));
+    let address = format!("127.0.0.1:{port}");
+    assert_eq!(
+        doc.status.listeners.as_deref(),
+        Some(format!("web={address}").as_str()),
+        "the printer column's summary"
+    );
+    assert_eq!(
+        serving_listeners(&doc),
+        Some(vec![HeldListener {
+            name: "web".into(),
+            address: address.clone(),
+        }]),
+        "the done attempt says what the agent holds"
+    );
 
     let two = host.build("build-2");
     let mut release = Manifest::new("web", "build-2", &two);
@@ -52,4 +68,11 @@ async fn a_manifests_listener_is_held_across_a_hold_release_and_closed_on_deleti
         "the port closed with the instance"
     );
     host.stop().await;
+}
+
+/// The held listeners the newest done attempt's `serving` block shows.
+fn serving_listeners(doc: &StatusDocument) -> Option<Vec<HeldListener>> {
+    let rev = doc.last_attempt()?.sched_rev;
+    let serving = doc.attempt(rev)?.status.serving.as_ref()?;
+    (!serving.listeners.is_empty()).then(|| serving.listeners.clone())
 }

@@ -11,70 +11,9 @@ mod swap_host;
 #[path = "support/tcp_client.rs"]
 mod tcp_client;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-
 use genswap_crds::{ListenerSpec, Mode, Outcome};
 use swap_host::SwapHost;
-use tcp_client::{free_port, get};
-
-fn listener(port: u16) -> ListenerSpec {
-    ListenerSpec {
-        name: "web".into(),
-        tcp: Some(format!("127.0.0.1:{port}")),
-        unix: None,
-        backlog: 4096,
-    }
-}
-
-/// Requests to the port on a thread of their own until stopped.
-struct Load {
-    running: Arc<AtomicBool>,
-    sent: Arc<AtomicU64>,
-    failures: Arc<std::sync::Mutex<Vec<String>>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Load {
-    fn start(port: u16) -> Load {
-        let running = Arc::new(AtomicBool::new(true));
-        let sent = Arc::new(AtomicU64::new(0));
-        let failures = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let thread = std::thread::spawn({
-            let (running, sent, failures) = (running.clone(), sent.clone(), failures.clone());
-            move || {
-                while running.load(Ordering::SeqCst) {
-                    sent.fetch_add(1, Ordering::SeqCst);
-                    if let Err(error) = get(port) {
-                        failures.lock().expect("failures").push(error);
-                    }
-                }
-            }
-        });
-        Load {
-            running,
-            sent,
-            failures,
-            thread: Some(thread),
-        }
-    }
-
-    /// Stops after the request in flight; (sent, failures).
-    fn finish(mut self) -> (u64, Vec<String>) {
-        self.running.store(false, Ordering::SeqCst);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-        let failures = self.failures.lock().expect("failures").clone();
-        (self.sent.load(Ordering::SeqCst), failures)
-    }
-}
-
-impl Drop for Load {
-    fn drop(&mut self) {
-        self.running.store(false, Ordering::SeqCst);
-    }
-}
+use tcp_client::{Load, free_port, get, listener};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hold_and_an_overlap_with_a_held_tcp_listener_drop_nothing() {

@@ -180,6 +180,7 @@ pub fn plan(
         "{}/{}",
         decisions.progress.ready, decisions.progress.selected
     ));
+    status.listeners = genswap_crds::listeners_summary(&ctx.spec.listeners);
     status.sched_rev = sched_rev;
     status.observed_generation = ctx.generation;
     status.desired = Some(ctx.desired.clone());

@@ -126,6 +126,30 @@ impl ServingChange {
     pub fn attempt(&self) -> &AttemptRef {
         &self.supervised.attempt
     }
+
+    /// The block a `done` attempt that holds listeners starts its lineage
+    /// with, so its status says what the agent holds from the start; `None`
+    /// for any other end, and for a lineage with nothing to show until it
+    /// exits (a done attempt without a block reads as running).
+    pub fn installed(attempt: &Attempt, result: &SwapResult) -> Option<ServingChange> {
+        let generation = result.generation?;
+        let shown = result.outcome == Outcome::Done
+            && attempt.restart.is_none()
+            && !attempt.spec.listeners.is_empty();
+        shown.then(|| ServingChange {
+            instance: attempt.instance.clone(),
+            supervised: Supervised::new(
+                AttemptRef {
+                    name: attempt.name.clone(),
+                    uid: None,
+                    sched_rev: attempt.spec.sched_rev,
+                },
+                attempt.spec.clone(),
+                generation,
+            ),
+            last_exit: None,
+        })
+    }
 }
 
 /// Logs an event the way both intakes do.

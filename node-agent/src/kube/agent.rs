@@ -49,7 +49,7 @@ pub struct KubeAgent {
 
 /// Whether an attempt's `serving` block already says `wanted`: equal, or
 /// absent where a fresh lineage runs (a `done` attempt without a block is
-/// read as running).
+/// read as running), unless the block has listeners to show.
 fn already_says(current: Option<&ServingStatus>, wanted: &ServingStatus) -> bool {
     match current {
         Some(current) => current == wanted,
@@ -57,6 +57,7 @@ fn already_says(current: Option<&ServingStatus>, wanted: &ServingStatus) -> bool
             wanted.state == ServingState::Running
                 && wanted.restarts == 0
                 && wanted.last_exit.is_none()
+                && wanted.listeners.is_empty()
         }
     }
 }
@@ -68,6 +69,9 @@ struct Ended {
     /// The outcome to write; `None` when nothing was decided (it was found
     /// finished or deleted, or shutdown came before it ran).
     report: Option<OutcomeReport>,
+    /// The `serving` block a done attempt starts with, when it has one to
+    /// show ([`ServingChange::installed`]).
+    serving: Option<ServingChange>,
 }
 
 /// What an attempt's task shares with the loop.
@@ -474,6 +478,17 @@ impl Running {
         if let Some(report) = ended.report {
             self.deliver(report);
         }
+        if let Some(change) = ended.serving {
+            // A supervisor's write for it (an exit right after the switch)
+            // is newer than the state the attempt ended with.
+            let key = (
+                change.instance.namespace().to_string(),
+                change.attempt().name.clone(),
+            );
+            if !self.serving_writes.contains_key(&key) {
+                self.write_serving(change);
+            }
+        }
         self.shared
             .metrics
             .set_generations_running(self.shared.engine.instances().len());
@@ -651,6 +666,7 @@ struct EndGuard {
     instance: InstanceKey,
     sched_rev: i64,
     report: Option<OutcomeReport>,
+    serving: Option<ServingChange>,
 }
 
 impl Drop for EndGuard {
@@ -659,6 +675,7 @@ impl Drop for EndGuard {
             instance: self.instance.clone(),
             sched_rev: self.sched_rev,
             report: self.report.take(),
+            serving: self.serving.take(),
         });
     }
 }
@@ -676,8 +693,12 @@ async fn run_attempt(
         instance: instance.clone(),
         sched_rev: attempt.spec.sched_rev,
         report: None,
+        serving: None,
     };
-    guard.report = swap(&shared, instance, &attempt, &cancel).await;
+    if let Some((report, serving)) = swap(&shared, instance, &attempt, &cancel).await {
+        guard.report = Some(report);
+        guard.serving = serving;
+    }
 }
 
 async fn swap(
@@ -685,7 +706,7 @@ async fn swap(
     instance: InstanceKey,
     attempt: &SwapAttempt,
     cancel: &Cancel,
-) -> Option<OutcomeReport> {
+) -> Option<(OutcomeReport, Option<ServingChange>)> {
     let namespace = attempt.metadata.namespace.clone().unwrap_or_default();
     let name = attempt.metadata.name.clone().unwrap_or_default();
     let fresh = match read_fresh(shared, &namespace, &name, cancel).await {
@@ -738,7 +759,8 @@ async fn swap(
         reason = %result.reason,
         "attempt ended"
     );
-    Some(OutcomeReport::from_result(target, &result))
+    let serving = ServingChange::installed(&engine_attempt, &result);
+    Some((OutcomeReport::from_result(target, &result), serving))
 }
 
 /// What the API server says of an attempt right before it would run.

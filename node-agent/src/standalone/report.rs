@@ -4,8 +4,8 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use genswap_crds::{
-    ConditionType, LastExit, Mode, Outcome, ServingStatus, StepTiming, SwapAttemptStatus,
-    set_condition,
+    ConditionType, HeldListener, LastExit, ListenerSpec, Mode, Outcome, ServingStatus, StepTiming,
+    SwapAttemptStatus, set_condition,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -186,7 +186,20 @@ pub fn serving_status(supervised: &Supervised, last_exit: Option<&ExitRecord>) -
         last_exit: last_exit.map(last_exit_of),
         restart_at: supervised.restart_at_ms.map(time_of_millis),
         message: supervised.message.clone(),
+        listeners: held_listeners(&supervised.spec.listeners),
     }
+}
+
+/// The listeners a done attempt named: the agent holds exactly those for
+/// its lineage ([`crate::listeners::Listeners::keep_only`]).
+fn held_listeners(specs: &[ListenerSpec]) -> Vec<HeldListener> {
+    specs
+        .iter()
+        .map(|l| HeldListener {
+            name: l.name.clone(),
+            address: l.address().to_string(),
+        })
+        .collect()
 }
 
 /// The API's shape of a journaled exit.

@@ -23,7 +23,9 @@ use super::state::{InstanceState, StateStore};
 use super::status::{self, StatusDocument, reasons};
 use super::watch::{DirChange, DirWatch};
 use super::{STATUS_SUBDIR, StandaloneConfig, StandaloneError};
-use crate::engine::{Attempt, Cancel, Engine, EngineError, SupervisorEvent, SwapResult};
+use crate::engine::{
+    Attempt, Cancel, Engine, EngineError, ServingChange, SupervisorEvent, SwapResult,
+};
 use crate::gate::{InstanceKey, NewestRevisionGate};
 
 /// A plan that creates attempts is followed by another, until one creates
@@ -99,6 +101,8 @@ enum Msg {
         key: InstanceKey,
         sched_rev: i64,
         result: Box<SwapResult>,
+        /// The `serving` block the attempt starts its lineage with, if any.
+        serving: Option<Box<ServingChange>>,
     },
     Stopped {
         key: InstanceKey,
@@ -615,10 +619,12 @@ impl Runner {
         let key = key.clone();
         tokio::spawn(async move {
             let result = engine.swap(&attempt, gate.as_ref(), &cancel).await;
+            let serving = ServingChange::installed(&attempt, &result).map(Box::new);
             let _ = tx.send(Msg::Finished {
                 key,
                 sched_rev,
                 result: Box::new(result),
+                serving,
             });
         });
     }
@@ -629,7 +635,8 @@ impl Runner {
                 key,
                 sched_rev,
                 result,
-            } => self.finished(key, sched_rev, *result).await,
+                serving,
+            } => self.finished(key, sched_rev, *result, serving).await,
             Msg::Stopped { key, result } => self.stopped(key, result).await,
             Msg::Supervisor(event) => self.supervised(event).await,
         }
@@ -673,7 +680,13 @@ impl Runner {
     /// An attempt ended: its result becomes its status, the status file
     /// says so, then the journal lets go of it and the instance is planned
     /// again.
-    async fn finished(&mut self, key: InstanceKey, sched_rev: i64, result: SwapResult) {
+    async fn finished(
+        &mut self,
+        key: InstanceKey,
+        sched_rev: i64,
+        result: SwapResult,
+        serving: Option<Box<ServingChange>>,
+    ) {
         let Some(instance) = self.instances.get_mut(&key) else {
             self.acknowledge(&key, sched_rev).await;
             return;
@@ -694,7 +707,9 @@ impl Runner {
             .iter_mut()
             .find(|a| a.spec.sched_rev == sched_rev)
         {
-            attempt.status = Some(report::status_from_result(&result));
+            let mut status = report::status_from_result(&result);
+            status.serving = serving.map(|change| report::serving_status(&change.supervised, None));
+            attempt.status = Some(status);
         }
         match instance.removal {
             Removal::No => {

@@ -1,10 +1,15 @@
-//! A free 127.0.0.1 port, and `GET /` over a new TCP connection to it.
+//! A free 127.0.0.1 port, a listener spec for it, `GET /` over a new TCP
+//! connection to it, and a client sending such requests without pause.
 //!
 //! Include it with `#[path = "support/tcp_client.rs"] mod tcp_client;`.
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
+
+use genswap_crds::ListenerSpec;
 
 /// A port nothing listens on now.
 pub fn free_port() -> u16 {
@@ -33,5 +38,64 @@ pub fn get(port: u16) -> Result<String, String> {
         Ok(text)
     } else {
         Err(format!("answered {:?}", text.lines().next()))
+    }
+}
+
+/// A TCP listener named `web` on 127.0.0.1:`port`.
+pub fn listener(port: u16) -> ListenerSpec {
+    ListenerSpec {
+        name: "web".into(),
+        tcp: Some(format!("127.0.0.1:{port}")),
+        unix: None,
+        backlog: 4096,
+    }
+}
+
+/// Requests to the port on a thread of their own until stopped.
+pub struct Load {
+    running: Arc<AtomicBool>,
+    sent: Arc<AtomicU64>,
+    failures: Arc<std::sync::Mutex<Vec<String>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    pub fn start(port: u16) -> Load {
+        let running = Arc::new(AtomicBool::new(true));
+        let sent = Arc::new(AtomicU64::new(0));
+        let failures = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let thread = std::thread::spawn({
+            let (running, sent, failures) = (running.clone(), sent.clone(), failures.clone());
+            move || {
+                while running.load(Ordering::SeqCst) {
+                    sent.fetch_add(1, Ordering::SeqCst);
+                    if let Err(error) = get(port) {
+                        failures.lock().expect("failures").push(error);
+                    }
+                }
+            }
+        });
+        Load {
+            running,
+            sent,
+            failures,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops after the request in flight; (sent, failures).
+    pub fn finish(mut self) -> (u64, Vec<String>) {
+        self.running.store(false, Ordering::SeqCst);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        let failures = self.failures.lock().expect("failures").clone();
+        (self.sent.load(Ordering::SeqCst), failures)
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.running.store(false, Ordering::SeqCst);
     }
 }
