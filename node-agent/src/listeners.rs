@@ -22,6 +22,7 @@ use nix::sys::socket::{
 use thiserror::Error;
 
 use crate::gate::InstanceKey;
+use crate::listener_keeper::KeeperSite;
 use crate::spawn::ActivatedSocket;
 
 /// Why a listener could not be held. Never the build's fault: nothing of
@@ -67,17 +68,44 @@ impl Drop for Held {
 #[derive(Debug, Default)]
 pub struct Listeners {
     held: Mutex<HashMap<InstanceKey, Vec<Held>>>,
+    /// Where copies outlive the agent ([`crate::listener_keeper`]); none
+    /// for tests of this registry alone.
+    keeper: Option<KeeperSite>,
+    /// One keeper change at a time, so a slower one never kills a newer
+    /// keeper.
+    keeper_turn: tokio::sync::Mutex<()>,
 }
 
+/// The most descriptors read from a keeper: more than an instance may have
+/// listeners, so a keeper that holds a removed one is read whole.
+const KEEPER_FDS_READ: i32 = 64;
+
 impl Listeners {
+    /// A registry whose held sockets a keeper process at `site` also holds.
+    pub fn with_keeper(site: KeeperSite) -> Listeners {
+        Listeners {
+            keeper: Some(site),
+            ..Listeners::default()
+        }
+    }
+
     /// Makes sure each of `specs` is held for `instance`, binding those
     /// that are not (the ones held with the same spec are kept as they
-    /// are). On an error nothing new stays bound.
-    pub fn hold(
+    /// are), and the keeper holds them too. On an error nothing new stays
+    /// bound.
+    pub async fn hold(
         &self,
         instance: &InstanceKey,
         specs: &[ListenerSpec],
     ) -> Result<(), ListenerError> {
+        if self.bind(instance, specs)? {
+            self.refresh_keeper(instance).await;
+        }
+        Ok(())
+    }
+
+    /// [`hold`](Self::hold) without the keeper: whether anything was bound.
+    fn bind(&self, instance: &InstanceKey, specs: &[ListenerSpec]) -> Result<bool, ListenerError> {
         for (i, spec) in specs.iter().enumerate() {
             if specs[..i].iter().any(|other| other.name == spec.name) {
                 return Err(ListenerError::Duplicate {
@@ -97,8 +125,9 @@ impl Listeners {
                 });
             }
         }
+        let changed = !bound.is_empty();
         have.extend(bound);
-        Ok(())
+        Ok(changed)
     }
 
     /// The sockets `specs` name, in their order, for a generation's spawn.
@@ -127,9 +156,14 @@ impl Listeners {
 
     /// Closes the listeners of `instance` that `specs` no longer names
     /// (after a release that changed them is done).
-    pub fn keep_only(&self, instance: &InstanceKey, specs: &[ListenerSpec]) {
-        if let Some(have) = self.lock().get_mut(instance) {
+    pub async fn keep_only(&self, instance: &InstanceKey, specs: &[ListenerSpec]) {
+        let closed = self.lock().get_mut(instance).is_some_and(|have| {
+            let before = have.len();
             have.retain(|h| specs.contains(&h.spec));
+            have.len() != before
+        });
+        if closed {
+            self.refresh_keeper(instance).await;
         }
     }
 
@@ -166,6 +200,113 @@ impl Listeners {
                 }
             }
         }
+        self.adopt(instance, taken);
+        problems
+    }
+
+    /// After an agent restart: takes back from `instance`'s keepers each
+    /// of `specs` one of them holds, in any order; the sockets a keeper
+    /// holds that no spec names are left to it (it is replaced next).
+    /// Returns why each of `specs` that is still not held is not.
+    pub fn take_back_from_keeper(
+        &self,
+        instance: &InstanceKey,
+        specs: &[ListenerSpec],
+    ) -> Vec<String> {
+        let Some(site) = &self.keeper else {
+            return Vec::new();
+        };
+        let mut taken: Vec<Held> = Vec::new();
+        for pid in site.pids(instance) {
+            let Ok(pidfd) = crate::spawn::pidfd_open(pid) else {
+                continue;
+            };
+            for fd in 3..3 + KEEPER_FDS_READ {
+                let Ok(owned) = take_fd(&pidfd, fd) else {
+                    continue;
+                };
+                let named = specs.iter().find(|spec| {
+                    !taken.iter().any(|t| t.spec == **spec) && check_is(&owned, spec).is_ok()
+                });
+                if let Some(spec) = named {
+                    taken.push(Held {
+                        spec: spec.clone(),
+                        fd: Arc::new(owned),
+                        owns_path: true,
+                    });
+                }
+            }
+        }
+        self.adopt(instance, taken);
+        let held = self.lock();
+        let have = held.get(instance).map(Vec::as_slice).unwrap_or_default();
+        specs
+            .iter()
+            .filter(|spec| !have.iter().any(|h| h.spec == **spec))
+            .map(|spec| {
+                format!(
+                    "listener {}: neither the keeper nor the serving generation holds it",
+                    spec.name
+                )
+            })
+            .collect()
+    }
+
+    /// Makes `instance`'s keeper hold exactly what is held for it now: a
+    /// new keeper replaces the old one, or, with nothing held, the old one
+    /// is stopped. A keeper that cannot start is logged, not fatal: the
+    /// listeners work, they just close if the agent dies between
+    /// generations.
+    pub async fn refresh_keeper(&self, instance: &InstanceKey) {
+        let Some(site) = &self.keeper else {
+            return;
+        };
+        let _turn = self.keeper_turn.lock().await;
+        let sockets = self.all_activated(instance);
+        if let Err(error) = site.replace(instance, sockets).await {
+            tracing::warn!(instance = %instance, %error, "the listeners have no keeper: they close if the agent dies while no generation holds them");
+        }
+    }
+
+    /// Stops the keepers of instances nothing is held for (after recovery:
+    /// of instances that are gone).
+    pub async fn stop_stale_keepers(&self) {
+        let Some(site) = &self.keeper else {
+            return;
+        };
+        let _turn = self.keeper_turn.lock().await;
+        let live: Vec<String> = self
+            .lock()
+            .iter()
+            .filter(|(_, have)| !have.is_empty())
+            .map(|(key, _)| crate::disk_name::DiskName::of(key).as_str().to_owned())
+            .collect();
+        for name in site.disk_names() {
+            if !live.contains(&name)
+                && let Err(error) = site.stop_named(&name).await
+            {
+                tracing::warn!(keeper = %name, %error, "a stale listener keeper could not be stopped");
+            }
+        }
+    }
+
+    /// Every socket held for `instance`, in the order held.
+    fn all_activated(&self, instance: &InstanceKey) -> Vec<ActivatedSocket> {
+        self.lock()
+            .get(instance)
+            .map(|have| {
+                have.iter()
+                    .map(|h| ActivatedSocket {
+                        name: h.spec.name.clone(),
+                        fd: Arc::clone(&h.fd),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Adds what was taken back to what is held for `instance`.
+    fn adopt(&self, instance: &InstanceKey, taken: Vec<Held>) {
         let mut held = self.lock();
         let have = held.entry(instance.clone()).or_default();
         // One already held stays; dropping either copy of a unix listener
@@ -177,12 +318,20 @@ impl Listeners {
                 have.push(one);
             }
         }
-        problems
     }
 
-    /// Closes every listener of `instance` (it is removed).
-    pub fn release(&self, instance: &InstanceKey) {
-        self.lock().remove(instance);
+    /// Closes every listener of `instance` (it is removed), the keeper's
+    /// copies too.
+    pub async fn release(&self, instance: &InstanceKey) {
+        let had = self.lock().remove(instance).is_some();
+        if had
+            || self
+                .keeper
+                .as_ref()
+                .is_some_and(|s| s.cgroup(instance).exists())
+        {
+            self.refresh_keeper(instance).await;
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<InstanceKey, Vec<Held>>> {
@@ -347,16 +496,18 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_held_listener_is_kept_until_released_and_accepts_meanwhile() {
+    #[tokio::test]
+    async fn a_held_listener_is_kept_until_released_and_accepts_meanwhile() {
         let listeners = Listeners::default();
         let spec = tcp("web", "127.0.0.1:0");
         listeners
             .hold(&key(), std::slice::from_ref(&spec))
+            .await
             .expect("bound");
         let first = listeners.activated(&key(), std::slice::from_ref(&spec));
         listeners
             .hold(&key(), std::slice::from_ref(&spec))
+            .await
             .expect("already held");
         let again = listeners.activated(&key(), std::slice::from_ref(&spec));
         assert_eq!(first.len(), 1);
@@ -367,13 +518,13 @@ mod tests {
         // Nothing accepts, yet a client connects: it waits in the backlog.
         let client = std::net::TcpStream::connect(("127.0.0.1", address.port()));
         assert!(client.is_ok(), "{client:?}");
-        listeners.release(&key());
+        listeners.release(&key()).await;
         drop((first, again));
         assert!(std::net::TcpStream::connect(("127.0.0.1", address.port())).is_err());
     }
 
-    #[test]
-    fn a_unix_listener_replaces_a_stale_socket_and_refuses_anything_else() {
+    #[tokio::test]
+    async fn a_unix_listener_replaces_a_stale_socket_and_refuses_anything_else() {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("app.sock");
         drop(std::os::unix::net::UnixListener::bind(&path).expect("a stale socket"));
@@ -386,25 +537,28 @@ mod tests {
         let listeners = Listeners::default();
         listeners
             .hold(&key(), std::slice::from_ref(&spec))
+            .await
             .expect("stale socket replaced");
         std::os::unix::net::UnixStream::connect(&path).expect("connects");
-        listeners.release(&key());
+        listeners.release(&key()).await;
         assert!(!path.exists(), "its file goes with it");
 
         fs::write(&path, b"data").expect("a file");
         let error = Listeners::default()
             .hold(&key(), &[spec])
+            .await
             .expect_err("not a socket");
         assert!(matches!(error, ListenerError::NotASocket { .. }), "{error}");
         assert!(path.exists());
     }
 
-    #[test]
-    fn a_taken_port_and_a_duplicate_name_are_refused() {
+    #[tokio::test]
+    async fn a_taken_port_and_a_duplicate_name_are_refused() {
         let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bound");
         let address = taken.local_addr().expect("address").to_string();
         let error = Listeners::default()
             .hold(&key(), &[tcp("web", &address)])
+            .await
             .expect_err("in use");
         assert!(error.to_string().contains("cannot bind"), "{error}");
         let error = Listeners::default()
@@ -412,6 +566,7 @@ mod tests {
                 &key(),
                 &[tcp("web", "127.0.0.1:0"), tcp("web", "127.0.0.1:0")],
             )
+            .await
             .expect_err("twice");
         assert!(matches!(error, ListenerError::Duplicate { .. }));
     }

@@ -47,6 +47,9 @@ enum Command {
     /// The log shim the agent starts for each generation (not for people).
     #[command(hide = true)]
     LogShim(node_agent::logs::shim::ShimArgs),
+    /// The keeper of an instance's listeners; started by the agent.
+    #[command(hide = true, name = "listener-keeper")]
+    ListenerKeeper,
 }
 
 #[derive(Args, Debug)]
@@ -106,7 +109,10 @@ impl Command {
             Command::Run(args) => Some(&args.host),
             Command::Standalone(args) => Some(&args.host),
             Command::Demo(args) => Some(&args.host),
-            Command::Logs(_) | Command::Paths(_) | Command::LogShim(_) => None,
+            Command::Logs(_)
+            | Command::Paths(_)
+            | Command::LogShim(_)
+            | Command::ListenerKeeper => None,
         }
     }
 }
@@ -161,6 +167,7 @@ fn main() -> ExitCode {
             node_agent::logs::shim::run(args);
             return ExitCode::SUCCESS;
         }
+        Command::ListenerKeeper => node_agent::listener_keeper::run(),
         Command::Logs(args) => {
             let mut out = std::io::stdout().lock();
             return match node_agent::logs::read::print(args, &mut out) {
@@ -250,7 +257,10 @@ fn run(command: Command) -> Result<(), MainError> {
                     Err(MainError::DemoUnexpected)
                 }
             }
-            Command::Logs(_) | Command::Paths(_) | Command::LogShim(_) => Ok(()),
+            Command::Logs(_)
+            | Command::Paths(_)
+            | Command::LogShim(_)
+            | Command::ListenerKeeper => Ok(()),
         }
     })
 }

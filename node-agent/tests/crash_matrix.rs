@@ -22,6 +22,13 @@
 //! backoff) and runs to `done`: the end state is the same as for a release
 //! that was never cut.
 //!
+//! The same matrix runs again with a TCP listener (SPEC 6.2) on a free
+//! 127.0.0.1 port (`with_listener::*`): a client sends requests straight to
+//! the port from before the release to the end, and every one is answered,
+//! through holds too, even when the agent dies in a hold's gap, when only
+//! the listener keeper holds the socket. After `down` the listener is still
+//! open (connections wait for a build that serves). One keeper is left.
+//!
 //! A bounded subset runs in `cargo test`; the whole matrix is
 //! `cargo test -p node-agent --test crash_matrix -- --ignored`.
 
@@ -31,12 +38,15 @@ mod cgroup_guard;
 mod crash_support;
 #[path = "support/swap_host.rs"]
 mod swap_host;
+#[path = "support/tcp_client.rs"]
+mod tcp_client;
 
 use std::os::unix::process::ExitStatusExt;
 
 use crash_support::{Agent, Client, Crash, Manifest, Node, quiet};
 use genswap_crds::Outcome;
 use node_agent::failpoint::POINTS;
+use tcp_client::{Load, free_port, get};
 
 /// What SPEC 5.7 makes of a release cut at a point.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,11 +103,22 @@ fn expected(point: &str) -> Expected {
     }
 }
 
+/// A manifest of `build`, with the listener on `port` if there is one.
+fn manifest(id: &str, build: &testapp::Build, mode: &'static str, port: Option<u16>) -> Manifest {
+    let mut manifest = Manifest::new(id, build, mode);
+    manifest.listener_port = port;
+    manifest
+}
+
 /// Installs v1 with a first agent and stops it gracefully.
-async fn installed(node: &Node, mode: &'static str) -> (testapp::Build, testapp::Build) {
+async fn installed(
+    node: &Node,
+    mode: &'static str,
+    port: Option<u16>,
+) -> (testapp::Build, testapp::Build) {
     let v1 = node.build("v1");
     let v2 = node.build("v2");
-    node.write(&Manifest::new("v1", &v1, mode));
+    node.write(&manifest("v1", &v1, mode, port));
     let mut agent = node.start(Crash::No);
     let doc = node
         .status("the install to end", |doc| {
@@ -114,10 +135,10 @@ async fn installed(node: &Node, mode: &'static str) -> (testapp::Build, testapp:
 /// recovered by another agent: whatever the point, v1 serves again as a
 /// newer generation, alone, and the restart is never reported as the
 /// install's outcome.
-async fn restart_cut_at(point: &'static str) {
+async fn restart_cut_at(point: &'static str, port: Option<u16>) {
     let node = Node::new(&point.replace(['.', '_'], "-"));
     let v1 = node.build("v1");
-    node.write(&Manifest::new("v1", &v1, "overlap"));
+    node.write(&manifest("v1", &v1, "overlap", port));
     let mut agent = node.start(Crash::PauseAt(point));
     let doc = node
         .status("the install to end", |doc| {
@@ -134,6 +155,9 @@ async fn restart_cut_at(point: &'static str) {
         nix::sys::signal::Signal::SIGKILL,
     )
     .expect("SIGKILL v1");
+    // From here nothing accepts until the restart: what arrives waits in
+    // the listener's backlog (what v1 had accepted died with it).
+    let load = port.map(Load::start);
     agent.wait_paused(point).await;
     assert_eq!(agent.kill().signal(), Some(9), "SIGKILL ended it");
 
@@ -168,14 +192,18 @@ async fn restart_cut_at(point: &'static str) {
         after.generation > installed.generation,
         "cut at {point}: {after:?}"
     );
+    if let Some(port) = port {
+        assert_listener_served(&node, port, point, "v1", load).await;
+    }
     agent.terminate().await;
 }
 
 /// Runs the release v1 → v2, cut at `point` by `crash`, then recovers with
 /// a third agent and checks everything the module docs list.
-async fn cut_at(point: &'static str, abort: bool) {
+async fn cut_at(point: &'static str, abort: bool, listener: bool) {
+    let port = listener.then(free_port);
     if point.starts_with("restart.") {
-        return restart_cut_at(point).await;
+        return restart_cut_at(point, port).await;
     }
     let expect = expected(point);
     let mode = if point.starts_with("overlap.") {
@@ -184,8 +212,10 @@ async fn cut_at(point: &'static str, abort: bool) {
         "hold"
     };
     let node = Node::new(&point.replace(['.', '_'], "-"));
-    let (_, v2) = installed(&node, mode).await;
+    let (_, v2) = installed(&node, mode, port).await;
     let client = (mode == "overlap").then(|| Client::start(node.current_sock()));
+    // After `down` nothing serves: requests would wait until they time out.
+    let load = port.filter(|_| expect.serving.is_some()).map(Load::start);
 
     // The release, stopped dead at the point.
     let mut agent = node.start(if abort {
@@ -193,7 +223,7 @@ async fn cut_at(point: &'static str, abort: bool) {
     } else {
         Crash::PauseAt(point)
     });
-    node.write(&Manifest::new("v2", &v2, mode));
+    node.write(&manifest("v2", &v2, mode, port));
     if abort {
         let status = agent.exited().await;
         assert_eq!(
@@ -244,7 +274,56 @@ async fn cut_at(point: &'static str, abort: bool) {
             failures.len()
         );
     }
+    if let Some(port) = port {
+        match expect.serving {
+            Some(build) => assert_listener_served(&node, port, point, build, load).await,
+            None => {
+                assert!(
+                    std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
+                    "cut at {point}: after down the listener is still open"
+                );
+                assert_eq!(node.keeper_pids().len(), 1, "cut at {point}: one keeper");
+            }
+        }
+    }
     agent.terminate().await;
+}
+
+/// Every request of `load` was answered, `build` answers on the port, and
+/// one keeper holds it.
+async fn assert_listener_served(
+    node: &Node,
+    port: u16,
+    point: &str,
+    build: &str,
+    load: Option<Load>,
+) {
+    if let Some(load) = load {
+        let (sent, failures) = tokio::task::spawn_blocking(move || load.finish())
+            .await
+            .expect("the load's thread");
+        assert!(sent > 0, "cut at {point}: the load ran");
+        assert!(
+            failures.is_empty(),
+            "cut at {point}: {} of {sent} requests to the listener failed, first: {:?}",
+            failures.len(),
+            &failures[..failures.len().min(5)]
+        );
+    }
+    let answer = tokio::task::spawn_blocking(move || get(port))
+        .await
+        .expect("a request's thread");
+    assert!(
+        answer
+            .as_ref()
+            .is_ok_and(|body| body.contains(&format!("build={build}"))),
+        "cut at {point}: {answer:?}"
+    );
+    assert_eq!(
+        node.keeper_pids().len(),
+        1,
+        "cut at {point}: one keeper holds the listener"
+    );
 }
 
 /// The recovering agent decided the attempt once (or not at all when the
@@ -276,16 +355,27 @@ fn libc_sigabrt() -> i32 {
     nix::sys::signal::Signal::SIGABRT as i32
 }
 
-/// One test per crash point; `ignore`d ones run with `-- --ignored`.
+/// One test per crash point, and one with a listener; `ignore`d ones run
+/// with `-- --ignored`.
 macro_rules! kill_matrix {
     ($($(#[$attr:meta])* $name:ident => $point:literal,)*) => {
         $(
             $(#[$attr])*
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() {
-                cut_at($point, false).await;
+                cut_at($point, false, false).await;
             }
         )*
+
+        mod with_listener {
+            $(
+                $(#[$attr])*
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::cut_at($point, false, true).await;
+                }
+            )*
+        }
 
         /// Every crash point has its case, and every case a point.
         #[test]
@@ -379,5 +469,12 @@ kill_matrix! {
 /// The documented default: the crash point aborts the process by itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_aborting_crash_point_after_the_switch_is_recovered_done() {
-    cut_at("overlap.before_retire", true).await;
+    cut_at("overlap.before_retire", true, false).await;
+}
+
+/// The hold's gap, which the bounded matrix leaves out: the incumbent is
+/// stopped and no generation holds the listener, only the keeper does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_killed_in_a_holds_gap_leaves_the_listener_open_and_served() {
+    cut_at("hold.after_stop", false, true).await;
 }

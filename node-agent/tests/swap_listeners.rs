@@ -25,6 +25,12 @@ async fn a_hold_and_an_overlap_with_a_held_tcp_listener_drop_nothing() {
     assert_eq!(host.swap(&install).await.outcome, Outcome::Done);
     let first = get(port).expect("b1 answers on the held port");
     assert!(first.contains("build=b1"), "{first}");
+    let keeper = host.keeper_pids();
+    assert_eq!(keeper.len(), 1, "one keeper holds the listener");
+    assert!(
+        holds_a_socket(keeper[0]),
+        "the keeper holds a socket at fd 3"
+    );
 
     let load = Load::start(port);
     // A hold: b1 stops before b2 starts; the port's backlog holds what
@@ -50,10 +56,22 @@ async fn a_hold_and_an_overlap_with_a_held_tcp_listener_drop_nothing() {
         failures.len()
     );
     assert!(get(port).expect("b3 answers").contains("build=b3"));
+    assert_eq!(
+        host.keeper_pids(),
+        keeper,
+        "the same set of listeners: the same keeper"
+    );
 
-    // Removed: the port is closed.
+    // Removed: the port is closed, the keeper is gone.
     host.tear_down().await;
     assert!(get(port).is_err(), "the port closes with the instance");
+    assert!(!host.keeper_cgroup().exists(), "the keeper went with it");
+}
+
+/// Whether `pid`'s fd 3 is a socket.
+fn holds_a_socket(pid: u32) -> bool {
+    std::fs::read_link(format!("/proc/{pid}/fd/3"))
+        .is_ok_and(|target| target.to_string_lossy().starts_with("socket:"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -72,21 +90,28 @@ async fn a_unix_listener_is_held_across_generations_and_a_taken_port_refuses_the
     assert_eq!(host.swap(&install).await.outcome, Outcome::Done);
     let ask = || async { swap_host::ask(&path).await };
     assert_eq!(ask().await.map(|i| i.build), Some("b1".to_string()));
+    let first_keeper = host.keeper_pids();
+    // A release that adds a TCP listener: a new keeper holds both.
+    let port = free_port();
     let b2 = host.build("b2");
     let mut release = host.attempt(2, &b2, "b2");
     release.spec.mode = Mode::Hold;
-    release.spec.listeners = vec![spec];
+    release.spec.listeners = vec![spec, listener(port)];
     assert_eq!(host.swap(&release).await.outcome, Outcome::Done);
     assert_eq!(ask().await.map(|i| i.build), Some("b2".to_string()));
+    assert!(get(port).is_ok_and(|body| body.contains("build=b2")));
+    let second_keeper = host.keeper_pids();
+    assert_eq!(second_keeper.len(), 1, "one keeper: {second_keeper:?}");
+    assert_ne!(second_keeper, first_keeper, "replaced for the new set");
 
     // A port someone else holds: refused before the incumbent is touched.
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("taken");
-    let port = taken.local_addr().expect("address").port();
+    let taken_port = taken.local_addr().expect("address").port();
     let before = host.who_serves().await.expect("b2 serves");
     let b3 = host.build("b3");
     let mut refused = host.attempt(3, &b3, "b3");
     refused.spec.mode = Mode::Hold;
-    refused.spec.listeners = vec![listener(port)];
+    refused.spec.listeners = vec![listener(taken_port)];
     let result = host.swap(&refused).await;
     assert_eq!(result.outcome, Outcome::Abandoned, "{result:?}");
     assert!(!result.executed);
@@ -137,4 +162,58 @@ async fn a_restarted_agent_takes_the_listener_back_and_its_hold_drops_nothing() 
     next.stop_instance(&host.instance, &genswap_crds::StopSpec::default())
         .await
         .expect("stop");
+}
+
+/// The overlap caveat (SPEC 6.2), measured: a successor shares the
+/// listener from its exec, so until its health check gives up and it is
+/// stopped it accepts a share of the connections and answers them as it
+/// answers (here 500, for the 2 s the health check takes). Nothing is
+/// refused or reset, and once the attempt has failed only the incumbent
+/// answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_overlap_successor_answers_a_share_of_the_listener_until_it_is_stopped() {
+    let host = SwapHost::new("listen-fail");
+    let port = free_port();
+    let b1 = host.build("b1");
+    let mut install = host.attempt(1, &b1, "b1");
+    install.spec.listeners = vec![listener(port)];
+    assert_eq!(host.swap(&install).await.outcome, Outcome::Done);
+
+    let load = Load::start(port);
+    let bad = host.build("bad");
+    let mut release = host.attempt(2, &bad, "bad");
+    release.spec.listeners = vec![listener(port)];
+    release.spec.health.timeout_seconds = 2;
+    release.spec.process.env.push(genswap_crds::EnvVar {
+        name: testapp::knob::STATUS.into(),
+        value: "500".into(),
+    });
+    let result = host.swap(&release).await;
+    assert_eq!(result.outcome, Outcome::Failed, "{result:?}");
+    swap_host::assert_says(&result.reason, &["500"]);
+    let (sent, failures) = load.finish();
+    let (answered, broken): (Vec<_>, Vec<_>) = failures
+        .iter()
+        .partition(|f| f.starts_with("answered") && f.contains(" 500 "));
+    assert!(
+        broken.is_empty(),
+        "refused or reset: {:?}",
+        &broken[..broken.len().min(5)]
+    );
+    assert!(
+        !answered.is_empty(),
+        "the failing successor took a share of the {sent} requests"
+    );
+    eprintln!(
+        "measured: the failing successor answered {} of {sent} requests (500) in its 2 s health window; none refused or reset",
+        answered.len()
+    );
+
+    let after = Load::start(port);
+    let b1_again = host.who_serves().await.expect("b1 serves");
+    assert_eq!(b1_again.build, "b1");
+    let (sent, failures) = after.finish();
+    assert!(sent > 0);
+    assert_eq!(failures, Vec::<String>::new(), "only b1 answers now");
+    host.tear_down().await;
 }

@@ -66,9 +66,11 @@ pub use subtree::{processes_in, remove_subtree};
 pub const SHIM_CGROUP: &str = "logs";
 
 /// Whether a directory under the root is the agent's own rather than an
-/// instance's: never listed as an instance, never stopped by recovery.
+/// instance's (the log shims', the listener keepers'): never listed as an
+/// instance, never stopped by recovery. No disk name can equal one: a disk
+/// name has a dot.
 pub fn is_agent_cgroup(dir_name: &std::ffi::OsStr) -> bool {
-    dir_name == SHIM_CGROUP
+    dir_name == SHIM_CGROUP || dir_name == crate::listener_keeper::KEEPER_CGROUP
 }
 
 use fs_util::io_error;

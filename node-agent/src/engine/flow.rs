@@ -153,7 +153,8 @@ pub(super) async fn run(
             // The new generation's listeners are the instance's now.
             engine
                 .listeners
-                .keep_only(&attempt.instance, &attempt.spec.listeners);
+                .keep_only(&attempt.instance, &attempt.spec.listeners)
+                .await;
             run.done(finished).await
         }
         Err(ended) => run.end(ended, true).await,
@@ -328,14 +329,14 @@ impl<'a> Run<'a> {
             return Err(StepError::Admission(AdmissionRefusal::NotAServer));
         }
         let n = self.reserve_generation(staged).await?;
-        self.preflight(n)
+        self.preflight(n).await
     }
 
     /// The checks that can refuse a start before anything changes on the
     /// host: the tier parses, its controllers are enabled, the uid is
     /// allowed. Run before an overlap's raise and before a hold's stop, so
     /// such a refusal never leaves the instance worse off.
-    pub(super) fn preflight(&self, n: u64) -> Result<Tier, StepError> {
+    pub(super) async fn preflight(&self, n: u64) -> Result<Tier, StepError> {
         let tier = Tier::from_resources(&self.attempt.spec.resources)?;
         let instance = self.engine.cgroups.instance(&self.attempt.instance)?;
         instance.check_generation_limits(n, &tier)?;
@@ -351,7 +352,8 @@ impl<'a> Run<'a> {
         // attempt while the incumbent still serves.
         self.engine
             .listeners
-            .hold(&self.attempt.instance, &self.attempt.spec.listeners)?;
+            .hold(&self.attempt.instance, &self.attempt.spec.listeners)
+            .await?;
         Ok(tier)
     }
 

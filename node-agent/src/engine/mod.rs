@@ -251,6 +251,9 @@ pub struct Engine {
 impl Engine {
     /// An engine over these host parts.
     pub fn new(parts: EngineParts, config: EngineConfig) -> Self {
+        // The log shim's program is the agent's own binary: the keeper's too.
+        let keeper =
+            crate::listener_keeper::KeeperSite::new(&parts.logs.settings().shim, &parts.cgroups);
         Self {
             cgroups: parts.cgroups,
             layout: parts.layout,
@@ -259,7 +262,7 @@ impl Engine {
             logs: parts.logs,
             config,
             instances: Mutex::new(HashMap::new()),
-            listeners: crate::listeners::Listeners::default(),
+            listeners: crate::listeners::Listeners::with_keeper(keeper),
             notices: supervise::Notices::new(),
         }
     }
@@ -334,7 +337,7 @@ impl Engine {
         let Some(running) = claim.serving.take() else {
             // Nothing runs (it exited, a restart may be owed): nothing is
             // restarted either from now on.
-            self.listeners.release(instance);
+            self.listeners.release(instance).await;
             self.journal_stopped(instance).await?;
             return Ok(None);
         };
@@ -349,7 +352,7 @@ impl Engine {
             }
         };
         parts::remove_current_link(&self.layout, instance);
-        self.listeners.release(instance);
+        self.listeners.release(instance).await;
         self.journal_stopped(instance).await?;
         Ok(Some(drain))
     }

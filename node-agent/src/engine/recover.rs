@@ -54,7 +54,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use genswap_crds::{InstanceKind, Mode, Outcome, StopSpec};
+use genswap_crds::{InstanceKind, ListenerSpec, Mode, Outcome, StopSpec};
 use thiserror::Error;
 
 use super::flow::reason_of;
@@ -510,6 +510,10 @@ impl Engine {
                 .map(|(key, found)| self.recover_instance(key, found, journal_readable)),
         )
         .await;
+        if journal_readable {
+            // Keepers of instances that are gone hold their ports.
+            self.listeners.stop_stale_keepers().await;
+        }
         for work in works {
             report.instances.push(work.recovery);
             report.untracked.extend(work.untracked);
@@ -990,10 +994,17 @@ impl Engine {
             let pid = self.adopt(&key, kept, listing, kind, preferred, &mut work);
             if let Some(pid) = pid {
                 for problem in self.listeners.take_back(&key, pid, &listeners) {
-                    tracing::warn!(instance = %key, %problem, "a held listener could not be taken back; the next attempt binds it anew");
+                    tracing::debug!(instance = %key, %problem, "a listener the serving generation does not hold");
                 }
             }
         }
+        // The keeper holds them even when no generation does (an agent
+        // killed in a hold's gap); a fresh keeper then holds what is held.
+        let specs = journaled_listeners(entry.as_ref());
+        for problem in self.listeners.take_back_from_keeper(&key, &specs) {
+            tracing::warn!(instance = %key, %problem, "a listener could not be taken back; the next attempt binds it anew");
+        }
+        self.listeners.refresh_keeper(&key).await;
 
         // An instance the journal knows nothing of and that runs nothing
         // leaves no directory behind.
@@ -1072,6 +1083,27 @@ impl Engine {
 /// journal's, while it runs. A generation the last finished attempt made
 /// serve is taken when the journal could not record it and `current.sock`
 /// names it.
+/// Every listener the journal says the instance may hold: its lineage's
+/// and its newest attempt's.
+fn journaled_listeners(entry: Option<&InstanceEntry>) -> Vec<ListenerSpec> {
+    let mut specs: Vec<ListenerSpec> = Vec::new();
+    let Some(entry) = entry else {
+        return specs;
+    };
+    let lineage = entry.supervised.iter().map(|s| &s.spec.listeners);
+    let attempt = entry
+        .attempt
+        .iter()
+        .filter_map(|r| r.spec.as_deref())
+        .map(|spec| &spec.listeners);
+    for spec in lineage.chain(attempt).flatten() {
+        if !specs.contains(spec) {
+            specs.push(spec.clone());
+        }
+    }
+    specs
+}
+
 fn settled_serving(entry: &InstanceEntry, host: &HostView) -> Option<GenerationRecord> {
     if let Some(serving) = &entry.serving {
         return host.live.contains(&serving.n).then(|| serving.clone());

@@ -118,6 +118,17 @@ impl Node {
         self.tree.path().join("genswap")
     }
 
+    /// The pids of the instance's listener keepers.
+    pub fn keeper_pids(&self) -> Vec<u32> {
+        let dir = self
+            .cgroup_root()
+            .join(node_agent::listener_keeper::KEEPER_CGROUP)
+            .join(node_agent::disk_name::DiskName::of(&self.key).as_str());
+        fs::read_to_string(dir.join("cgroup.procs"))
+            .map(|text| text.lines().filter_map(|l| l.trim().parse().ok()).collect())
+            .unwrap_or_default()
+    }
+
     /// The instance's cgroup directory.
     pub fn instance_cgroup(&self) -> PathBuf {
         self.cgroup_root()
@@ -260,10 +271,11 @@ impl Node {
     /// dir, and a journal that holds no outcome, no attempt in flight, no
     /// temp or quarantined file.
     pub async fn assert_clean(&self, build: Option<&str>) {
-        // The log shims' cgroup stays: it is the node's, not an instance's.
+        // The agent's own cgroups stay (the log shims', the listener
+        // keepers'): they are the node's, not an instance's.
         let root_children: Vec<String> = dir_names(&self.cgroup_root())
             .into_iter()
-            .filter(|name| name != node_agent::logs::SHIM_CGROUP)
+            .filter(|name| !node_agent::cgroup::is_agent_cgroup(name.as_ref()))
             .collect();
         let generations = dir_names(&self.instance_cgroup());
         let run_files = dir_names(&RunLayout::new(&self.run_dir).instance_dir(&self.key));
@@ -464,6 +476,8 @@ pub struct Manifest {
     pub settle_seconds: u32,
     /// `spec.resources` as a YAML flow mapping, such as `{memoryMax: 96Mi}`.
     pub resources: Option<String>,
+    /// A TCP listener `web` on this 127.0.0.1 port.
+    pub listener_port: Option<u16>,
 }
 
 impl Manifest {
@@ -475,6 +489,7 @@ impl Manifest {
             mode,
             settle_seconds: 1,
             resources: None,
+            listener_port: None,
         }
     }
 
@@ -501,11 +516,14 @@ spec:
     allNodes: true
   stop:
     timeoutSeconds: 10
-{resources}",
+{resources}{listeners}",
             resources = self
                 .resources
                 .as_ref()
                 .map_or_else(String::new, |r| format!("  resources: {r}\n")),
+            listeners = self.listener_port.map_or_else(String::new, |port| {
+                format!("  listeners: [{{name: web, tcp: \"127.0.0.1:{port}\"}}]\n")
+            }),
             id = self.build_id,
             path = self.path.display(),
             sha = self.sha256,
@@ -600,16 +618,17 @@ pub async fn poll_until(timeout: Duration, mut condition: impl FnMut() -> bool) 
     }
 }
 
-/// The instances' processes under `dir`: the log shims' own cgroup is not
-/// searched (each shim outlives its generation by the moment it takes to
-/// read the end of its pipes; `logs_shims` tests them).
+/// The instances' processes under `dir`: the agent's own cgroups are not
+/// searched (the log shims', each outliving its generation by the moment it
+/// takes to read the end of its pipes, tested by `logs_shims`; the listener
+/// keepers', tested by the listener tests).
 fn collect_pids(dir: &Path, pids: &mut Vec<u32>) {
     if let Ok(text) = fs::read_to_string(dir.join("cgroup.procs")) {
         pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
     }
     if let Ok(entries) = fs::read_dir(dir) {
         for entry in entries.filter_map(Result::ok) {
-            if entry.file_name() == node_agent::logs::SHIM_CGROUP {
+            if node_agent::cgroup::is_agent_cgroup(&entry.file_name()) {
                 continue;
             }
             if entry.file_type().is_ok_and(|t| t.is_dir()) {

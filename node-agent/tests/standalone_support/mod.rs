@@ -303,16 +303,17 @@ fn launch(
     (host, stop, runner)
 }
 
-/// The instances' processes under `dir`: the log shims' own cgroup is not
-/// searched (each shim outlives its generation by the moment it takes to
-/// read the end of its pipes; `logs_shims` tests them).
+/// The instances' processes under `dir`: the agent's own cgroups are not
+/// searched (the log shims', each outliving its generation by the moment it
+/// takes to read the end of its pipes, tested by `logs_shims`; the listener
+/// keepers', tested by the listener tests).
 fn collect_pids(dir: &Path, pids: &mut Vec<u32>) {
     if let Ok(text) = fs::read_to_string(dir.join("cgroup.procs")) {
         pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
     }
     if let Ok(entries) = fs::read_dir(dir) {
         for entry in entries.filter_map(Result::ok) {
-            if entry.file_name() == node_agent::logs::SHIM_CGROUP {
+            if node_agent::cgroup::is_agent_cgroup(&entry.file_name()) {
                 continue;
             }
             if entry.file_type().is_ok_and(|t| t.is_dir()) {

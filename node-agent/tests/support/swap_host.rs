@@ -163,6 +163,22 @@ impl SwapHost {
             .join(node_agent::disk_name::DiskName::of(&self.instance))
     }
 
+    /// The instance's listener keeper cgroup.
+    pub fn keeper_cgroup(&self) -> PathBuf {
+        self.tree
+            .path()
+            .join("genswap")
+            .join(node_agent::listener_keeper::KEEPER_CGROUP)
+            .join(node_agent::disk_name::DiskName::of(&self.instance))
+    }
+
+    /// The pids in the instance's listener keeper cgroup.
+    pub fn keeper_pids(&self) -> Vec<u32> {
+        let mut pids = Vec::new();
+        collect_pids(&self.keeper_cgroup(), &mut pids);
+        pids
+    }
+
     /// The `gen-<N>` cgroups that exist, ascending.
     pub fn generation_cgroups(&self) -> Vec<u64> {
         let mut found: Vec<u64> = fs::read_dir(self.instance_cgroup())
@@ -278,16 +294,17 @@ impl SwapHost {
     }
 }
 
-/// The instances' processes under `dir`: the log shims' own cgroup is not
-/// searched (each shim outlives its generation by the moment it takes to
-/// read the end of its pipes; `logs_shims` tests them).
+/// The instances' processes under `dir`: the agent's own cgroups are not
+/// searched (the log shims', each outliving its generation by the moment it
+/// takes to read the end of its pipes, tested by `logs_shims`; the listener
+/// keepers', tested by the listener tests).
 fn collect_pids(dir: &Path, pids: &mut Vec<u32>) {
     if let Ok(text) = fs::read_to_string(dir.join("cgroup.procs")) {
         pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
     }
     if let Ok(entries) = fs::read_dir(dir) {
         for entry in entries.filter_map(Result::ok) {
-            if entry.file_name() == node_agent::logs::SHIM_CGROUP {
+            if node_agent::cgroup::is_agent_cgroup(&entry.file_name()) {
                 continue;
             }
             if entry.file_type().is_ok_and(|t| t.is_dir()) {
