@@ -1,7 +1,8 @@
-//! A real nginx in front of unix sockets, as its own process with its own
-//! config, pid file and temp paths in the sandbox, on loopback ports.
+//! A real nginx in front of unix sockets (and a loopback TCP listener), as
+//! its own process with its own config, pid file and temp paths in the
+//! sandbox, on loopback ports.
 //!
-//! Each upstream socket gets two servers:
+//! Each upstream gets two servers:
 //! - `pooled`: an `upstream` block with a `keepalive` pool (HTTP/1.1 to the
 //!   upstream, `Connection` cleared), and `proxy_next_upstream error
 //!   timeout` (nginx's default, written out): a request sent on a pooled
@@ -26,7 +27,35 @@ use crate::sandbox::Guarded;
 /// The upstream pool's idle connections kept per worker.
 pub const KEEPALIVE_POOL: usize = 32;
 
-/// One nginx front for a socket: the port of each server.
+/// Where nginx sends requests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Upstream {
+    /// A unix socket path.
+    Unix(PathBuf),
+    /// `host:port` on loopback.
+    Tcp(String),
+}
+
+impl Upstream {
+    /// As an `upstream` block's `server`.
+    fn server(&self) -> String {
+        match self {
+            Upstream::Unix(path) => format!("unix:{}", path.display()),
+            Upstream::Tcp(address) => address.clone(),
+        }
+    }
+
+    /// As `proxy_pass`'s target without an upstream block: resolved at
+    /// each connect, a new connection per request.
+    fn direct(&self) -> String {
+        match self {
+            Upstream::Unix(path) => format!("http://unix:{}:", path.display()),
+            Upstream::Tcp(address) => format!("http://{address}"),
+        }
+    }
+}
+
+/// One nginx front for an upstream: the port of each server.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Front {
     /// Through an upstream keepalive pool.
@@ -83,22 +112,22 @@ pub fn ensure_installed() -> Result<PathBuf, BenchError> {
 }
 
 impl Nginx {
-    /// Starts nginx in `dir` with a front for each of `sockets`, and waits
-    /// until every port accepts.
-    pub fn start(binary: &Path, dir: &Path, sockets: &[PathBuf]) -> Result<Nginx, BenchError> {
+    /// Starts nginx in `dir` with a front for each of `upstreams`, and
+    /// waits until every port accepts.
+    pub fn start(binary: &Path, dir: &Path, upstreams: &[Upstream]) -> Result<Nginx, BenchError> {
         let setup = |what: String| move |source| BenchError::Setup { what, source };
         fs::create_dir_all(dir.join("tmp")).map_err(setup(format!("create {}", dir.display())))?;
         let mut fronts = Vec::new();
-        let mut upstreams = String::new();
+        let mut blocks = String::new();
         let mut servers = String::new();
-        for (index, socket) in sockets.iter().enumerate() {
+        for (index, upstream) in upstreams.iter().enumerate() {
             let front = Front {
                 pooled: free_port()?,
                 per_request: free_port()?,
             };
-            let socket = socket.display();
-            upstreams.push_str(&format!(
-                "  upstream pool{index} {{ server unix:{socket}; keepalive {KEEPALIVE_POOL}; }}\n"
+            blocks.push_str(&format!(
+                "  upstream pool{index} {{ server {}; keepalive {KEEPALIVE_POOL}; }}\n",
+                upstream.server()
             ));
             servers.push_str(&format!(
                 "  server {{
@@ -113,12 +142,13 @@ impl Nginx {
   server {{
     listen 127.0.0.1:{per_request};
     location / {{
-      proxy_pass http://unix:{socket}:;
+      proxy_pass {direct};
     }}
   }}
 ",
                 pooled = front.pooled,
                 per_request = front.per_request,
+                direct = upstream.direct(),
             ));
             fronts.push(front);
         }
@@ -139,7 +169,7 @@ http {{
   fastcgi_temp_path {tmp}/fastcgi;
   uwsgi_temp_path {tmp}/uwsgi;
   scgi_temp_path {tmp}/scgi;
-{upstreams}{servers}}}
+{blocks}{servers}}}
 ",
             pid = dir.join("nginx.pid").display(),
             error_log = error_log.display(),
@@ -207,7 +237,7 @@ http {{
 }
 
 /// A loopback port free right now (the kernel picks it).
-fn free_port() -> Result<u16, BenchError> {
+pub fn free_port() -> Result<u16, BenchError> {
     TcpListener::bind(("127.0.0.1", 0))
         .and_then(|l| l.local_addr())
         .map(|a| a.port())

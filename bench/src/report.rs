@@ -203,6 +203,7 @@ fn zero_tables(out: &mut String, zero: &ZeroReport) {
         }
     }
     let _ = writeln!(out);
+    listener_table(out, zero, &loads);
     let with_errors: Vec<&RunFigures> = zero
         .runs
         .iter()
@@ -227,6 +228,75 @@ fn zero_tables(out: &mut String, zero: &ZeroReport) {
         }
         let _ = writeln!(out);
     }
+}
+
+/// The listener kinds against the naive restart through the same path:
+/// what they fail, and what a request waits at most in a swap (a hold's
+/// gap is latency, not failures).
+fn listener_table(out: &mut String, zero: &ZeroReport, loads: &[String]) {
+    let runs_of = |kind: Kind| zero.runs.iter().filter(move |r| r.kind == kind);
+    if runs_of(Kind::HoldListener)
+        .chain(runs_of(Kind::OverlapListener))
+        .next()
+        .is_none()
+    {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "#### Side by side: a held TCP listener against the naive restart\n"
+    );
+    let _ = writeln!(
+        out,
+        "*slowest per swap*: per swap, the latency of the slowest answered request that started during it (p50 / max over the swaps). The naive restart's row is today's unix-socket app; its gap shows as failures, the listener's as latency.\n"
+    );
+    let _ = writeln!(
+        out,
+        "| load | path | failed: hold, listener / overlap, listener / naive | slowest per swap: hold, listener / overlap, listener / naive | silence max: hold, listener / naive |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|");
+    for load in loads {
+        let mut vias: Vec<_> = zero
+            .runs
+            .iter()
+            .filter(|r| &r.load.name() == load && r.kind.listener())
+            .map(|r| r.via)
+            .collect();
+        vias.dedup();
+        for via in vias {
+            let find = |kind: Kind| {
+                zero.runs
+                    .iter()
+                    .find(|r| &r.load.name() == load && r.via == via && r.kind == kind)
+            };
+            let failed = |r: Option<&RunFigures>| r.map_or("-".into(), |r| r.failed.to_string());
+            let slowest = |r: Option<&RunFigures>| {
+                r.map_or("-".into(), |r| {
+                    format!("{} / {}", spread_p50(&r.slowest), ms(r.slowest.max))
+                })
+            };
+            let silence = |r: Option<&RunFigures>| r.map_or("-".into(), |r| ms(r.silence.max));
+            let (h, o, n) = (
+                find(Kind::HoldListener),
+                find(Kind::OverlapListener),
+                find(Kind::Naive),
+            );
+            let _ = writeln!(
+                out,
+                "| {load} | {} | {} / {} / {} | {} · {} · {} | {} / {} |",
+                via.name(),
+                failed(h),
+                failed(o),
+                failed(n),
+                slowest(h),
+                slowest(o),
+                slowest(n),
+                silence(h),
+                silence(n),
+            );
+        }
+    }
+    let _ = writeln!(out);
 }
 
 fn spread_p50(spread: &Spread) -> String {

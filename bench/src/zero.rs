@@ -5,6 +5,10 @@
 //! then start, with no agent), through each path (direct to the socket,
 //! nginx with an upstream keepalive pool, nginx with a connection per
 //! request), at a fixed rate and at saturation.
+//!
+//! The listener kinds (SPEC 6.2) swap a second instance that serves a TCP
+//! listener the agent holds, on a loopback port: "direct" is the load
+//! generator connecting to that port, and nginx proxies to it over TCP.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -24,7 +28,7 @@ use crate::agent::{Agent, AgentDirs, NOBODY, manifest, outcome_word};
 use crate::clock::mono_ns;
 use crate::http1::Target;
 use crate::loadgen::{LoadSummary, Sample, read_samples};
-use crate::nginx::Nginx;
+use crate::nginx::{Nginx, Upstream};
 use crate::sandbox::{self, Guarded, Sandbox};
 use crate::stats::Spread;
 use crate::watch::SwitchWatch;
@@ -32,6 +36,8 @@ use crate::{BenchError, Binaries};
 
 /// The benchmark instance's name.
 const APP: &str = "app";
+/// The instance with a held TCP listener.
+const APP_LISTENER: &str = "app-listener";
 /// How long one swap may take before the run gives up.
 const SWAP_DEADLINE: Duration = Duration::from_secs(120);
 
@@ -47,6 +53,10 @@ pub enum Kind {
     /// No agent: SIGTERM the process, wait for its exit, start the next
     /// build on the same socket path.
     Naive,
+    /// genswap overlap of an instance on a held TCP listener.
+    OverlapListener,
+    /// genswap hold of an instance on a held TCP listener.
+    HoldListener,
 }
 
 impl Kind {
@@ -56,7 +66,26 @@ impl Kind {
             Kind::Overlap => "overlap",
             Kind::Hold => "hold",
             Kind::Naive => "naive restart",
+            Kind::OverlapListener => "overlap, listener",
+            Kind::HoldListener => "hold, listener",
         }
+    }
+
+    /// Whether it swaps the instance with the held listener.
+    pub fn listener(self) -> bool {
+        matches!(self, Kind::OverlapListener | Kind::HoldListener)
+    }
+
+    fn mode(self) -> Option<Mode> {
+        match self {
+            Kind::Overlap | Kind::OverlapListener => Some(Mode::Overlap),
+            Kind::Hold | Kind::HoldListener => Some(Mode::Hold),
+            Kind::Naive => None,
+        }
+    }
+
+    fn file_name(self) -> String {
+        self.name().replace([' ', ','], "-").replace("--", "-")
     }
 }
 
@@ -201,6 +230,11 @@ pub struct RunFigures {
     pub gap: Spread,
     /// Per swap, the longest time without any answered request.
     pub silence: Spread,
+    /// Per swap, the latency of the slowest answered request that started
+    /// during it: a hold's gap with a held listener, where requests wait
+    /// in the backlog instead of failing.
+    #[serde(default)]
+    pub slowest: Spread,
     /// Request to end, as the benchmark saw it.
     pub swap_wall: Spread,
     /// The engine's steps summed.
@@ -245,11 +279,68 @@ struct Setup<'a> {
     builds: &'a [testapp::Build],
     naive: NaiveApp,
     nginx: Nginx,
-    /// The build index serving now, per instance (agent, naive).
-    serving: (usize, usize),
-    last_rev: i64,
+    /// `app`, on its `current.sock`.
+    plain: Managed,
+    /// `app-listener`, on its held TCP listener, when a listener kind runs.
+    listening: Option<Managed>,
+    /// The build index the naive app serves now.
+    naive_serving: usize,
     binaries: &'a Binaries,
     samples_dir: PathBuf,
+}
+
+/// An instance under the agent.
+struct Managed {
+    name: &'static str,
+    /// The loopback port of its listener.
+    listener_port: Option<u16>,
+    /// The build index serving now.
+    serving: usize,
+    last_rev: i64,
+    switches: SwitchWatch,
+}
+
+impl Managed {
+    /// Installs build 0 as `name`, with a listener on `listener_port`.
+    async fn install(
+        agent: &mut Agent,
+        name: &'static str,
+        listener_port: Option<u16>,
+        builds: &[testapp::Build],
+    ) -> Result<Managed, BenchError> {
+        agent.write_manifest(
+            name,
+            &with_listener(
+                manifest(name, &build_id(0), &builds[0], Mode::Overlap),
+                listener_port,
+            ),
+        )?;
+        let doc = agent.wait_attempt_after(name, 0, SWAP_DEADLINE).await?;
+        let installed = doc.last_attempt().map(|a| (a.sched_rev, a.outcome));
+        let Some((last_rev, Outcome::Done)) = installed else {
+            return Err(BenchError::Agent(format!(
+                "the install of {name} did not succeed: {doc:?}"
+            )));
+        };
+        agent.check_alive()?;
+        Ok(Managed {
+            name,
+            listener_port,
+            serving: 0,
+            last_rev,
+            switches: SwitchWatch::start(&agent.dirs.instance_run_dir(name), "current.sock")?,
+        })
+    }
+}
+
+/// `manifest` with a TCP listener `web` on the loopback `port`.
+fn with_listener(manifest: String, port: Option<u16>) -> String {
+    match port {
+        Some(port) => {
+            format!("{manifest}  listeners: [{{name: web, tcp: \"127.0.0.1:{port}\"}}]\n")
+        }
+        None => manifest,
+    }
 }
 
 async fn run_with(
@@ -259,16 +350,13 @@ async fn run_with(
     binaries: &Binaries,
     options: &ZeroOptions,
 ) -> Result<ZeroReport, BenchError> {
-    // Install.
-    agent.write_manifest(APP, &manifest(APP, &build_id(0), &builds[0], Mode::Overlap))?;
-    let doc = agent.wait_attempt_after(APP, 0, SWAP_DEADLINE).await?;
-    let installed = doc.last_attempt().map(|a| (a.sched_rev, a.outcome));
-    let Some((last_rev, Outcome::Done)) = installed else {
-        return Err(BenchError::Agent(format!(
-            "the install did not succeed: {doc:?}"
-        )));
+    let plain = Managed::install(agent, APP, None, builds).await?;
+    let listening = if options.kinds.iter().any(|k| k.listener()) {
+        let port = crate::nginx::free_port()?;
+        Some(Managed::install(agent, APP_LISTENER, Some(port), builds).await?)
+    } else {
+        None
     };
-    agent.check_alive()?;
 
     let naive_dir = sandbox.dir().join("naive");
     fs::create_dir(&naive_dir)
@@ -278,11 +366,17 @@ async fn run_with(
             source,
         })?;
     let naive = NaiveApp::start(&naive_dir, &builds[0], &build_id(0), 1, sandbox.cgroup())?;
-    let nginx = Nginx::start(
-        &binaries.nginx,
-        &sandbox.dir().join("nginx"),
-        &[agent.dirs.current_sock(APP), naive.socket.clone()],
-    )?;
+    let mut upstreams = vec![
+        Upstream::Unix(agent.dirs.current_sock(APP)),
+        Upstream::Unix(naive.socket.clone()),
+    ];
+    upstreams.extend(
+        listening
+            .as_ref()
+            .and_then(|l| l.listener_port)
+            .map(|port| Upstream::Tcp(format!("127.0.0.1:{port}"))),
+    );
+    let nginx = Nginx::start(&binaries.nginx, &sandbox.dir().join("nginx"), &upstreams)?;
     let samples_dir = sandbox.dir().join("samples");
     fs::create_dir(&samples_dir).map_err(|source| BenchError::Setup {
         what: "create the samples dir".into(),
@@ -293,13 +387,12 @@ async fn run_with(
         builds,
         naive,
         nginx,
-        serving: (0, 0),
-        last_rev,
+        plain,
+        listening,
+        naive_serving: 0,
         binaries,
         samples_dir,
     };
-    let agent_switches =
-        SwitchWatch::start(&setup.agent.dirs.instance_run_dir(APP), "current.sock")?;
     let naive_switches = SwitchWatch::start(&naive_dir, "app.sock")?;
 
     let mut report = ZeroReport::default();
@@ -307,13 +400,8 @@ async fn run_with(
     for load in &options.loads {
         for via in &options.vias {
             for kind in &options.kinds {
-                let switches = if *kind == Kind::Naive {
-                    &naive_switches
-                } else {
-                    &agent_switches
-                };
                 let (figures, samples, records) =
-                    run_one(&mut setup, *kind, *via, *load, switches, options).await?;
+                    run_one(&mut setup, *kind, *via, *load, &naive_switches, options).await?;
                 print_run(&figures);
                 if matches!(load, Load::Fixed(_)) && matches!(via, Via::Direct | Via::NginxPooled) {
                     plotted.push((*kind, *via, samples, records));
@@ -337,12 +425,21 @@ async fn run_one(
     kind: Kind,
     via: Via,
     load: Load,
-    switches: &SwitchWatch,
+    naive_switches: &SwitchWatch,
     options: &ZeroOptions,
 ) -> Result<(RunFigures, Vec<Sample>, Vec<SwapRecord>), BenchError> {
-    let front = &setup.nginx.fronts[usize::from(kind == Kind::Naive)];
+    // The nginx fronts are in the order of the upstreams: app, naive, listener.
+    let front = &setup.nginx.fronts[match kind {
+        Kind::Naive => 1,
+        k if k.listener() => 2,
+        _ => 0,
+    }];
+    let listener_port = setup.listening.as_ref().and_then(|l| l.listener_port);
     let target = match via {
         Via::Direct if kind == Kind::Naive => Target::Unix(setup.naive.socket.clone()),
+        Via::Direct if kind.listener() => {
+            Target::Tcp(format!("127.0.0.1:{}", listener_port.unwrap_or_default()))
+        }
         Via::Direct => Target::Unix(setup.agent.dirs.current_sock(APP)),
         Via::NginxPooled => Target::Tcp(format!("127.0.0.1:{}", front.pooled)),
         Via::NginxPerRequest => Target::Tcp(format!("127.0.0.1:{}", front.per_request)),
@@ -351,7 +448,7 @@ async fn run_one(
         "{}-{}-{}.csv",
         load.file_name(),
         via.file_name(),
-        kind.name().replace(' ', "-")
+        kind.file_name()
     ));
     let rate = match load {
         Load::Fixed(rate) => rate,
@@ -383,10 +480,17 @@ async fn run_one(
     tokio::time::sleep(options.steady).await;
     let mut records = Vec::with_capacity(options.swaps);
     for _ in 0..options.swaps {
-        let record = match kind {
-            Kind::Overlap => agent_swap(setup, Mode::Overlap, switches).await?,
-            Kind::Hold => agent_swap(setup, Mode::Hold, switches).await?,
-            Kind::Naive => naive_swap(setup, switches).await?,
+        let record = match (kind.mode(), kind.listener()) {
+            (None, _) => naive_swap(setup, naive_switches).await?,
+            (Some(mode), false) => {
+                agent_swap(setup.agent, setup.builds, &mut setup.plain, mode).await?
+            }
+            (Some(mode), true) => {
+                let Some(listening) = setup.listening.as_mut() else {
+                    return Err(BenchError::Agent("no instance with a listener".into()));
+                };
+                agent_swap(setup.agent, setup.builds, listening, mode).await?
+            }
         };
         records.push(record);
     }
@@ -454,27 +558,30 @@ fn build_id(index: usize) -> String {
 }
 
 async fn agent_swap(
-    setup: &mut Setup<'_>,
+    agent: &Agent,
+    builds: &[testapp::Build],
+    instance: &mut Managed,
     mode: Mode,
-    switches: &SwitchWatch,
 ) -> Result<SwapRecord, BenchError> {
-    let next = next_build(setup.serving.0, setup.builds.len());
+    let next = next_build(instance.serving, builds.len());
     let begin_ns = mono_ns();
-    setup.agent.write_manifest(
-        APP,
-        &manifest(APP, &build_id(next), &setup.builds[next], mode),
+    agent.write_manifest(
+        instance.name,
+        &with_listener(
+            manifest(instance.name, &build_id(next), &builds[next], mode),
+            instance.listener_port,
+        ),
     )?;
-    let doc = setup
-        .agent
-        .wait_attempt_after(APP, setup.last_rev, SWAP_DEADLINE)
+    let doc = agent
+        .wait_attempt_after(instance.name, instance.last_rev, SWAP_DEADLINE)
         .await?;
     let end_ns = mono_ns();
     let last = doc
         .last_attempt()
         .ok_or_else(|| BenchError::Agent("no last attempt in the status".into()))?;
-    setup.last_rev = last.sched_rev;
+    instance.last_rev = last.sched_rev;
     if last.outcome == Outcome::Done {
-        setup.serving.0 = next;
+        instance.serving = next;
     }
     let status = doc
         .attempt(last.sched_rev)
@@ -493,7 +600,7 @@ async fn agent_swap(
     Ok(SwapRecord {
         begin_ns,
         end_ns,
-        switch_ns: switches.last_between(begin_ns, end_ns),
+        switch_ns: instance.switches.last_between(begin_ns, end_ns),
         outcome: outcome_word(Some(last.outcome)).into(),
         generation: status
             .generation
@@ -509,7 +616,7 @@ async fn naive_swap(
     setup: &mut Setup<'_>,
     switches: &SwitchWatch,
 ) -> Result<SwapRecord, BenchError> {
-    let next = next_build(setup.serving.1, setup.builds.len());
+    let next = next_build(setup.naive_serving, setup.builds.len());
     let generation = setup.naive.generation + 1;
     let begin_ns = mono_ns();
     let exit_ns = setup.naive.stop_current()?;
@@ -517,7 +624,7 @@ async fn naive_swap(
         .naive
         .spawn(&setup.builds[next], &build_id(next), generation)?;
     let healthy_ns = setup.naive.wait_healthy().await?;
-    setup.serving.1 = next;
+    setup.naive_serving = next;
     Ok(SwapRecord {
         begin_ns,
         end_ns: healthy_ns,
@@ -673,10 +780,11 @@ pub fn analyse(
     reconnects: u64,
 ) -> RunFigures {
     let windows: Vec<(u64, u64)> = records.iter().map(|r| (r.begin_ns, r.end_ns)).collect();
-    let in_swap = |t: u64| {
+    let swap_of = |t: u64| {
         let index = windows.partition_point(|(begin, _)| *begin <= t);
-        index > 0 && t <= windows[index - 1].1
+        (index > 0 && t <= windows[index - 1].1).then(|| index - 1)
     };
+    let mut slowest = vec![0.0f64; records.len()];
     let mut failures = BTreeMap::new();
     let mut failed_by_group = (0, 0);
     let mut steady = Vec::new();
@@ -684,10 +792,12 @@ pub fn analyse(
     for s in samples {
         if s.ok() {
             let latency = s.latency_ns as f64 / 1e6;
-            if in_swap(s.start_ns) {
-                during.push(latency);
-            } else {
-                steady.push(latency);
+            match swap_of(s.start_ns) {
+                Some(swap) => {
+                    during.push(latency);
+                    slowest[swap] = slowest[swap].max(latency);
+                }
+                None => steady.push(latency),
             }
         } else {
             let cause = if s.status > 0 {
@@ -753,6 +863,7 @@ pub fn analyse(
         during: Spread::of(during),
         gap: Spread::of(gaps),
         silence: Spread::of(silences),
+        slowest: Spread::of(slowest),
         swap_wall: Spread::of(
             records
                 .iter()
