@@ -68,21 +68,7 @@ async fn genswap_end_to_end_on_the_cluster_in_kubeconfig() {
     let node_name = node.metadata.name.clone().expect("a node name");
 
     // 1. The API.
-    let crds = workspace().join("crds");
-    kubectl(&[
-        "apply",
-        "--server-side",
-        "--force-conflicts",
-        "-f",
-        &path_str(&crds),
-    ]);
-    kubectl(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/instancegenerations.genswap.dev",
-        "crd/swapattempts.genswap.dev",
-        "--timeout=60s",
-    ]);
+    apply_crds();
 
     // 2. Host dirs, a cgroup subtree, a namespace, the two processes. Drops
     // run in reverse order: agent, controller, namespace, cgroups, dirs.
@@ -554,20 +540,7 @@ async fn the_outcome_and_serving_applies_keep_each_others_fields() {
             return;
         }
     };
-    let crds = workspace().join("crds");
-    kubectl(&[
-        "apply",
-        "--server-side",
-        "--force-conflicts",
-        "-f",
-        &path_str(&crds),
-    ]);
-    kubectl(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/swapattempts.genswap.dev",
-        "--timeout=60s",
-    ]);
+    apply_crds();
     let namespace = format!("genswap-e2e-managers-{}", std::process::id());
     create_namespace(&client, &namespace).await;
     let _namespace = NamespaceGuard {
@@ -649,4 +622,24 @@ fn path_str(path: &Path) -> String {
     path.to_str()
         .unwrap_or_else(|| panic!("{} is not UTF-8", path.display()))
         .to_string()
+}
+
+/// Applies the committed CRDs server-side and waits until both are
+/// established.
+fn apply_crds() {
+    let crds = workspace().join("crds");
+    kubectl(&[
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "-f",
+        &path_str(&crds),
+    ]);
+    kubectl(&[
+        "wait",
+        "--for=condition=Established",
+        "crd/instancegenerations.genswap.dev",
+        "crd/swapattempts.genswap.dev",
+        "--timeout=60s",
+    ]);
 }

@@ -494,41 +494,41 @@ impl Listener {
     /// more, then closes this process's copy of it.
     fn queued(self) -> Vec<Stream> {
         // into_std keeps the listener non-blocking: accept stops at WouldBlock.
-        let accept: Box<dyn Fn() -> io::Result<Stream>> = match self {
-            Listener::Unix(listener) => match listener.into_std() {
-                Ok(listener) => Box::new(move || {
+        let taken = match self {
+            Listener::Unix(listener) => listener.into_std().map(|listener| {
+                accept_waiting(|| {
                     let (stream, _) = listener.accept()?;
                     stream.set_nonblocking(true)?;
                     UnixStream::from_std(stream).map(Stream::Unix)
-                }),
-                Err(err) => {
-                    event!("error taking the queued connections: {err}");
-                    return Vec::new();
-                }
-            },
-            Listener::Tcp(listener) => match listener.into_std() {
-                Ok(listener) => Box::new(move || {
+                })
+            }),
+            Listener::Tcp(listener) => listener.into_std().map(|listener| {
+                accept_waiting(|| {
                     let (stream, _) = listener.accept()?;
                     stream.set_nonblocking(true)?;
                     TcpStream::from_std(stream).map(Stream::Tcp)
-                }),
-                Err(err) => {
-                    event!("error taking the queued connections: {err}");
-                    return Vec::new();
-                }
-            },
+                })
+            }),
         };
-        let mut queued = Vec::new();
-        loop {
-            match accept() {
-                Ok(stream) => queued.push(stream),
-                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
-                Err(err) => {
-                    if err.kind() != io::ErrorKind::WouldBlock {
-                        event!("error accepting: {err}");
-                    }
-                    return queued;
+        taken.unwrap_or_else(|err| {
+            event!("error taking the queued connections: {err}");
+            Vec::new()
+        })
+    }
+}
+
+/// Calls `accept` until it would block: every connection waiting now.
+fn accept_waiting(accept: impl Fn() -> io::Result<Stream>) -> Vec<Stream> {
+    let mut queued = Vec::new();
+    loop {
+        match accept() {
+            Ok(stream) => queued.push(stream),
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            Err(err) => {
+                if err.kind() != io::ErrorKind::WouldBlock {
+                    event!("error accepting: {err}");
                 }
+                return queued;
             }
         }
     }
