@@ -151,15 +151,7 @@ fn zero_tables(out: &mut String, zero: &ZeroReport) {
         }
         let _ = writeln!(out);
     }
-    let _ = writeln!(
-        out,
-        "#### Side by side: hold and naive restart against overlap\n"
-    );
-    let _ = writeln!(
-        out,
-        "| load | path | failed: overlap / hold / naive | p99 during swaps: overlap / hold (ratio) / naive (ratio) | gap p50: overlap / hold / naive | silence max: overlap / hold (ratio) / naive (ratio) |"
-    );
-    let _ = writeln!(out, "|---|---|---|---|---|---|");
+    let mut rows = String::new();
     for load in &loads {
         let mut vias: Vec<_> = zero
             .runs
@@ -180,7 +172,7 @@ fn zero_tables(out: &mut String, zero: &ZeroReport) {
                 continue;
             };
             let _ = writeln!(
-                out,
+                rows,
                 "| {load} | {} | {} / {} / {} | {} / {} ({}) / {} ({}) | {} / {} / {} | {} / {} ({}) / {} ({}) |",
                 via.name(),
                 o.failed,
@@ -202,7 +194,18 @@ fn zero_tables(out: &mut String, zero: &ZeroReport) {
             );
         }
     }
-    let _ = writeln!(out);
+    if !rows.is_empty() {
+        let _ = writeln!(
+            out,
+            "#### Side by side: hold and naive restart against overlap\n"
+        );
+        let _ = writeln!(
+            out,
+            "| load | path | failed: overlap / hold / naive | p99 during swaps: overlap / hold (ratio) / naive (ratio) | gap p50: overlap / hold / naive | silence max: overlap / hold (ratio) / naive (ratio) |"
+        );
+        let _ = writeln!(out, "|---|---|---|---|---|---|");
+        let _ = writeln!(out, "{rows}");
+    }
     listener_table(out, zero, &loads);
     let with_errors: Vec<&RunFigures> = zero
         .runs
