@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::scale::ScaleReport;
 use crate::stats::{Spread, ms, ratio};
-use crate::zero::{Kind, RunFigures, ZeroReport};
+use crate::zero::{Kind, RunFigures, Via, ZeroReport};
 
 /// What the figures were measured on.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -153,19 +153,8 @@ fn zero_tables(out: &mut String, zero: &ZeroReport) {
     }
     let mut rows = String::new();
     for load in &loads {
-        let mut vias: Vec<_> = zero
-            .runs
-            .iter()
-            .filter(|r| &r.load.name() == load)
-            .map(|r| r.via)
-            .collect();
-        vias.dedup();
-        for via in vias {
-            let find = |kind: Kind| {
-                zero.runs
-                    .iter()
-                    .find(|r| &r.load.name() == load && r.via == via && r.kind == kind)
-            };
+        for via in vias_of(zero, load, |_| true) {
+            let find = |kind: Kind| find_run(zero, load, via, kind);
             let (Some(o), Some(h), Some(n)) =
                 (find(Kind::Overlap), find(Kind::Hold), find(Kind::Naive))
             else {
@@ -259,19 +248,8 @@ fn listener_table(out: &mut String, zero: &ZeroReport, loads: &[String]) {
     );
     let _ = writeln!(out, "|---|---|---|---|---|");
     for load in loads {
-        let mut vias: Vec<_> = zero
-            .runs
-            .iter()
-            .filter(|r| &r.load.name() == load && r.kind.listener())
-            .map(|r| r.via)
-            .collect();
-        vias.dedup();
-        for via in vias {
-            let find = |kind: Kind| {
-                zero.runs
-                    .iter()
-                    .find(|r| &r.load.name() == load && r.via == via && r.kind == kind)
-            };
+        for via in vias_of(zero, load, Kind::listener) {
+            let find = |kind: Kind| find_run(zero, load, via, kind);
             let failed = |r: Option<&RunFigures>| r.map_or("-".into(), |r| r.failed.to_string());
             let slowest = |r: Option<&RunFigures>| {
                 r.map_or("-".into(), |r| {
@@ -300,6 +278,25 @@ fn listener_table(out: &mut String, zero: &ZeroReport, loads: &[String]) {
         }
     }
     let _ = writeln!(out);
+}
+
+/// The paths of the runs at `load` of a kind `wanted` takes, in run order.
+fn vias_of(zero: &ZeroReport, load: &str, wanted: impl Fn(Kind) -> bool) -> Vec<Via> {
+    let mut vias: Vec<Via> = zero
+        .runs
+        .iter()
+        .filter(|r| r.load.name() == load && wanted(r.kind))
+        .map(|r| r.via)
+        .collect();
+    vias.dedup();
+    vias
+}
+
+/// The run of `kind` through `via` at `load`.
+fn find_run<'a>(zero: &'a ZeroReport, load: &str, via: Via, kind: Kind) -> Option<&'a RunFigures> {
+    zero.runs
+        .iter()
+        .find(|r| r.load.name() == load && r.via == via && r.kind == kind)
 }
 
 fn spread_p50(spread: &Spread) -> String {

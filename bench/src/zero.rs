@@ -900,3 +900,58 @@ fn print_run(f: &RunFigures) {
         crate::stats::ms(f.silence.max),
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::loadgen::Group;
+
+    fn answered(start_ms: u64, latency_ms: u64) -> Sample {
+        Sample {
+            start_ns: start_ms * 1_000_000,
+            latency_ns: latency_ms * 1_000_000,
+            group: Group::PerRequest,
+            status: 200,
+            error: "",
+            generation: 1,
+        }
+    }
+
+    fn swap(begin_ms: u64, end_ms: u64) -> SwapRecord {
+        SwapRecord {
+            begin_ns: begin_ms * 1_000_000,
+            end_ns: end_ms * 1_000_000,
+            outcome: "done".into(),
+            ..SwapRecord::default()
+        }
+    }
+
+    #[test]
+    fn the_slowest_request_is_taken_per_swap_and_failures_are_not_latency() {
+        let mut refused = answered(110, 900);
+        refused.status = 0;
+        refused.error = "refused";
+        let samples = vec![
+            answered(10, 500),
+            answered(100, 3),
+            answered(105, 40),
+            refused,
+            answered(200, 7),
+            answered(210, 2),
+        ];
+        let records = [swap(100, 150), swap(200, 250)];
+        let figures = analyse(
+            Kind::HoldListener,
+            Via::Direct,
+            Load::Saturation,
+            &samples,
+            &records,
+            0,
+        );
+        // Each swap's slowest answered request: 40 and 7 ms; the 500 ms one
+        // started outside every swap, the refused one is a failure.
+        assert_eq!(figures.slowest.count, 2);
+        assert_eq!(figures.slowest.max, 40.0);
+        assert_eq!(figures.failed, 1);
+    }
+}
