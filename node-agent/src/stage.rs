@@ -15,13 +15,14 @@
 //! `abandoned` with `executed: false`, and the message names the file or
 //! URL and the rule it broke.
 
+use std::collections::HashMap;
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use genswap_crds::Artifact;
@@ -179,7 +180,55 @@ fn declared_size(size: Option<u64>) -> String {
 #[derive(Debug)]
 pub struct Store {
     dir: PathBuf,
+    /// Entries this process hashed, by digest, with the stamp they had.
+    verified: Mutex<HashMap<String, EntryStamp>>,
 }
+
+/// What says an entry's bytes are still the ones hashed: the kernel sets a
+/// file's ctime to the current time on every change of its bytes or mode
+/// (write, a write through a mapping, truncate, chmod; a rename over it
+/// makes a new inode), and no system call sets ctime to a chosen value. So
+/// the same device, inode, size, mode and ctime as when its bytes were
+/// hashed mean no one, root included, changed it since, provided the
+/// change would have got a later ctime; [`Store::remember`] makes sure of
+/// that (see [`STAMP_MARGIN`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct EntryStamp {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mode: u32,
+    ctime: i64,
+    ctime_nsec: i64,
+}
+
+impl EntryStamp {
+    fn of(path: &Path) -> Option<EntryStamp> {
+        let meta = fs::symlink_metadata(path).ok()?;
+        meta.file_type().is_file().then(|| EntryStamp {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            size: meta.size(),
+            mode: meta.mode(),
+            ctime: meta.ctime(),
+            ctime_nsec: meta.ctime_nsec(),
+        })
+    }
+
+    /// Its ctime as a wall-clock instant.
+    fn changed_at(&self) -> Option<SystemTime> {
+        let secs = u64::try_from(self.ctime).ok()?;
+        let nanos = u32::try_from(self.ctime_nsec).ok()?;
+        Some(UNIX_EPOCH + Duration::new(secs, nanos))
+    }
+}
+
+/// How much older than the start of its hash an entry's ctime must be for
+/// the stamp to be remembered. The kernel may take ctime from a coarse
+/// clock (one tick, 10 ms at the lowest HZ): a change within the tick of
+/// the entry's last change could keep its ctime. An entry changed that
+/// recently is hashed again next time instead.
+const STAMP_MARGIN: Duration = Duration::from_millis(25);
 
 impl Store {
     /// Opens the store at `dir`, creating it mode 0711 if missing. It must be
@@ -211,7 +260,51 @@ impl Store {
             });
         }
         fs::set_permissions(&dir, fs::Permissions::from_mode(STORE_DIR_MODE)).map_err(create)?;
-        Ok(Self { dir })
+        Ok(Self {
+            dir,
+            verified: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The entry of `sha256` without reading it, when this process hashed
+    /// it and its stamp has not changed since ([`EntryStamp`]), and it has
+    /// `size` bytes; `None` sends the caller down the copying path, which
+    /// hashes everything again.
+    fn verified_hit(&self, sha256: &str, size: u64) -> Option<Staged> {
+        let path = self.entry_path(sha256);
+        let now = EntryStamp::of(&path)?;
+        let remembered = self.lock_verified().get(sha256).copied()?;
+        (now == remembered && now.size == size && now.mode & 0o7777 == ENTRY_MODE).then(|| Staged {
+            path,
+            sha256: sha256.to_string(),
+            bytes: size,
+        })
+    }
+
+    /// Remembers the stamp `before` of the entry of `sha256`, whose bytes
+    /// were hashed from `hashing_began` and matched, if it is unchanged
+    /// after the hash (`after`) and old enough ([`STAMP_MARGIN`]).
+    fn remember(
+        &self,
+        sha256: &str,
+        before: Option<EntryStamp>,
+        after: Option<EntryStamp>,
+        hashing_began: SystemTime,
+    ) {
+        let (Some(before), Some(after)) = (before, after) else {
+            return;
+        };
+        let settled = before
+            .changed_at()
+            .is_some_and(|at| at + STAMP_MARGIN < hashing_began);
+        if before == after && settled {
+            self.lock_verified().insert(sha256.to_string(), before);
+        }
+    }
+
+    fn lock_verified(&self) -> std::sync::MutexGuard<'_, HashMap<String, EntryStamp>> {
+        // A poisoned lock guards a map a panicking thread left whole.
+        self.verified.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The store directory.
@@ -245,6 +338,7 @@ impl Store {
 
     /// Deletes an entry no generation runs any more (garbage collection).
     pub fn remove(&self, sha256: &str) -> io::Result<()> {
+        self.lock_verified().remove(sha256);
         match fs::remove_file(self.entry_path(sha256)) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             other => other,
@@ -252,7 +346,7 @@ impl Store {
     }
 
     /// A new temp file in the store that hashes what is written to it.
-    fn begin(&self, limit: u64, source_name: String) -> Result<EntryWriter, StoreError> {
+    fn begin(&self, limit: u64, source_name: String) -> Result<EntryWriter<'_>, StoreError> {
         let temp = self.dir.join(temp_name(".incoming"));
         let file = fs::OpenOptions::new()
             .write(true)
@@ -264,6 +358,7 @@ impl Store {
                 source,
             })?;
         Ok(EntryWriter {
+            store: self,
             dir: self.dir.clone(),
             temp: Some(temp),
             file,
@@ -276,7 +371,8 @@ impl Store {
 }
 
 /// A copy in progress. Dropped unfinished, it deletes its temp file.
-struct EntryWriter {
+struct EntryWriter<'a> {
+    store: &'a Store,
     dir: PathBuf,
     temp: Option<PathBuf>,
     file: File,
@@ -286,7 +382,7 @@ struct EntryWriter {
     source_name: String,
 }
 
-impl EntryWriter {
+impl EntryWriter<'_> {
     fn temp_path(&self) -> PathBuf {
         self.temp.clone().unwrap_or_default()
     }
@@ -339,7 +435,13 @@ impl EntryWriter {
         match fs::hard_link(&temp, &entry) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                if !entry_intact(&entry, &actual) {
+                let hashing_began = SystemTime::now();
+                let before = EntryStamp::of(&entry);
+                let intact = entry_intact(&entry, &actual);
+                if intact {
+                    self.store
+                        .remember(&actual, before, EntryStamp::of(&entry), hashing_began);
+                } else {
                     tracing::warn!(
                         entry = %entry.display(),
                         "store entry does not match its name; replacing it with the verified copy"
@@ -362,7 +464,7 @@ impl EntryWriter {
     }
 }
 
-impl Drop for EntryWriter {
+impl Drop for EntryWriter<'_> {
     fn drop(&mut self) {
         if let Some(temp) = self.temp.take() {
             let _ = fs::remove_file(temp);
@@ -506,6 +608,12 @@ impl Stager {
     ) -> Result<Staged, StageError> {
         check_digest(expected_sha256)?;
         let (file, size) = self.open_checked(path)?;
+        // Every check of the source above still runs; what a hit skips is
+        // reading it. The entry, not the source, is what runs, and it still
+        // holds the bytes hashed as the pinned digest.
+        if let Some(staged) = self.inner.store.verified_hit(expected_sha256, size) {
+            return Ok(staged);
+        }
         let mut entry = self
             .inner
             .store
@@ -729,7 +837,7 @@ fn copy_into(
     mut file: File,
     size: u64,
     path: &str,
-    entry: &mut EntryWriter,
+    entry: &mut EntryWriter<'_>,
 ) -> Result<(), StageError> {
     let mut buffer =
         vec![0u8; COPY_BUFFER.min(usize::try_from(size).unwrap_or(COPY_BUFFER).max(1))];

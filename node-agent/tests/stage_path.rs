@@ -471,3 +471,56 @@ fn the_store_refuses_a_directory_it_does_not_own_or_that_is_not_one() {
     fs::write(real.join(".incoming.tmp-1-2-3"), b"partial").expect("leftover");
     assert_eq!(store.remove_temp_files().expect("clean"), 1);
 }
+
+/// A store hit (issue 17): once this process has hashed an entry that has
+/// not changed since, staging the same digest again checks the source but
+/// does not read it: a source rewritten to other bytes of the same size is
+/// staged as the entry's verified bytes, which is what runs. Any change to
+/// the entry (here chmod and a write) sends staging down the copying path
+/// again, which hashes the source and refuses it.
+#[test]
+fn a_store_hit_runs_the_verified_entry_and_a_changed_entry_is_hashed_again() {
+    let fx = Fixture::new();
+    let good = script(0);
+    let other = script(5);
+    assert_eq!(good.len(), other.len(), "same size, other bytes");
+    let digest = sha256(&good);
+    let source = fx.put(&fx.root.join("app"), &good, 0o755);
+    let staged = fx.stage(&source, &digest).expect("staged");
+
+    // The stamp is remembered once the entry is older than its margin:
+    // poll until a stage of the other bytes is taken from the store.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        fx.put(&source, &good, 0o755);
+        fx.stage(&source, &digest).expect("staged again");
+        fx.put(&source, &other, 0o755);
+        match fx.stage(&source, &digest) {
+            Ok(hit) => {
+                assert_eq!(hit.path, staged.path);
+                break;
+            }
+            Err(StageError::DigestMismatch { .. }) => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "no store hit within 10 s"
+                );
+            }
+            Err(other) => panic!("unexpected refusal: {other}"),
+        }
+    }
+    assert_eq!(run(&staged.path).code(), Some(0), "the verified bytes run");
+
+    fs::set_permissions(&staged.path, fs::Permissions::from_mode(0o755)).expect("chmod");
+    fs::write(&staged.path, &other).expect("tamper");
+    match fx.stage(&source, &digest) {
+        Err(StageError::DigestMismatch { .. }) => {}
+        other => panic!("a changed entry is no hit: {other:?}"),
+    }
+    fx.put(&source, &good, 0o755);
+    let again = fx
+        .stage(&source, &digest)
+        .expect("staged from the good source");
+    assert_eq!(sha256(&fs::read(&again.path).expect("read")), digest);
+    assert_eq!(run(&again.path).code(), Some(0));
+}
