@@ -4,7 +4,7 @@
 //! [`wait_healthy`] asks until an answer below 500 arrives or the deadline
 //! passes. A missing socket (the process has not bound it yet), a refused
 //! connection, a 5xx answer and a request that hangs are all retried, with a
-//! short backoff (20 ms doubling to 200 ms), each try bounded by its own
+//! short backoff (1 ms doubling to 200 ms), each try bounded by its own
 //! request timeout. The last observation is kept, so a timeout says what
 //! went wrong: "no healthy answer on /run/genswap/default.app/gen-3.sock
 //! (GET /) within 30s after 212 attempts: last attempt: connection refused".
@@ -53,7 +53,10 @@ impl HealthPolicy {
         Self {
             timeout,
             request_timeout: Duration::from_secs(5),
-            initial_backoff: Duration::from_millis(20),
+            // A try that finds no socket costs a failed connect; starting
+            // at 1 ms finds a successor that binds a few ms late within a
+            // ms or two of its bind, where 20 ms made it wait up to 20.
+            initial_backoff: Duration::from_millis(1),
             max_backoff: Duration::from_millis(200),
         }
     }
