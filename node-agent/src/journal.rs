@@ -14,10 +14,25 @@
 //!   began (`unreported`), so no outcome is ever lost.
 //!
 //! Every write replaces the whole file: a temp file in the same directory is
-//! written and fsynced, renamed over the file, and the directory is fsynced.
-//! A reader sees the old file or the new one, never a mix; a crash leaves at
-//! most a `*.tmp-*` file that readers ignore and
-//! [`Journal::remove_temp_files`] deletes.
+//! written and fsynced, renamed over the file, and (for a [`Durability::Durable`]
+//! write) the directory is fsynced. A reader sees the old file or the new
+//! one, never a mix; a crash leaves at most a `*.tmp-*` file that readers
+//! ignore and [`Journal::remove_temp_files`] deletes.
+//!
+//! # Which writes are durable
+//!
+//! Every write survives the agent's own death: the rename is visible to the
+//! next agent at once. What a crash of the whole node may undo is a rename
+//! whose directory was not fsynced. A [`Durability::Ordered`] write skips
+//! that fsync: after a node crash the file is that version or an earlier
+//! one, each whole (its bytes were synced before the rename). The engine
+//! uses it for phases whose loss a node crash makes harmless, because the
+//! crash stops every generation and recovery's decision for an earlier
+//! phase with nothing running is the same: admitted, a parent raise (the
+//! cgroup is gone too), spawned, healthy, the switch's serving record. Two
+//! writes stay durable: the intent before the exec (`spawning`: a build may
+//! have run, so `executed` can never be read back as false) and the outcome
+//! with the lineage (what was reported `done` is what is started again).
 //!
 //! Each file carries a `checksum`, the sha256 of the entry's compact JSON,
 //! so damage that still leaves well-formed JSON (a flipped digit, a letter
@@ -56,6 +71,29 @@ use thiserror::Error;
 use crate::disk_name::{self, DiskName};
 use crate::gate::InstanceKey;
 use crate::switch::{fsync_dir, temp_name};
+
+/// How far a write must have reached the disk before it returns (see the
+/// module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Durability {
+    /// Survives a crash of the node: the file and its directory are fsynced.
+    #[default]
+    Durable,
+    /// Survives the agent's death; a node crash leaves this version or an
+    /// earlier one, whole: the file is fsynced, its directory is not.
+    Ordered,
+}
+
+/// One write of an attempt's record, and what else it changes in the same
+/// file.
+#[derive(Clone, Debug, Default)]
+pub struct AttemptWrite {
+    pub durability: Durability,
+    /// What the attempt's end does to the supervised lineage.
+    pub lineage: Lineage,
+    /// `Some`: the generation serving now (`Some(None)`: nothing serves).
+    pub serving: Option<Option<GenerationRecord>>,
+}
 
 /// The journal's directory under the agent's state dir.
 pub const JOURNAL_DIR: &str = "journal";
@@ -185,9 +223,10 @@ impl Supervised {
 }
 
 /// What an attempt's end does to the instance's [`Supervised`] lineage.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub enum Lineage {
     /// Unchanged (an attempt that left the incumbent as it was).
+    #[default]
     Keep,
     /// Replaced: a `done` installed a new lineage.
     Set(Box<Supervised>),
@@ -619,13 +658,30 @@ impl Journal {
     /// has not finished. The generation counter is kept above the record's
     /// generations.
     pub fn record(&self, record: &Record) -> Result<(), JournalError> {
-        self.finish(record, Lineage::Keep)
+        self.write_attempt(record, AttemptWrite::default())
     }
 
     /// [`record`](Self::record), and in the same write what the attempt's
     /// end does to the supervised lineage.
     pub fn finish(&self, record: &Record, lineage: Lineage) -> Result<(), JournalError> {
-        self.update(&record.instance, |entry| {
+        self.write_attempt(
+            record,
+            AttemptWrite {
+                lineage,
+                ..AttemptWrite::default()
+            },
+        )
+    }
+
+    /// [`record`](Self::record) with the durability and the other changes
+    /// `write` asks for, all in one write of the file.
+    pub fn write_attempt(&self, record: &Record, write: AttemptWrite) -> Result<(), JournalError> {
+        let AttemptWrite {
+            durability,
+            lineage,
+            serving,
+        } = write;
+        self.update_with(&record.instance, durability, |entry| {
             if let Some(current) = entry.attempt.take() {
                 if current.same_attempt(record) {
                     // Replaced below.
@@ -643,6 +699,9 @@ impl Journal {
                 }
             }
             entry.attempt = Some(record.clone());
+            if let Some(serving) = serving {
+                entry.serving = serving;
+            }
             entry.bump_above_known();
             if record.restart.is_some() && record.outcome.is_some() {
                 // Nobody reports a restart: once it ended, the lineage is
@@ -702,7 +761,7 @@ impl Journal {
             }
             entry.serving = None;
             entry.supervised = None;
-            self.write_entry(&entry)
+            self.write_entry(&entry, Durability::Durable)
         })
     }
 
@@ -813,6 +872,23 @@ impl Journal {
             .iter()
             .flat_map(InstanceEntry::pending_reports)
             .collect())
+    }
+
+    /// The number the instance's next generation takes, without a write:
+    /// the first record that names it as a successor moves the counter past
+    /// it (every write keeps the counter above the generations it names).
+    /// Nothing may use the number on the host before such a record is on
+    /// file; until then, handing it out again is harmless.
+    pub fn next_generation(&self, instance: &InstanceKey) -> Result<u64, JournalError> {
+        let entry = self.locked(instance, || self.read_entry(instance))?;
+        let mut entry = entry.unwrap_or_else(|| InstanceEntry::new(instance.clone()));
+        entry.bump_above_known();
+        if entry.next_generation == u64::MAX {
+            return Err(JournalError::GenerationsExhausted {
+                instance: instance.clone(),
+            });
+        }
+        Ok(entry.next_generation)
     }
 
     /// Reserves the instance's next generation number, durably: the number
@@ -967,13 +1043,22 @@ impl Journal {
         instance: &InstanceKey,
         change: impl FnOnce(&mut InstanceEntry) -> Result<(T, bool), JournalError>,
     ) -> Result<T, JournalError> {
+        self.update_with(instance, Durability::Durable, change)
+    }
+
+    fn update_with<T>(
+        &self,
+        instance: &InstanceKey,
+        durability: Durability,
+        change: impl FnOnce(&mut InstanceEntry) -> Result<(T, bool), JournalError>,
+    ) -> Result<T, JournalError> {
         self.locked(instance, || {
             let mut entry = self
                 .read_entry(instance)?
                 .unwrap_or_else(|| InstanceEntry::new(instance.clone()));
             let (result, changed) = change(&mut entry)?;
             if changed {
-                self.write_entry(&entry)?;
+                self.write_entry(&entry, durability)?;
             }
             Ok(result)
         })
@@ -1009,8 +1094,13 @@ impl Journal {
         Ok(Some(entry))
     }
 
-    /// Temp file, write, fsync, rename, fsync the directory.
-    fn write_entry(&self, entry: &InstanceEntry) -> Result<(), JournalError> {
+    /// Temp file, write, fsync, rename, and for a durable write fsync the
+    /// directory.
+    fn write_entry(
+        &self,
+        entry: &InstanceEntry,
+        durability: Durability,
+    ) -> Result<(), JournalError> {
         let path = self.path_of(&entry.instance);
         let encode_err = |source| JournalError::Encode {
             instance: entry.instance.clone(),
@@ -1040,7 +1130,10 @@ impl Journal {
             let _ = fs::remove_file(&temp);
             return Err(write_err(e));
         }
-        fsync_dir(&self.dir).map_err(write_err)
+        match durability {
+            Durability::Durable => fsync_dir(&self.dir).map_err(write_err),
+            Durability::Ordered => Ok(()),
+        }
     }
 
     /// Runs `f` holding the instance's lock.

@@ -16,7 +16,10 @@ use super::{Cancel, Engine, Process, Running, hold, overlap};
 use crate::cgroup::Tier;
 use crate::classify::{AdmissionRefusal, StepError, StepOutcome, classify};
 use crate::gate::{AttemptGate, GatePoint};
-use crate::journal::{AttemptRef, GenerationRecord, OutcomeRecord, Phase, Record, unix_millis_now};
+use crate::journal::{
+    AttemptRef, AttemptWrite, Durability, GenerationRecord, OutcomeRecord, Phase, Record,
+    unix_millis_now,
+};
 
 /// An attempt that ended before its mode's last step: what the classifier
 /// made of the error, and the error.
@@ -84,6 +87,12 @@ pub(super) struct Run<'a> {
     /// here on is `down`.
     pub(super) incumbent_stopped: bool,
     pub(super) record: Record,
+    /// A change of the serving generation the journal does not hold yet:
+    /// the next write of the record carries it.
+    pub(super) serving_now: Option<Option<GenerationRecord>>,
+    /// A write still running in the background (the `spawned` phase, while
+    /// health runs); every later write waits for it, so phases land in order.
+    pending_write: Option<tokio::task::JoinHandle<()>>,
     started_at: SystemTime,
 }
 
@@ -136,11 +145,15 @@ pub(super) async fn run(
         drain: None,
         incumbent_stopped: false,
         record,
+        serving_now: None,
+        pending_write: None,
         started_at,
     };
     // SPEC 5.2: the effective mode is on disk before anything else happens,
-    // so a failure is booked under the mode that actually ran.
-    if let Err(ended) = run.step(Step::Journal, false, run.write_journal()).await {
+    // so a failure is booked under the mode that actually ran. An agent that
+    // dies now finds it; a node crash loses nothing by undoing it.
+    let write = run.write_journal(Durability::Ordered);
+    if let Err(ended) = run.step(Step::Journal, false, write).await {
         return run.end(ended, false).await;
     }
     crate::failpoint!(run.crash_scope(), "admitted");
@@ -259,39 +272,86 @@ impl<'a> Run<'a> {
         result.map_err(|error| Ended { outcome, error })
     }
 
-    /// Writes the attempt's record, durably.
-    pub(super) fn write_journal(&self) -> impl Future<Output = Result<(), StepError>> + 'static {
+    /// Writes the attempt's record, and a serving change not yet on file,
+    /// after any write still in the background.
+    pub(super) fn write_journal(
+        &mut self,
+        durability: Durability,
+    ) -> impl Future<Output = Result<(), StepError>> + 'static {
+        self.write_journal_with(AttemptWrite {
+            durability,
+            ..AttemptWrite::default()
+        })
+    }
+
+    fn write_journal_with(
+        &mut self,
+        mut write: AttemptWrite,
+    ) -> impl Future<Output = Result<(), StepError>> + 'static {
         let journal = Arc::clone(&self.engine.journal);
         let record = self.record.clone();
+        write.serving = self.serving_now.take().or(write.serving);
+        let pending = self.pending_write.take();
         async move {
-            parts::blocking(move || journal.record(&record))
+            if let Some(pending) = pending {
+                // Its error was logged where it ran.
+                let _ = pending.await;
+            }
+            parts::blocking(move || journal.write_attempt(&record, write))
                 .await
                 .map_err(StepError::Journal)
         }
     }
 
-    /// Moves the record to `phase` and writes it, for a phase whose action
-    /// must go on even when the journal cannot say so (a switch that
-    /// happened, a retirement that is owed): a failed write is logged, and
-    /// recovery works from the host.
+    /// Moves the record to `phase` and writes it (ordered: none of these
+    /// phases needs to outlive a node crash), for a phase whose action must
+    /// go on even when the journal cannot say so (a switch that happened, a
+    /// retirement that is owed): a failed write is logged, and recovery
+    /// works from the host.
     pub(super) async fn advance_after_exec(&mut self, phase: Phase) {
         self.record.advance(phase);
-        if let Err(error) = self.write_journal().await {
-            tracing::error!(
-                instance = %self.attempt.instance,
-                attempt = %self.attempt.name,
-                error = %reason_of(&error),
-                "the intent journal could not record a phase; the attempt goes on"
-            );
+        let write = self.write_journal(Durability::Ordered);
+        if let Err(error) = write.await {
+            self.log_unjournaled(&error);
         }
     }
 
-    /// Reserves the successor's generation number from the journal's
-    /// counter and describes it in the record.
+    /// [`advance_after_exec`](Self::advance_after_exec) without waiting:
+    /// the write runs beside the next step, and the write after it waits
+    /// for it.
+    fn advance_in_background(&mut self, phase: Phase) {
+        self.record.advance(phase);
+        let write = self.write_journal(Durability::Ordered);
+        let (instance, attempt) = (self.attempt.instance.clone(), self.attempt.name.clone());
+        self.pending_write = Some(tokio::spawn(async move {
+            if let Err(error) = write.await {
+                tracing::error!(
+                    %instance,
+                    %attempt,
+                    error = %reason_of(&error),
+                    "the intent journal could not record a phase; the attempt goes on"
+                );
+            }
+        }));
+    }
+
+    fn log_unjournaled(&self, error: &StepError) {
+        tracing::error!(
+            instance = %self.attempt.instance,
+            attempt = %self.attempt.name,
+            error = %reason_of(error),
+            "the intent journal could not record a phase; the attempt goes on"
+        );
+    }
+
+    /// Picks the successor's generation number and describes it in the
+    /// record. Nothing is written here: the first write of the record
+    /// (before anything of the successor exists on the host) keeps the
+    /// journal's counter above it.
     pub(super) async fn reserve_generation(&mut self, staged: &Staged) -> Result<u64, StepError> {
         let journal = Arc::clone(&self.engine.journal);
         let instance = self.attempt.instance.clone();
-        let n = parts::blocking(move || journal.allocate_generation(&instance))
+        let n = parts::blocking(move || journal.next_generation(&instance))
             .await
             .map_err(StepError::Journal)?;
         let instance_cgroup = self.engine.cgroups.instance_handle(&self.attempt.instance);
@@ -392,10 +452,11 @@ impl<'a> Run<'a> {
             }
         };
         crate::failpoint!(self.crash_scope(), "after_spawn");
-        self.advance_after_exec(Phase::Spawned {
+        // The pid only helps a recovery adopt the right process; it lands
+        // while the successor boots.
+        self.advance_in_background(Phase::Spawned {
             pid: i32::try_from(running.process.pid()).unwrap_or(i32::MAX),
-        })
-        .await;
+        });
         crate::failpoint!(self.crash_scope(), "before_health");
 
         let health = &self.attempt.spec.health;
@@ -420,7 +481,13 @@ impl<'a> Run<'a> {
                 return Err(ended);
             }
         }
-        self.advance_after_exec(Phase::Healthy).await;
+        if self.mode == Mode::Hold {
+            // Recovery keeps a hold's successor only once this is on file.
+            self.advance_after_exec(Phase::Healthy).await;
+        } else {
+            // An overlap's recovery goes by where `current.sock` points.
+            self.record.advance(Phase::Healthy);
+        }
         crate::failpoint!(self.crash_scope(), "after_health");
 
         if self.attempt.settles() {
@@ -548,13 +615,17 @@ impl<'a> Run<'a> {
             started_at_ms: millis_since_epoch(result.started_at),
             finished_at_ms: millis_since_epoch(result.finished_at),
         });
-        let journal = Arc::clone(&self.engine.journal);
         let serving_after = result
             .generation
             .filter(|_| result.outcome == Outcome::Done && !result.clean_exit);
         let lineage = self.record.lineage_after(serving_after);
-        let record = self.record.clone();
-        if let Err(error) = parts::blocking(move || journal.finish(&record, lineage)).await {
+        // Durable: what is reported `done` is what a rebooted node starts.
+        let write = self.write_journal_with(AttemptWrite {
+            durability: Durability::Durable,
+            lineage,
+            serving: None,
+        });
+        if let Err(error) = write.await {
             tracing::error!(
                 instance = %self.attempt.instance,
                 attempt = %self.attempt.name,

@@ -12,7 +12,7 @@ use super::parts;
 use super::types::Step;
 use crate::cgroup::Tier;
 use crate::classify::StepError;
-use crate::journal::{Phase, unix_millis_now};
+use crate::journal::{Durability, Phase, unix_millis_now};
 use crate::switch::point_current;
 
 /// Runs a hold (or a worker's stop-then-start) from staging to the switch.
@@ -34,7 +34,7 @@ pub(super) async fn run(run: &mut Run<'_>, claim: &mut Claim<'_>) -> Result<Fini
     // The intent, with the successor's number and paths, before the stop:
     // from here recovery knows the incumbent may be gone.
     run.record.advance(Phase::IncumbentStopped);
-    let write = run.write_journal();
+    let write = run.write_journal(Durability::Ordered);
     run.step(Step::Journal, false, write).await?;
     crate::failpoint!(run.crash_scope(), "before_stop");
 
@@ -64,7 +64,8 @@ pub(super) async fn run(run: &mut Run<'_>, claim: &mut Claim<'_>) -> Result<Fini
                     );
                 }
                 claim.publish();
-                parts::journal_serving(run, None).await;
+                // On file with the intent before the exec, next.
+                run.serving_now = Some(None);
                 run.note(Step::Stop, started, Ok(()))?;
             }
             Err((incumbent, error)) => {
@@ -115,15 +116,16 @@ async fn after_stop(
     run.note(Step::Raise, started, tiered)?;
     crate::failpoint!(run.crash_scope(), "after_raise");
 
+    // The one durable intent before the exec (SPEC 5.5 step 4).
     run.record.advance(Phase::Spawning);
-    let write = run.write_journal();
+    let write = run.write_journal(Durability::Durable);
     run.step(Step::Journal, false, write).await?;
     crate::failpoint!(run.crash_scope(), "after_journal");
 
     match run.start_successor(staged, tier).await? {
         Started::CleanExit => {
             parts::remove_current_link(&run.engine.layout, &run.attempt.instance);
-            parts::journal_serving(run, None).await;
+            run.serving_now = Some(None);
             Ok(Finished {
                 clean_exit: true,
                 note: String::new(),
@@ -132,7 +134,8 @@ async fn after_stop(
         Started::Serving(successor) => {
             let mut successor = *successor;
             let started = Instant::now();
-            run.advance_after_exec(Phase::Switched).await;
+            // `healthy` on file already decides a recovery the same way.
+            run.record.advance(Phase::Switched);
             crate::failpoint!(run.crash_scope(), "before_switch");
             let instance_dir = run.engine.layout.instance_dir(&run.attempt.instance);
             let switched = point_current(&instance_dir, &successor.record.socket);
@@ -143,7 +146,8 @@ async fn after_stop(
             }
             crate::failpoint!(run.crash_scope(), "after_switch");
             successor.record.serving_since_ms = Some(unix_millis_now());
-            parts::journal_serving(run, Some(successor.record.clone())).await;
+            // With the outcome, durably.
+            run.serving_now = Some(Some(successor.record.clone()));
             claim.serving = Some(successor);
             claim.publish();
             run.note(Step::Switch, started, Ok(()))?;

@@ -12,7 +12,7 @@ use super::{Claim, Running};
 use crate::cgroup::{ParentRaise, Tier};
 use crate::classify::{StepError, StepOutcome};
 use crate::gate::GatePoint;
-use crate::journal::{Phase, unix_millis_now};
+use crate::journal::{Durability, Phase, unix_millis_now};
 use crate::switch::point_current;
 
 /// Runs an overlap from staging to the retirement. With no serving
@@ -69,8 +69,9 @@ async fn after_admission(
     run.note(Step::Raise, started, raised)?;
     crate::failpoint!(run.crash_scope(), "after_raise");
 
+    // The one durable intent before the exec (SPEC 5.5 step 4).
     run.record.advance(Phase::Spawning);
-    let write = run.write_journal();
+    let write = run.write_journal(Durability::Durable);
     run.step(Step::Journal, false, write).await?;
     crate::failpoint!(run.crash_scope(), "after_journal");
 
@@ -98,6 +99,7 @@ async fn after_admission(
 
     let mut finished = Finished::default();
     if let Some(retiring) = retiring {
+        // Carries the new serving generation too.
         run.advance_after_exec(Phase::IncumbentStopped).await;
         crate::failpoint!(run.crash_scope(), "before_retire");
         let started = Instant::now();
@@ -158,7 +160,8 @@ async fn raise_parent(
     run.record.advance(Phase::ParentRaised {
         saved: parts::saved_limits(prepared.record()),
     });
-    run.write_journal().await?;
+    // Ordered: a node crash takes the raised cgroup with it.
+    run.write_journal(Durability::Ordered).await?;
     let applying = raise.insert(prepared);
     applying.apply()?;
     Ok(())
@@ -194,6 +197,9 @@ fn restore_parent(run: &mut Run<'_>, raise: Option<ParentRaise>) -> Option<Strin
 
 /// SPEC 5.5 step 8: the gate again, the successor still alive, then
 /// `current.sock` repointed. If the link cannot move, nothing switched.
+/// No journal write comes first: recovery reads where the link points, and
+/// the link's rename is durable on its own. The new serving generation goes
+/// to the journal with the next write.
 async fn switch(run: &mut Run<'_>, successor: &mut Running) -> Result<(), StepError> {
     run.ctx().check_gate(GatePoint::Switch)?;
     if let Some(status) = parts::has_exited(successor) {
@@ -205,13 +211,12 @@ async fn switch(run: &mut Run<'_>, successor: &mut Running) -> Result<(), StepEr
         });
     }
     run.record.advance(Phase::Switched);
-    run.write_journal().await?;
     crate::failpoint!(run.crash_scope(), "before_switch");
     let instance_dir = run.engine.layout.instance_dir(&run.attempt.instance);
     point_current(&instance_dir, &successor.record.socket)?;
     crate::failpoint!(run.crash_scope(), "after_switch");
     successor.record.serving_since_ms = Some(unix_millis_now());
-    parts::journal_serving(run, Some(successor.record.clone())).await;
+    run.serving_now = Some(Some(successor.record.clone()));
     Ok(())
 }
 

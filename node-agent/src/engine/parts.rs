@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use genswap_crds::{BuildSpec, ProcessSpec, StopSpec};
 
-use super::flow::{Run, reason_of};
+use super::flow::reason_of;
 use super::{Engine, Process, Running};
 use crate::cgroup::{Cgroup, CgroupError, Controller, RaiseRecord, StopReport, stop_signal};
 use crate::classify::StepError;
@@ -121,20 +121,6 @@ pub(super) fn saved_limits(record: &RaiseRecord) -> SavedLimits {
 pub(super) fn remove_empty_instance(engine: &Engine, instance: &InstanceKey) {
     let _ = engine.cgroups.instance_handle(instance).remove();
     let _ = engine.layout.remove_instance_dir(instance);
-}
-
-/// Records what serves the instance now. A failed write is logged: the
-/// host (cgroups, `current.sock`) is what recovery trusts in the end.
-pub(super) async fn journal_serving(run: &Run<'_>, serving: Option<GenerationRecord>) {
-    let journal = Arc::clone(&run.engine.journal);
-    let instance = run.attempt.instance.clone();
-    if let Err(error) = blocking(move || journal.set_serving(&instance, serving)).await {
-        tracing::error!(
-            instance = %run.attempt.instance,
-            error = %reason_of(&error),
-            "the intent journal could not record the serving generation"
-        );
-    }
 }
 
 /// Stops a generation with proof of exit (SPEC 5.5 step 9): the stop signal,
