@@ -25,6 +25,7 @@ pub mod health;
 pub mod host;
 pub mod journal;
 pub mod kube;
+mod launch;
 pub mod listener_keeper;
 pub mod listeners;
 pub mod logs;

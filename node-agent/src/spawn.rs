@@ -9,27 +9,23 @@
 //!
 //! # Placement
 //!
-//! The child writes `0` to its cgroup's `cgroup.procs` in a `pre_exec` hook,
-//! through a descriptor the parent opened before the fork. So the build's
-//! first instruction already runs in its cgroup, and everything it forks
-//! stays there. `clone3(CLONE_INTO_CGROUP)` would do the same one step
-//! earlier, but needs a raw clone and a hand-written exec path; std's
-//! Command is proven and keeps the unsafe surface to one hook.
+//! The child is created inside its cgroup by `clone3(CLONE_INTO_CGROUP)`
+//! ([`crate::launch`]), so the build's first instruction already runs there
+//! and everything it forks stays there; where the kernel refuses that, the
+//! forked child writes `0` to `cgroup.procs` before anything else.
 //!
 //! # Telling "nothing ran" from "the build failed"
 //!
-//! std reports a failure of the hook and a failure of the exec through the
-//! same `io::Error`. The hook therefore also writes one byte to a
-//! close-on-exec status pipe of its own: the code of the [`SetupStep`] that
-//! failed, or a final "exec next" byte once every step passed. The parent
-//! reads it after the spawn returns:
+//! The child reports over a close-on-exec status pipe: the code of the
+//! [`SetupStep`] that failed, or an "exec next" byte once every step
+//! passed, then the errno if the exec failed:
 //!
-//! | spawn | byte | error | meaning |
-//! | --- | --- | --- | --- |
-//! | Ok | - | - | the build is running |
-//! | Err | "exec next" | [`SpawnError::Exec`] | the exec failed: the build's failure |
-//! | Err | a step | [`SpawnError::Setup`] | the child never exec'd: nothing ran |
-//! | Err | none | [`SpawnError::Fork`] | fork or std's own child setup failed: nothing ran |
+//! | report | error | meaning |
+//! | --- | --- | --- |
+//! | "exec next", then end-of-file | - | the build is running |
+//! | "exec next", then an errno | [`SpawnError::Exec`] | the exec failed: the build's failure |
+//! | a step | [`SpawnError::Setup`] | the child never exec'd: nothing ran |
+//! | nothing | [`SpawnError::Fork`] | no child, or it ended at once: nothing ran |
 //!
 //! # Text file busy
 //!
@@ -43,12 +39,9 @@
 //! something else on the host: [`SpawnError::ExecBusy`], not the build's
 //! failure.
 //!
-//! The spawn uses std's `Command`, not tokio's: std's spawn returns Ok
-//! exactly when the exec succeeded, while tokio's may return an error after
-//! a successful exec (registering the child with its reaper), which would
-//! read as an exec failure while the build runs. The exit is awaited through
-//! a pidfd registered with tokio ([`Spawned::wait`]), with SIGCHLD as the
-//! fallback where pidfds are unavailable.
+//! The exit is awaited through the pidfd `clone3` returned, registered with
+//! tokio ([`Spawned::wait`]), with SIGCHLD as the fallback where pidfds are
+//! unavailable.
 
 use std::ffi::CString;
 use std::fmt;
@@ -57,9 +50,8 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::time::Duration;
 
 use nix::errno::Errno;
@@ -68,6 +60,7 @@ use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
 use crate::cgroup::Cgroup;
+use crate::launch::{self, ChildStep, ExecImage, Launch, LaunchError, Launched, SETUP_FD_FLOOR};
 
 /// The `PATH` a generation gets unless its spec sets one.
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -78,12 +71,6 @@ pub const ENV_GENERATION: &str = "GENSWAP_GENERATION";
 /// The build id.
 pub const ENV_BUILD: &str = "GENSWAP_BUILD";
 
-/// The status byte the hook writes once every setup step passed.
-const EXEC_NEXT: u8 = b'x';
-/// After [`EXEC_NEXT`]: the child's own exec failed; its errno follows
-/// (four bytes, little-endian).
-const EXEC_FAILED: u8 = b'e';
-
 /// Socket activation (`sd_listen_fds(3)`): how many fds from 3 are passed.
 pub const ENV_LISTEN_FDS: &str = "LISTEN_FDS";
 /// Socket activation: the pid they are for, the generation's own.
@@ -93,11 +80,6 @@ pub const ENV_LISTEN_FDNAMES: &str = "LISTEN_FDNAMES";
 
 /// The first fd of the sockets handed over by socket activation.
 const LISTEN_FDS_START: i32 = 3;
-
-/// Descriptors the child uses during setup are moved at least this high
-/// when sockets are handed over, so that placing those at 3.. cannot
-/// overwrite them.
-const SETUP_FD_FLOOR: i32 = 100;
 
 /// Where a generation's stdout or stderr goes.
 #[derive(Clone, Debug, Default)]
@@ -194,8 +176,11 @@ impl SpawnSpec {
 /// A step the child takes between fork and exec.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SetupStep {
-    /// Writing its pid to the generation's `cgroup.procs`.
+    /// Writing its pid to the generation's `cgroup.procs` (only where the
+    /// kernel could not create it there).
     JoinCgroup,
+    /// Placing `/dev/null` and its output at fds 0 to 2.
+    Stdio,
     /// `setsid`.
     NewSession,
     /// `prctl(PR_SET_NO_NEW_PRIVS)`.
@@ -213,8 +198,9 @@ pub enum SetupStep {
 }
 
 impl SetupStep {
-    const ALL: [SetupStep; 8] = [
+    const ALL: [SetupStep; 9] = [
         SetupStep::JoinCgroup,
+        SetupStep::Stdio,
         SetupStep::NewSession,
         SetupStep::NoNewPrivs,
         SetupStep::Groups,
@@ -226,7 +212,8 @@ impl SetupStep {
 
     fn code(self) -> u8 {
         match self {
-            SetupStep::JoinCgroup => b'c',
+            SetupStep::JoinCgroup => launch::JOIN_CGROUP,
+            SetupStep::Stdio => b'o',
             SetupStep::NewSession => b's',
             SetupStep::NoNewPrivs => b'n',
             SetupStep::Groups => b'G',
@@ -246,6 +233,7 @@ impl fmt::Display for SetupStep {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             SetupStep::JoinCgroup => "join its generation cgroup",
+            SetupStep::Stdio => "set up its standard input and output",
             SetupStep::NewSession => "start a new session",
             SetupStep::NoNewPrivs => "set no_new_privs",
             SetupStep::Groups => "set its supplementary groups",
@@ -298,8 +286,8 @@ pub enum SpawnError {
         #[source]
         source: io::Error,
     },
-    /// The fork, or std's own child setup before the hook (stdio), failed.
-    #[error("cannot start generation {generation}: fork or stdio setup failed: {source}")]
+    /// The fork failed, or the child ended before it reported anything.
+    #[error("cannot start generation {generation}: {source}")]
     Fork {
         generation: u64,
         #[source]
@@ -608,129 +596,111 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     let generation = spec.generation;
     check_root(spec)?;
     let plan = Plan::new(spec)?;
-
-    let procs_path = spec.cgroup.procs_file();
-    let procs: OwnedFd = OpenOptions::new()
-        .write(true)
-        .open(&procs_path)
-        .map_err(|source| SpawnError::OpenCgroup {
-            generation,
-            path: procs_path.clone(),
-            source,
-        })?
-        .into();
-    let (status_read, status_write) =
-        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| SpawnError::Prepare {
-            generation,
-            what: "create the status pipe".to_owned(),
-            source: e.into(),
-        })?;
-    let stdout = stdio_for(&spec.stdout, generation)?;
-    let stderr = stdio_for(&spec.stderr, generation)?;
     let prepare = |what: &str, source: io::Error| SpawnError::Prepare {
         generation,
         what: what.to_owned(),
         source,
     };
-    let (procs, status_write, activation) = if spec.listeners.is_empty() {
-        (procs, status_write, None)
-    } else {
-        let high = |fd: &OwnedFd| -> io::Result<OwnedFd> {
-            let raw = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(SETUP_FD_FLOOR))?;
-            // SAFETY: fcntl just returned this new descriptor; nothing else owns it.
-            Ok(unsafe { OwnedFd::from_raw_fd(raw) })
-        };
-        let sources = spec
-            .listeners
-            .iter()
-            .map(|listener| high(&listener.fd))
-            .collect::<io::Result<Vec<_>>>()
-            .map_err(|e| prepare("copy the listening sockets", e))?;
-        let image = ExecImage::new(&spec.exe, &spec.args, &plan.env)
-            .map_err(|e| prepare("prepare the exec", e))?;
-        let moved = (
-            high(&procs).map_err(|e| prepare("move cgroup.procs", e))?,
-            high(&status_write).map_err(|e| prepare("move the status pipe", e))?,
-            Some(Activation { sources, image }),
-        );
-        // Closed now: a write end of the status pipe left open here would
-        // keep its reader waiting for an end-of-file that never comes.
-        drop((procs, status_write));
-        moved
+    // Every descriptor the child places is a copy above the floor first,
+    // so no dup2 of the plan overwrites the source of another.
+    let high = |fd: &OwnedFd, what: &str| {
+        launch::fd_at_least(fd, SETUP_FD_FLOOR).map_err(|e| prepare(what, e))
     };
-
-    let mut command = std::process::Command::new(&spec.exe);
-    command
-        .args(&spec.args)
-        .env_clear()
-        .envs(plan.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .stdin(Stdio::null())
-        .stdout(stdout)
-        .stderr(stderr);
-    let setup = ChildSetup {
-        procs,
-        status: status_write,
-        gid: plan.gid,
-        uid: plan.uid,
-        working_dir: plan.working_dir,
-        activation,
-    };
-    // SAFETY: the hook runs in the forked child of a possibly
-    // multi-threaded parent, where only async-signal-safe calls are
-    // allowed. `ChildSetup::run` makes only raw system calls (write,
-    // setsid, prctl, setgroups, setgid, setuid, chdir, dup2, getpid,
-    // execve) on values prepared before the fork (descriptors, ids,
-    // CStrings, pointer arrays); it neither allocates nor takes locks. Its
-    // errors are `io::Error::from_raw_os_error`, which does not allocate.
-    unsafe {
-        command.pre_exec(move || setup.run());
-    }
-    let started = command.spawn();
-    // Drops the hook, closing the parent's copies of the status pipe's
-    // write end and of cgroup.procs, so the read below sees end-of-file.
-    drop(command);
-    let (reported, exec_failed) = read_status(&status_read);
-    // The child's own exec (socket activation) failed after it had placed
-    // the sockets over whatever it held at 3.., std's error pipe included:
-    // std may then have seen a successful spawn. The errno came through the
-    // status pipe; the child exits at once.
-    let started = match (started, exec_failed) {
-        (Ok(mut child), Some(errno)) => {
-            let _ = child.wait();
-            Err(io::Error::from(errno))
+    let null: OwnedFd = File::open("/dev/null")
+        .map_err(|e| prepare("open /dev/null", e))?
+        .into();
+    let mut held = vec![high(&null, "open /dev/null")?];
+    let mut stdio = vec![(held[0].as_raw_fd(), 0)];
+    for (output, to) in [(&spec.stdout, 1), (&spec.stderr, 2)] {
+        if let Some(fd) = output_fd(output, generation)? {
+            let fd = high(&fd, "duplicate the output descriptor")?;
+            stdio.push((fd.as_raw_fd(), to));
+            held.push(fd);
         }
-        (started, _) => started,
+    }
+    let mut steps: Vec<(u8, ChildStep)> = stdio
+        .into_iter()
+        .map(|(from, to)| (SetupStep::Stdio.code(), ChildStep::Dup2 { from, to }))
+        .collect();
+    // Out of the agent's session, so a terminal's signals to the agent do
+    // not reach instances.
+    steps.push((SetupStep::NewSession.code(), ChildStep::Setsid));
+    steps.push((SetupStep::NoNewPrivs.code(), ChildStep::NoNewPrivs));
+    if let Some(gid) = plan.gid {
+        steps.push((SetupStep::Groups.code(), ChildStep::Groups(gid)));
+        steps.push((SetupStep::Gid.code(), ChildStep::Gid(gid)));
+    }
+    if let Some(uid) = plan.uid {
+        steps.push((SetupStep::Uid.code(), ChildStep::Uid(uid)));
+    }
+    if let Some(dir) = plan.working_dir {
+        steps.push((SetupStep::WorkingDir.code(), ChildStep::Chdir(dir)));
+    }
+    for (to, listener) in (LISTEN_FDS_START..).zip(&spec.listeners) {
+        let fd = high(&listener.fd, "copy the listening sockets")?;
+        let from = fd.as_raw_fd();
+        held.push(fd);
+        steps.push((SetupStep::ListenFds.code(), ChildStep::Dup2 { from, to }));
+    }
+    let pid_variable = (!spec.listeners.is_empty()).then_some(ENV_LISTEN_PID);
+    let image = ExecImage::new(&spec.exe, &spec.args, &plan.env, pid_variable)
+        .map_err(|e| prepare("prepare the exec", e))?;
+    let launch = Launch {
+        cgroup: spec.cgroup.path().to_path_buf(),
+        steps,
+        image,
     };
-
-    let child = match started {
-        Ok(child) => child,
-        Err(source) => {
-            return Err(match reported {
-                Some(EXEC_NEXT) => match missing_interpreter(&spec.exe, &source) {
-                    Some(interpreter) => SpawnError::MissingInterpreter {
-                        generation,
-                        exe: spec.exe.clone(),
-                        interpreter,
-                    },
-                    None => SpawnError::Exec {
-                        generation,
-                        exe: spec.exe.clone(),
-                        source,
-                    },
+    let launched = launch.start().map_err(|error| match error {
+        LaunchError::OpenCgroup { path, source } => SpawnError::OpenCgroup {
+            generation,
+            path,
+            source,
+        },
+        LaunchError::Refused { source, .. } => SpawnError::Setup {
+            generation,
+            step: SetupStep::JoinCgroup,
+            source,
+        },
+        LaunchError::Start(source) => SpawnError::Fork { generation, source },
+    })?;
+    // The child has its copies (or is gone).
+    drop(held);
+    let child = match launched {
+        Launched::Running(child) => child,
+        Launched::ExecFailed(errno) => {
+            let source = io::Error::from(errno);
+            return Err(match missing_interpreter(&spec.exe, &source) {
+                Some(interpreter) => SpawnError::MissingInterpreter {
+                    generation,
+                    exe: spec.exe.clone(),
+                    interpreter,
                 },
-                Some(code) => match SetupStep::from_code(code) {
-                    Some(step) => SpawnError::Setup {
-                        generation,
-                        step,
-                        source,
-                    },
-                    None => SpawnError::Fork { generation, source },
+                None => SpawnError::Exec {
+                    generation,
+                    exe: spec.exe.clone(),
+                    source,
+                },
+            });
+        }
+        Launched::StepFailed { code, errno } => {
+            let source = io::Error::from(errno.unwrap_or(Errno::UnknownErrno));
+            return Err(match SetupStep::from_code(code) {
+                Some(step) => SpawnError::Setup {
+                    generation,
+                    step,
+                    source,
                 },
                 None => SpawnError::Fork { generation, source },
             });
         }
+        Launched::Vanished => {
+            return Err(SpawnError::Fork {
+                generation,
+                source: io::Error::other("the child ended before it reported its setup"),
+            });
+        }
     };
-    let pid = child.id();
+    let pid = child.pid;
     Ok(Spawned {
         exit: ExitWatch::new(child),
         pid,
@@ -897,223 +867,40 @@ impl Plan {
     }
 }
 
-fn stdio_for(output: &Output, generation: u64) -> Result<Stdio, SpawnError> {
+/// The descriptor the child's stdout or stderr becomes; `None` keeps the
+/// agent's.
+fn output_fd(output: &Output, generation: u64) -> Result<Option<OwnedFd>, SpawnError> {
+    let prepare = |what: String, source| SpawnError::Prepare {
+        generation,
+        what,
+        source,
+    };
     match output {
-        Output::Inherit => Ok(Stdio::inherit()),
-        Output::Null => Ok(Stdio::null()),
+        Output::Inherit => Ok(None),
+        Output::Null => OpenOptions::new()
+            .write(true)
+            .open("/dev/null")
+            .map(|file| Some(file.into()))
+            .map_err(|e| prepare("open /dev/null".into(), e)),
         Output::Fd(fd) => fd
             .try_clone()
-            .map(Stdio::from)
-            .map_err(|source| SpawnError::Prepare {
-                generation,
-                what: "duplicate the output descriptor".into(),
-                source,
-            }),
+            .map(Some)
+            .map_err(|e| prepare("duplicate the output descriptor".into(), e)),
         Output::Append(path) => OpenOptions::new()
             .append(true)
             .create(true)
             .mode(0o640)
             .open(path)
-            .map(Stdio::from)
-            .map_err(|source| SpawnError::Prepare {
-                generation,
-                what: format!("open the output file {}", path.display()),
-                source,
-            }),
-    }
-}
-
-/// The first byte the hook reported, or `None` at end-of-file (the hook
-/// never ran or never reached a report).
-/// The child's status bytes, read to end-of-file (its exec or exit closes
-/// the pipe): the step byte, and the errno of an exec the child made itself
-/// and saw fail.
-fn read_status(status: &OwnedFd) -> (Option<u8>, Option<Errno>) {
-    let mut bytes = [0u8; 6];
-    let mut len = 0;
-    while len < bytes.len() {
-        match nix::unistd::read(status, &mut bytes[len..]) {
-            Ok(0) => break,
-            Ok(n) => len += n,
-            Err(Errno::EINTR) => continue,
-            Err(_) => break,
-        }
-    }
-    let step = (len > 0).then_some(bytes[0]);
-    let exec_failed = (len == 6 && bytes[1] == EXEC_FAILED)
-        .then(|| Errno::from_raw(i32::from_le_bytes([bytes[2], bytes[3], bytes[4], bytes[5]])));
-    (step, exec_failed)
-}
-
-/// What the child does between fork and exec.
-struct ChildSetup {
-    procs: OwnedFd,
-    status: OwnedFd,
-    gid: Option<Gid>,
-    uid: Option<Uid>,
-    working_dir: Option<CString>,
-    activation: Option<Activation>,
-}
-
-/// Socket activation's share of the child's setup: the sockets (copies at
-/// [`SETUP_FD_FLOOR`] or above) to place at fds 3.., and the exec the child
-/// makes itself, since `LISTEN_PID` must be its own pid, which only it
-/// knows, and std's exec takes an environment fixed before the fork.
-struct Activation {
-    sources: Vec<OwnedFd>,
-    image: ExecImage,
-}
-
-/// `execve`'s arguments, built before the fork, with room in the
-/// environment for the child to write its pid into.
-struct ExecImage {
-    path: CString,
-    _strings: Vec<CString>,
-    argv: Vec<*const nix::libc::c_char>,
-    envp: Vec<*const nix::libc::c_char>,
-    /// `LISTEN_PID=` and room for the digits and their NUL.
-    pid_entry: Box<[u8; PID_ENTRY_LEN]>,
-}
-
-/// `LISTEN_PID=` (11 bytes), up to 20 digits, NUL.
-const PID_ENTRY_LEN: usize = 32;
-
-// SAFETY: the raw pointers point into buffers the image owns (`_strings`'
-// and `pid_entry`'s heap allocations, which never move); only the forked
-// child reads them or writes the pid digits, and the parent drops the
-// image without touching them.
-unsafe impl Send for ExecImage {}
-// SAFETY: as for Send: no thread of the parent dereferences the pointers.
-unsafe impl Sync for ExecImage {}
-
-impl ExecImage {
-    fn new(exe: &Path, args: &[String], env: &[(String, String)]) -> io::Result<ExecImage> {
-        let nul = |_| io::Error::from(io::ErrorKind::InvalidInput);
-        let path = CString::new(exe.as_os_str().as_bytes()).map_err(nul)?;
-        let mut strings = Vec::with_capacity(1 + args.len() + env.len());
-        strings.push(path.clone());
-        for arg in args {
-            strings.push(CString::new(arg.as_str()).map_err(nul)?);
-        }
-        let argc = strings.len();
-        for (name, value) in env {
-            strings.push(CString::new(format!("{name}={value}")).map_err(nul)?);
-        }
-        let mut pid_entry = Box::new([0u8; PID_ENTRY_LEN]);
-        let prefix = format!("{ENV_LISTEN_PID}=");
-        pid_entry[..prefix.len()].copy_from_slice(prefix.as_bytes());
-        let mut argv: Vec<*const nix::libc::c_char> =
-            strings[..argc].iter().map(|s| s.as_ptr()).collect();
-        argv.push(std::ptr::null());
-        let mut envp: Vec<*const nix::libc::c_char> =
-            strings[argc..].iter().map(|s| s.as_ptr()).collect();
-        envp.push(pid_entry.as_ptr().cast());
-        envp.push(std::ptr::null());
-        Ok(ExecImage {
-            path,
-            _strings: strings,
-            argv,
-            envp,
-            pid_entry,
-        })
-    }
-
-    /// In the child: writes its pid into `LISTEN_PID` and execs. Returns
-    /// only if the exec failed.
-    fn exec(&self) -> Errno {
-        let start = ENV_LISTEN_PID.len() + 1;
-        let mut digits = [0u8; 20];
-        let mut pid = nix::unistd::getpid().as_raw().unsigned_abs();
-        let mut len = 0;
-        loop {
-            digits[len] = b'0' + (pid % 10) as u8;
-            len += 1;
-            pid /= 10;
-            if pid == 0 {
-                break;
-            }
-        }
-        let entry = self.pid_entry.as_ptr().cast_mut();
-        for (i, digit) in digits[..len].iter().rev().enumerate() {
-            // SAFETY: start + len + 1 <= PID_ENTRY_LEN; the child owns its
-            // copy of the buffer, and nothing else reads it until execve.
-            unsafe { entry.add(start + i).write(*digit) };
-        }
-        // SAFETY: as above; the NUL ends the entry after the digits.
-        unsafe { entry.add(start + len).write(0) };
-        // SAFETY: path, argv and envp are NUL-terminated strings and
-        // null-terminated pointer arrays built before the fork and alive
-        // as long as `self`.
-        unsafe { nix::libc::execve(self.path.as_ptr(), self.argv.as_ptr(), self.envp.as_ptr()) };
-        Errno::last()
-    }
-}
-
-impl ChildSetup {
-    /// Runs in the forked child: async-signal-safe calls only.
-    fn run(&self) -> io::Result<()> {
-        // Placement first, while still root: the build's first instruction
-        // must run in its cgroup.
-        self.step(SetupStep::JoinCgroup, || {
-            nix::unistd::write(&self.procs, b"0").map(drop)
-        })?;
-        // Out of the agent's session, so a terminal's signals to the agent
-        // do not reach instances.
-        self.step(SetupStep::NewSession, || nix::unistd::setsid().map(drop))?;
-        self.step(SetupStep::NoNewPrivs, nix::sys::prctl::set_no_new_privs)?;
-        if let Some(gid) = self.gid {
-            self.step(SetupStep::Groups, || nix::unistd::setgroups(&[gid]))?;
-            self.step(SetupStep::Gid, || nix::unistd::setgid(gid))?;
-        }
-        if let Some(uid) = self.uid {
-            self.step(SetupStep::Uid, || nix::unistd::setuid(uid))?;
-        }
-        if let Some(dir) = &self.working_dir {
-            self.step(SetupStep::WorkingDir, || nix::unistd::chdir(dir.as_c_str()))?;
-        }
-        if let Some(activation) = &self.activation {
-            self.step(SetupStep::ListenFds, || {
-                for (offset, source) in (LISTEN_FDS_START..).zip(&activation.sources) {
-                    // SAFETY: dup2 onto 3.. in the child, whose setup
-                    // descriptors all lie at SETUP_FD_FLOOR or above; the
-                    // copy it makes is not close-on-exec, as the protocol
-                    // wants.
-                    if unsafe { nix::libc::dup2(source.as_raw_fd(), offset) } < 0 {
-                        return Err(Errno::last());
-                    }
-                }
-                Ok(())
-            })?;
-        }
-        // From here on a failure is the exec's.
-        nix::unistd::write(&self.status, &[EXEC_NEXT])
-            .map(drop)
-            .map_err(|errno| io::Error::from_raw_os_error(errno as i32))?;
-        match &self.activation {
-            Some(activation) => {
-                let errno = activation.image.exec() as i32;
-                let [a, b, c, d] = errno.to_le_bytes();
-                let _ = nix::unistd::write(&self.status, &[EXEC_FAILED, a, b, c, d]);
-                Err(io::Error::from_raw_os_error(errno))
-            }
-            None => Ok(()),
-        }
-    }
-
-    fn step(&self, step: SetupStep, call: impl FnOnce() -> nix::Result<()>) -> io::Result<()> {
-        call().map_err(|errno| {
-            // Best effort: without the byte the parent still knows the
-            // exec did not happen (it reads "fork failed").
-            let _ = nix::unistd::write(&self.status, &[step.code()]);
-            io::Error::from_raw_os_error(errno as i32)
-        })
+            .map(|file| Some(file.into()))
+            .map_err(|e| prepare(format!("open the output file {}", path.display()), e)),
     }
 }
 
 /// The main process and a way to await its exit without a thread.
 #[derive(Debug)]
 struct ExitWatch {
-    child: Option<std::process::Child>,
+    /// `None` once handed on to a reaper.
+    pid: Option<u32>,
     waker: ExitWaker,
     status: Option<ExitStatus>,
     /// Already handed to a reaper task: its own drop must not hand it on
@@ -1130,9 +917,10 @@ enum ExitWaker {
 }
 
 impl ExitWatch {
-    fn new(child: std::process::Child) -> ExitWatch {
-        let waker = match pidfd_open(child.id()) {
-            Ok(fd) => {
+    fn new(child: launch::Child) -> ExitWatch {
+        let pidfd = child.pidfd.or_else(|| pidfd_open(child.pid).ok());
+        let waker = match pidfd {
+            Some(fd) => {
                 // SAFETY: an OwnedFd is a valid open descriptor that stays
                 // open, and names the same description, until the AsyncFd
                 // that owns it drops.
@@ -1141,10 +929,10 @@ impl ExitWatch {
                     Err(_) => sigchld_waker(),
                 }
             }
-            Err(_) => sigchld_waker(),
+            None => sigchld_waker(),
         };
         ExitWatch {
-            child: Some(child),
+            pid: Some(child.pid),
             waker,
             status: None,
             orphan: false,
@@ -1155,10 +943,10 @@ impl ExitWatch {
         if self.status.is_some() {
             return Ok(self.status);
         }
-        let Some(child) = self.child.as_mut() else {
+        let Some(pid) = self.pid else {
             return Ok(None);
         };
-        self.status = child.try_wait()?;
+        self.status = wait_pid(pid, false)?;
         Ok(self.status)
     }
 
@@ -1170,8 +958,8 @@ impl ExitWatch {
             match &mut self.waker {
                 ExitWaker::Pidfd(fd) => {
                     let mut guard = fd.readable().await?;
-                    let exited = match self.child.as_mut() {
-                        Some(child) => child.try_wait()?,
+                    let exited = match self.pid {
+                        Some(pid) => wait_pid(pid, false)?,
                         None => None,
                     };
                     match exited {
@@ -1201,10 +989,10 @@ impl Drop for ExitWatch {
         if self.status.is_some() {
             return;
         }
-        let Some(mut child) = self.child.take() else {
+        let Some(pid) = self.pid.take() else {
             return;
         };
-        if let Ok(Some(_)) = child.try_wait() {
+        if let Ok(Some(_)) = wait_pid(pid, false) {
             return;
         }
         // Still running: reap it when it exits, so it never lingers as a
@@ -1215,7 +1003,7 @@ impl Drop for ExitWatch {
             Ok(runtime) if !self.orphan => {
                 let waker = std::mem::replace(&mut self.waker, ExitWaker::Sigchld(None));
                 let mut orphan = ExitWatch {
-                    child: Some(child),
+                    pid: Some(pid),
                     waker,
                     status: None,
                     orphan: true,
@@ -1227,7 +1015,32 @@ impl Drop for ExitWatch {
                 });
             }
             _ => {
-                std::thread::spawn(move || child.wait());
+                std::thread::spawn(move || wait_pid(pid, true));
+            }
+        }
+    }
+}
+
+/// `waitpid` for this agent's child `pid`: its status once it exited
+/// (`None` while it runs, unless `block`).
+fn wait_pid(pid: u32, block: bool) -> io::Result<Option<ExitStatus>> {
+    use std::os::unix::process::ExitStatusExt;
+    let pid = nix::libc::pid_t::try_from(pid)
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let flags = if block { 0 } else { nix::libc::WNOHANG };
+    let mut status = 0;
+    loop {
+        // SAFETY: waitpid writes the status into the int it is given and
+        // touches no other memory.
+        let waited = unsafe { nix::libc::waitpid(pid, &mut status, flags) };
+        match waited {
+            0 => return Ok(None),
+            w if w == pid => return Ok(Some(ExitStatus::from_raw(status))),
+            _ => {
+                let error = io::Error::last_os_error();
+                if error.kind() != io::ErrorKind::Interrupted {
+                    return Err(error);
+                }
             }
         }
     }
@@ -1236,7 +1049,7 @@ impl Drop for ExitWatch {
 /// Reaps `child` once it exits, in the background: through a pidfd awaited
 /// by a task where a runtime runs (no thread held for its whole life), else
 /// on a thread.
-pub(crate) fn reap_when_exited(child: std::process::Child) {
+pub(crate) fn reap_when_exited(child: launch::Child) {
     drop(ExitWatch::new(child));
 }
 
@@ -1298,6 +1111,7 @@ fn read_bytes(path: &Path) -> io::Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::launch::EXEC_NEXT;
 
     fn busy(generation: u64) -> SpawnError {
         SpawnError::Exec {

@@ -319,7 +319,9 @@ async fn a_failure_to_join_the_cgroup_means_nothing_ran() {
     assert!(matches!(err, SpawnError::OpenCgroup { .. }), "{err:?}");
     assert!(err.is_refusal());
 
-    // cgroup.procs opens but refuses the write, in the child.
+    // The directory opens but takes no process: the kernel refuses to
+    // create the child there (clone3 into a directory that is no cgroup),
+    // or, on the forked fallback, the child's write to cgroup.procs fails.
     let refusing = scratch.path().join("refusing");
     fs::create_dir(&refusing).expect("mkdir");
     symlink("/dev/full", refusing.join("cgroup.procs")).expect("symlink");

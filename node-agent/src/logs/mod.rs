@@ -22,12 +22,13 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use nix::fcntl::{FcntlArg, OFlag, fcntl};
+use nix::fcntl::OFlag;
 use thiserror::Error;
 
 use crate::cgroup::CgroupManager;
 use crate::disk_name::DiskName;
 use crate::gate::InstanceKey;
+use crate::launch::{self, ChildStep, ExecImage, Launch, LaunchError, Launched};
 
 /// The default log directory.
 pub const DEFAULT_LOG_DIR: &str = "/var/log/genswap";
@@ -115,13 +116,6 @@ pub enum LogError {
     },
     #[error("the log shim {exe} (pid {pid}) did not say it was ready: {why}")]
     NotReady { exe: PathBuf, pid: u32, why: String },
-    #[error("cannot move the log shim (pid {pid}) into {path}: {source}")]
-    Place {
-        pid: u32,
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
 }
 
 /// The write ends a generation gets as its stdout and stderr.
@@ -196,64 +190,81 @@ impl LogSink {
         };
         let (out_read, out_write) = pipe()?;
         let (err_read, err_write) = pipe()?;
-        // Above the descriptors the child moves them to, so neither dup2
-        // there can overwrite the other's source.
-        let high = |fd: OwnedFd| -> Result<OwnedFd, LogError> {
-            let raw = fcntl(&fd, FcntlArg::F_DUPFD_CLOEXEC(10))
-                .map_err(|source| LogError::Pipe { generation, source })?;
-            // SAFETY: fcntl just returned this new descriptor; nothing else owns it.
-            Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) })
-        };
-        let out_read = high(out_read)?;
-        let err_read = high(err_read)?;
         let (ready_read, ready_write) = pipe()?;
-        let ready_write = high(ready_write)?;
-        let (out_raw, err_raw, ready_raw) = (
-            out_read.as_raw_fd(),
-            err_read.as_raw_fd(),
-            ready_write.as_raw_fd(),
-        );
         let exe = &self.settings.shim;
-
-        let mut command = std::process::Command::new(exe);
-        command
-            .arg("log-shim")
-            .arg("--dir")
-            .arg(&dir)
-            .arg("--generation")
-            .arg(generation.to_string())
-            .arg("--max-size")
-            .arg(self.settings.max_size.to_string())
-            .arg("--max-files")
-            .arg(self.settings.max_files.to_string())
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .env_clear();
-        // SAFETY: the hook runs in the forked child before exec and calls
-        // only dup2, which is async-signal-safe, on descriptors the parent
-        // keeps open until spawn returns.
-        unsafe {
-            std::os::unix::process::CommandExt::pre_exec(&mut command, move || {
-                for (from, to) in [
-                    (out_raw, shim::STDOUT_FD),
-                    (err_raw, shim::STDERR_FD),
-                    (ready_raw, shim::READY_FD),
-                ] {
-                    if nix::libc::dup2(from, to) < 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
-        let child = command.spawn().map_err(|source| LogError::Start {
+        let start_err = |source: io::Error| LogError::Start {
             exe: exe.clone(),
             source,
-        })?;
+        };
+        let null: OwnedFd = fs::File::open("/dev/null").map_err(start_err)?.into();
+        // Above the descriptors the child places them at, so no dup2 there
+        // overwrites another's source.
+        let high =
+            |fd: &OwnedFd| launch::fd_at_least(fd, launch::SETUP_FD_FLOOR).map_err(start_err);
+        let held = [
+            (high(&null)?, 0),
+            (high(&null)?, 1),
+            (high(&null)?, 2),
+            (high(&out_read)?, shim::STDOUT_FD),
+            (high(&err_read)?, shim::STDERR_FD),
+            (high(&ready_write)?, shim::READY_FD),
+        ];
         drop((out_read, err_read, ready_write));
-        let pid = child.id();
-        let mut child = child;
+        let steps = held
+            .iter()
+            .map(|(fd, to)| {
+                let step = ChildStep::Dup2 {
+                    from: fd.as_raw_fd(),
+                    to: *to,
+                };
+                (b'o', step)
+            })
+            .collect();
+        let args = [
+            "log-shim".to_owned(),
+            "--dir".to_owned(),
+            dir.display().to_string(),
+            "--generation".to_owned(),
+            generation.to_string(),
+            "--max-size".to_owned(),
+            self.settings.max_size.to_string(),
+            "--max-files".to_owned(),
+            self.settings.max_files.to_string(),
+        ];
+        let image = ExecImage::new(exe, &args, &[], None).map_err(start_err)?;
+        fs::create_dir_all(&self.shim_cgroup).map_err(|source| LogError::Cgroup {
+            path: self.shim_cgroup.clone(),
+            source,
+        })?;
+        // Born in the shims' cgroup: a move there afterwards would wait for
+        // the kernel's cgroup lock (see crate::launch).
+        let launch = Launch {
+            cgroup: self.shim_cgroup.clone(),
+            steps,
+            image,
+        };
+        let launched = launch.start().map_err(|error| match error {
+            LaunchError::OpenCgroup { path, source } | LaunchError::Refused { path, source } => {
+                LogError::Cgroup { path, source }
+            }
+            LaunchError::Start(source) => start_err(source),
+        })?;
+        drop(held);
+        let child = match launched {
+            Launched::Running(child) => child,
+            Launched::ExecFailed(errno)
+            | Launched::StepFailed {
+                errno: Some(errno), ..
+            } => {
+                return Err(start_err(errno.into()));
+            }
+            Launched::StepFailed { errno: None, .. } | Launched::Vanished => {
+                return Err(start_err(io::Error::other(
+                    "it ended before it reported its setup",
+                )));
+            }
+        };
+        let pid = child.pid;
         match await_ready(&ready_read) {
             Ok(true) => {}
             Ok(false) => tracing::warn!(
@@ -265,7 +276,12 @@ impl LogSink {
             Err(why) => {
                 // Dead or wedged: a generation must not write into a pipe
                 // nobody reads.
-                let _ = child.kill();
+                if let Ok(raw) = i32::try_from(pid) {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(raw),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
                 crate::spawn::reap_when_exited(child);
                 return Err(LogError::NotReady {
                     exe: exe.clone(),
@@ -275,18 +291,6 @@ impl LogSink {
             }
         }
         crate::spawn::reap_when_exited(child);
-        let procs = self.shim_cgroup.join("cgroup.procs");
-        let placed =
-            fs::create_dir_all(&self.shim_cgroup).and_then(|()| fs::write(&procs, pid.to_string()));
-        if let Err(source) = placed {
-            // Left in the agent's cgroup it would die with the agent's
-            // pod; closing the write ends makes it exit.
-            return Err(LogError::Place {
-                pid,
-                path: self.shim_cgroup.clone(),
-                source,
-            });
-        }
         Ok(GenerationOutput {
             stdout: out_write,
             stderr: err_write,

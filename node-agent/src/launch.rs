@@ -1,0 +1,608 @@
+//! Starting a child process inside a given cgroup, with the steps between
+//! the fork and the exec written out as data.
+//!
+//! The child is created by `clone3(CLONE_INTO_CGROUP | CLONE_PIDFD)`, so the
+//! kernel places it in its cgroup as it is created. Moving a process by a
+//! write to `cgroup.procs` takes the write side of the kernel's global
+//! `cgroup_threadgroup_rwsem`, which waits for an RCU grace period: measured
+//! here at 10 to 16 ms for the log shim's move on about one swap in three,
+//! the largest part of the spawn step's p99. `CLONE_INTO_CGROUP` takes only
+//! the read side (kernel commit ef2c41cf38a7, Linux 5.7). Where the kernel
+//! or a seccomp filter refuses `clone3`, the child is forked and writes `0`
+//! to `cgroup.procs` itself before its first step, as before.
+//!
+//! Between the fork and the exec the child runs [`ChildStep`]s: one
+//! async-signal-safe system call each, on descriptors, ids and strings
+//! prepared before the fork. It reports over a close-on-exec status pipe:
+//! the code of a step that failed, or [`EXEC_NEXT`] once all passed, then
+//! [`EXEC_FAILED`] and the errno if the exec itself failed. End-of-file right
+//! after [`EXEC_NEXT`] is a successful exec (the pipe closed with it).
+//!
+//! The clone3 wrapper is written here rather than taken from the `clone3`
+//! crate: that crate wraps only the system call (about ten lines here) and
+//! brings a second libc binding with it; the child's side, which is the
+//! code that needs care, is ours either way.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::libc;
+use nix::sys::stat::Mode;
+use nix::unistd::{Gid, Uid};
+
+/// Reported once every step passed; the exec comes next.
+pub(crate) const EXEC_NEXT: u8 = b'x';
+/// After [`EXEC_NEXT`]: the exec failed; its errno follows (four bytes,
+/// little-endian).
+pub(crate) const EXEC_FAILED: u8 = b'e';
+/// The report of a failed `cgroup.procs` write on the forked fallback.
+pub(crate) const JOIN_CGROUP: u8 = b'c';
+
+/// `CLONE_INTO_CGROUP` from the kernel's uapi; libc's constant is a
+/// deprecated `c_int` that cannot hold it.
+const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
+/// `CLONE_PIDFD`.
+const CLONE_PIDFD: u64 = 0x1000;
+
+/// `struct clone_args` of the kernel's uapi, up to `cgroup` (version 2,
+/// 88 bytes). The kernel reads the size it is given, so the layout is a
+/// stable ABI.
+#[repr(C, align(8))]
+#[derive(Default)]
+struct CloneArgs {
+    flags: u64,
+    pidfd: u64,
+    child_tid: u64,
+    parent_tid: u64,
+    exit_signal: u64,
+    stack: u64,
+    stack_size: u64,
+    tls: u64,
+    set_tid: u64,
+    set_tid_size: u64,
+    cgroup: u64,
+}
+
+/// `execve`'s arguments, built before the fork, with an optional slot in
+/// the environment the child fills with its own pid (`LISTEN_PID`, which
+/// only it knows).
+pub(crate) struct ExecImage {
+    path: CString,
+    _strings: Vec<CString>,
+    argv: Vec<*const libc::c_char>,
+    envp: Vec<*const libc::c_char>,
+    /// `<name>=` and room for the digits and their NUL.
+    pid_entry: Option<(Box<[u8; PID_ENTRY_LEN]>, usize)>,
+}
+
+/// A short name, `=`, up to 20 digits, NUL.
+const PID_ENTRY_LEN: usize = 48;
+
+// SAFETY: the raw pointers point into buffers the image owns (`_strings`'
+// and `pid_entry`'s heap allocations, which never move); only the forked
+// child reads them or writes the pid digits, and the parent drops the
+// image without touching them.
+unsafe impl Send for ExecImage {}
+// SAFETY: as for Send: no thread of the parent dereferences the pointers.
+unsafe impl Sync for ExecImage {}
+
+impl ExecImage {
+    /// `exe` with `args` after it and exactly `env`, plus `pid_variable` set
+    /// to the child's pid when given. `InvalidInput` for a NUL byte.
+    pub(crate) fn new(
+        exe: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        pid_variable: Option<&str>,
+    ) -> io::Result<ExecImage> {
+        let nul = |_| io::Error::from(io::ErrorKind::InvalidInput);
+        let path = CString::new(exe.as_os_str().as_bytes()).map_err(nul)?;
+        let mut strings = Vec::with_capacity(1 + args.len() + env.len());
+        strings.push(path.clone());
+        for arg in args {
+            strings.push(CString::new(arg.as_str()).map_err(nul)?);
+        }
+        let argc = strings.len();
+        for (name, value) in env {
+            strings.push(CString::new(format!("{name}={value}")).map_err(nul)?);
+        }
+        let mut argv: Vec<*const libc::c_char> =
+            strings[..argc].iter().map(|s| s.as_ptr()).collect();
+        argv.push(std::ptr::null());
+        let mut envp: Vec<*const libc::c_char> =
+            strings[argc..].iter().map(|s| s.as_ptr()).collect();
+        let pid_entry = match pid_variable {
+            Some(name) => {
+                let prefix = format!("{name}=");
+                if prefix.len() + 21 > PID_ENTRY_LEN || prefix.contains('\0') {
+                    return Err(io::Error::from(io::ErrorKind::InvalidInput));
+                }
+                let mut entry = Box::new([0u8; PID_ENTRY_LEN]);
+                entry[..prefix.len()].copy_from_slice(prefix.as_bytes());
+                envp.push(entry.as_ptr().cast());
+                Some((entry, prefix.len()))
+            }
+            None => None,
+        };
+        envp.push(std::ptr::null());
+        Ok(ExecImage {
+            path,
+            _strings: strings,
+            argv,
+            envp,
+            pid_entry,
+        })
+    }
+
+    /// In the child: fills in its pid where asked and execs. Returns only
+    /// if the exec failed.
+    fn exec(&self) -> Errno {
+        if let Some((entry, start)) = &self.pid_entry {
+            let mut digits = [0u8; 20];
+            let mut pid = nix::unistd::getpid().as_raw().unsigned_abs();
+            let mut len = 0;
+            loop {
+                digits[len] = b'0' + (pid % 10) as u8;
+                len += 1;
+                pid /= 10;
+                if pid == 0 {
+                    break;
+                }
+            }
+            let entry = entry.as_ptr().cast_mut();
+            for (i, digit) in digits[..len].iter().rev().enumerate() {
+                // SAFETY: start + len + 1 <= PID_ENTRY_LEN (checked in new);
+                // the child owns its copy of the buffer, and nothing else
+                // reads it until execve.
+                unsafe { entry.add(start + i).write(*digit) };
+            }
+            // SAFETY: as above; the NUL ends the entry after the digits.
+            unsafe { entry.add(start + len).write(0) };
+        }
+        // SAFETY: path, argv and envp are NUL-terminated strings and
+        // null-terminated pointer arrays built before the fork and alive
+        // as long as `self`.
+        unsafe { libc::execve(self.path.as_ptr(), self.argv.as_ptr(), self.envp.as_ptr()) };
+        Errno::last()
+    }
+}
+
+/// One thing the child does before the exec.
+pub(crate) enum ChildStep {
+    /// `dup2(from, to)`; `from` must lie above every `to` of the plan.
+    Dup2 {
+        from: RawFd,
+        to: RawFd,
+    },
+    Setsid,
+    NoNewPrivs,
+    Groups(Gid),
+    Gid(Gid),
+    Uid(Uid),
+    Chdir(CString),
+}
+
+impl ChildStep {
+    fn run(&self) -> nix::Result<()> {
+        match self {
+            ChildStep::Dup2 { from, to } => {
+                // SAFETY: dup2 on two descriptor numbers; the copy it makes
+                // is not close-on-exec, which is what the exec is to get.
+                if unsafe { libc::dup2(*from, *to) } < 0 {
+                    return Err(Errno::last());
+                }
+                Ok(())
+            }
+            ChildStep::Setsid => nix::unistd::setsid().map(drop),
+            ChildStep::NoNewPrivs => nix::sys::prctl::set_no_new_privs(),
+            ChildStep::Groups(gid) => nix::unistd::setgroups(&[*gid]),
+            ChildStep::Gid(gid) => nix::unistd::setgid(*gid),
+            ChildStep::Uid(uid) => nix::unistd::setuid(*uid),
+            ChildStep::Chdir(dir) => nix::unistd::chdir(dir.as_c_str()),
+        }
+    }
+}
+
+/// A child to start: where, what it does first, and what it execs.
+pub(crate) struct Launch {
+    /// The cgroup directory it starts in.
+    pub cgroup: PathBuf,
+    /// Each step with the code the child reports if it fails.
+    pub steps: Vec<(u8, ChildStep)>,
+    pub image: ExecImage,
+}
+
+/// Why no child was started.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LaunchError {
+    /// The cgroup directory (or, on the fallback, its `cgroup.procs`)
+    /// could not be opened.
+    #[error("cannot open {}: {source}", path.display())]
+    OpenCgroup {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// The kernel would not create the child in the cgroup (not a cgroup
+    /// directory, removed, or one that cannot hold processes).
+    #[error("the kernel would not create a process in {}: {source}", path.display())]
+    Refused {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// The status pipe, or the clone or fork itself.
+    #[error("{0}")]
+    Start(#[source] io::Error),
+}
+
+/// How a launch ended.
+pub(crate) enum Launched {
+    /// The exec succeeded.
+    Running(Child),
+    /// A step failed (its code; [`JOIN_CGROUP`] for the fallback's move);
+    /// the child exited without exec. `None`: it said no errno.
+    StepFailed { code: u8, errno: Option<Errno> },
+    /// The exec failed.
+    ExecFailed(Errno),
+    /// The child ended before it reported anything (killed at once).
+    Vanished,
+}
+
+/// A started child: its pid and, where the kernel gave one, its pidfd.
+#[derive(Debug)]
+pub(crate) struct Child {
+    pub pid: u32,
+    pub pidfd: Option<OwnedFd>,
+}
+
+impl Launch {
+    /// Starts the child and waits for its report. An error means no child
+    /// was made: nothing ran.
+    pub(crate) fn start(&self) -> Result<Launched, LaunchError> {
+        self.start_with(true)
+    }
+
+    /// [`start`](Self::start), trying `clone3` first only when `clone3`.
+    fn start_with(&self, clone3: bool) -> Result<Launched, LaunchError> {
+        let open_err = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source: io::Error| LaunchError::OpenCgroup { path, source }
+        };
+        let cgroup: OwnedFd = nix::fcntl::open(
+            &self.cgroup,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|errno| open_err(&self.cgroup)(errno.into()))?;
+        let (status_read, status_low) =
+            nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| LaunchError::Start(e.into()))?;
+        // Above every descriptor a step writes to. No other write end may
+        // stay open here, or the read below never sees end-of-file.
+        let status_write = fd_at_least(&status_low, SETUP_FD_FLOOR).map_err(LaunchError::Start)?;
+        drop(status_low);
+        let cloned = if clone3 {
+            self.clone_into_cgroup(cgroup.as_fd(), status_write.as_fd())
+        } else {
+            Err(Errno::ENOSYS)
+        };
+        let started = match cloned {
+            Err(errno) if refused_clone3(errno) => {
+                let procs_path = self.cgroup.join("cgroup.procs");
+                let procs: OwnedFd = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&procs_path)
+                    .map_err(open_err(&procs_path))?
+                    .into();
+                let procs = fd_at_least(&procs, SETUP_FD_FLOOR).map_err(LaunchError::Start)?;
+                self.fork_and_join(status_write.as_fd(), procs.as_fd())
+            }
+            other => other,
+        };
+        // Only the child's copy may keep the pipe open now.
+        drop(status_write);
+        let child = started.map_err(|errno| match errno {
+            Errno::EAGAIN | Errno::ENOMEM => LaunchError::Start(errno.into()),
+            _ => LaunchError::Refused {
+                path: self.cgroup.clone(),
+                source: errno.into(),
+            },
+        })?;
+        Ok(match read_report(&status_read) {
+            Report::ExecNext => Launched::Running(child),
+            failed => {
+                reap_now(child.pid);
+                match failed {
+                    Report::ExecFailed(errno) => Launched::ExecFailed(errno),
+                    Report::Step { code, errno } => Launched::StepFailed { code, errno },
+                    Report::ExecNext | Report::Nothing => Launched::Vanished,
+                }
+            }
+        })
+    }
+
+    fn clone_into_cgroup(
+        &self,
+        cgroup: BorrowedFd<'_>,
+        status: BorrowedFd<'_>,
+    ) -> Result<Child, Errno> {
+        let mut pidfd: RawFd = -1;
+        let args = CloneArgs {
+            flags: CLONE_INTO_CGROUP | CLONE_PIDFD,
+            pidfd: std::ptr::addr_of_mut!(pidfd) as u64,
+            exit_signal: libc::SIGCHLD as u64,
+            cgroup: u64::try_from(cgroup.as_raw_fd()).map_err(|_| Errno::EBADF)?,
+            ..CloneArgs::default()
+        };
+        // SAFETY: clone3 without CLONE_VM is a fork: the child gets a copy
+        // of this address space and runs on from here. `args` is a valid
+        // clone_args of the size passed, alive for the call; the kernel
+        // writes the pidfd into `pidfd`. In the child only `child_main`
+        // runs, which makes async-signal-safe calls only and never returns.
+        let pid = unsafe {
+            libc::syscall(
+                libc::SYS_clone3,
+                std::ptr::addr_of!(args),
+                std::mem::size_of::<CloneArgs>(),
+            )
+        };
+        match pid {
+            0 => self.child_main(status, None),
+            pid if pid < 0 => Err(Errno::last()),
+            pid => {
+                let pid = u32::try_from(pid).map_err(|_| Errno::EOVERFLOW)?;
+                // SAFETY: CLONE_PIDFD made the kernel store a new descriptor
+                // (close-on-exec) that nothing else owns.
+                let pidfd = (pidfd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(pidfd) });
+                Ok(Child { pid, pidfd })
+            }
+        }
+    }
+
+    fn fork_and_join(&self, status: BorrowedFd<'_>, procs: BorrowedFd<'_>) -> Result<Child, Errno> {
+        // SAFETY: as for clone3 above: the child runs only `child_main`.
+        match unsafe { nix::unistd::fork() }? {
+            nix::unistd::ForkResult::Child => self.child_main(status, Some(procs)),
+            nix::unistd::ForkResult::Parent { child } => {
+                let pid = u32::try_from(child.as_raw()).map_err(|_| Errno::EOVERFLOW)?;
+                Ok(Child {
+                    pid,
+                    pidfd: crate::spawn::pidfd_open(pid).ok(),
+                })
+            }
+        }
+    }
+
+    /// The child's whole life before the exec: async-signal-safe calls only
+    /// (write, sigprocmask, signal, the steps' calls, execve, _exit), on
+    /// values prepared before the fork; nothing allocates or locks.
+    fn child_main(&self, status: BorrowedFd<'_>, procs: Option<BorrowedFd<'_>>) -> ! {
+        let report = |bytes: &[u8]| {
+            let _ = nix::unistd::write(status, bytes);
+        };
+        // What a new program expects of its signals: none blocked, and
+        // SIGPIPE at its default (the agent ignores it).
+        // SAFETY: an empty set and a null old-set pointer are valid
+        // arguments; signal takes a signal number and a handler constant.
+        unsafe {
+            let mut empty: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut empty);
+            libc::pthread_sigmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+        let failed = |code: u8, errno: Errno| -> ! {
+            let [a, b, c, d] = (errno as i32).to_le_bytes();
+            report(&[code, a, b, c, d]);
+            exit_child(126)
+        };
+        if let Some(procs) = procs
+            && let Err(errno) = nix::unistd::write(procs, b"0")
+        {
+            failed(JOIN_CGROUP, errno);
+        }
+        for (code, step) in &self.steps {
+            if let Err(errno) = step.run() {
+                failed(*code, errno);
+            }
+        }
+        report(&[EXEC_NEXT]);
+        let errno = self.image.exec() as i32;
+        let [a, b, c, d] = errno.to_le_bytes();
+        report(&[EXEC_FAILED, a, b, c, d]);
+        exit_child(127)
+    }
+}
+
+/// Descriptors the child's steps use are moved at least this high, so a
+/// step that places descriptors at 0.. cannot overwrite them.
+pub(crate) const SETUP_FD_FLOOR: RawFd = 100;
+
+/// A close-on-exec copy of `fd` at `floor` or above.
+pub(crate) fn fd_at_least(fd: &impl AsFd, floor: RawFd) -> io::Result<OwnedFd> {
+    let raw = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(floor))?;
+    // SAFETY: fcntl just returned this new descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// The kernel has no clone3, or no `CLONE_INTO_CGROUP` (a seccomp filter
+/// answers ENOSYS or EPERM; kernels before 5.7 refuse the larger struct).
+fn refused_clone3(errno: Errno) -> bool {
+    matches!(
+        errno,
+        Errno::ENOSYS | Errno::E2BIG | Errno::EINVAL | Errno::EPERM
+    )
+}
+
+fn exit_child(code: i32) -> ! {
+    // SAFETY: _exit ends the child at once, without running the parent's
+    // atexit handlers or flushing its buffers.
+    unsafe { libc::_exit(code) }
+}
+
+/// What the child reported before its exec closed the pipe or it exited.
+enum Report {
+    /// Every step passed and the exec succeeded.
+    ExecNext,
+    ExecFailed(Errno),
+    Step {
+        code: u8,
+        errno: Option<Errno>,
+    },
+    Nothing,
+}
+
+/// Reads the child's report to end-of-file.
+fn read_report(status: &OwnedFd) -> Report {
+    let mut bytes = [0u8; 6];
+    let mut len = 0;
+    while len < bytes.len() {
+        match nix::unistd::read(status, &mut bytes[len..]) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(Errno::EINTR) => continue,
+            Err(_) => break,
+        }
+    }
+    let errno_at = |at: usize| {
+        (len >= at + 4).then(|| {
+            Errno::from_raw(i32::from_le_bytes([
+                bytes[at],
+                bytes[at + 1],
+                bytes[at + 2],
+                bytes[at + 3],
+            ]))
+        })
+    };
+    match bytes[..len] {
+        [] => Report::Nothing,
+        [EXEC_NEXT] => Report::ExecNext,
+        [EXEC_NEXT, EXEC_FAILED, ..] => {
+            Report::ExecFailed(errno_at(2).unwrap_or(Errno::UnknownErrno))
+        }
+        [code, ..] => Report::Step {
+            code,
+            errno: errno_at(1),
+        },
+    }
+}
+
+/// Reaps a child that reported a failure: it exits right after.
+fn reap_now(pid: u32) {
+    if let Ok(pid) = libc::pid_t::try_from(pid) {
+        let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Real processes in a real cgroup v2 directory, started both ways.
+    //! Skipped, with one line, where cgroup v2 cannot be written (not root).
+
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    /// A fresh cgroup under the mount, killed and removed on drop.
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(tag: &str) -> Option<Scratch> {
+            let mount = match crate::cgroup::discover_mount() {
+                Ok(mount) => mount,
+                Err(error) => {
+                    eprintln!("skipped: no cgroup v2 mount: {error}");
+                    return None;
+                }
+            };
+            let dir = mount.join(format!("genswap-unit-{tag}-{}", std::process::id()));
+            match std::fs::create_dir(&dir) {
+                Ok(()) => Some(Scratch(dir)),
+                Err(error) => {
+                    eprintln!(
+                        "skipped: cannot create a cgroup under {}: {error}",
+                        mount.display()
+                    );
+                    None
+                }
+            }
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::write(self.0.join("cgroup.kill"), "1");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while std::fs::remove_dir(&self.0).is_err() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+    }
+
+    fn sleeper(cgroup: &Path, steps: Vec<(u8, ChildStep)>) -> Launch {
+        Launch {
+            cgroup: cgroup.to_path_buf(),
+            steps,
+            image: ExecImage::new(Path::new("/bin/sleep"), &["30".into()], &[], None)
+                .expect("image"),
+        }
+    }
+
+    #[test]
+    fn either_way_the_child_starts_inside_its_cgroup() {
+        let Some(scratch) = Scratch::new("launch") else {
+            return;
+        };
+        let name = scratch
+            .0
+            .file_name()
+            .expect("name")
+            .to_string_lossy()
+            .into_owned();
+        for clone3 in [true, false] {
+            let launched = sleeper(&scratch.0, Vec::new())
+                .start_with(clone3)
+                .expect("started");
+            let Launched::Running(child) = launched else {
+                panic!("clone3 {clone3}: not running");
+            };
+            let cgroup = std::fs::read_to_string(format!("/proc/{}/cgroup", child.pid))
+                .expect("its /proc cgroup");
+            let line = cgroup
+                .lines()
+                .find(|l| l.starts_with("0::"))
+                .unwrap_or_default();
+            let pid = nix::unistd::Pid::from_raw(i32::try_from(child.pid).expect("pid"));
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            let _ = nix::sys::wait::waitpid(pid, None);
+            assert!(
+                line.ends_with(&format!("/{name}")),
+                "clone3 {clone3}: {line}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_failed_step_is_reported_with_its_code_and_nothing_is_exec_d() {
+        let Some(scratch) = Scratch::new("launch-step") else {
+            return;
+        };
+        for clone3 in [true, false] {
+            let bad_dir = CString::new("/nonexistent/genswap").expect("cstring");
+            let launched = sleeper(&scratch.0, vec![(b'w', ChildStep::Chdir(bad_dir))])
+                .start_with(clone3)
+                .expect("a child was made");
+            match launched {
+                Launched::StepFailed { code, errno } => {
+                    assert_eq!(code, b'w', "clone3 {clone3}");
+                    assert_eq!(errno, Some(Errno::ENOENT), "clone3 {clone3}");
+                }
+                _ => panic!("clone3 {clone3}: the step did not fail"),
+            }
+        }
+    }
+}
