@@ -93,8 +93,14 @@ pub(super) struct Run<'a> {
     /// A write still running in the background (the `spawned` phase, while
     /// health runs); every later write waits for it, so phases land in order.
     pending_write: Option<tokio::task::JoinHandle<()>>,
+    /// The successor's log shim, starting while the intent is written.
+    log_shim: Option<LogShimStart>,
     started_at: SystemTime,
 }
+
+/// A log shim's start running on a blocking thread.
+type LogShimStart =
+    tokio::task::JoinHandle<Result<crate::logs::GenerationOutput, crate::logs::LogError>>;
 
 /// Runs `attempt` to its end (see the engine's module docs).
 pub(super) async fn run(
@@ -147,6 +153,7 @@ pub(super) async fn run(
         record,
         serving_now: None,
         pending_write: None,
+        log_shim: None,
         started_at,
     };
     // SPEC 5.2: the effective mode is on disk before anything else happens,
@@ -344,6 +351,15 @@ impl<'a> Run<'a> {
         );
     }
 
+    /// Starts the successor's log shim in the background: the agent's own
+    /// process (its exec is most of the spawn step's time), so it may start
+    /// before the intent is on file. Unused, it exits when its pipes close.
+    pub(super) fn start_log_shim(&mut self) {
+        if let Some(successor) = &self.record.successor {
+            self.log_shim = Some(log_shim_start(self.ctx(), successor.n));
+        }
+    }
+
     /// Picks the successor's generation number and describes it in the
     /// record. Nothing is written here: the first write of the record
     /// (before anything of the successor exists on the host) keeps the
@@ -432,13 +448,17 @@ impl<'a> Run<'a> {
                 error: StepError::Internal("the successor's generation was not reserved"),
             });
         };
+        let log_shim = self
+            .log_shim
+            .take()
+            .unwrap_or_else(|| log_shim_start(self.ctx(), successor.n));
         // Not cancellable: once the exec may have happened, the child's
         // handle must come back here, whatever the attempt's lifetime says.
         let spawned = self
             .step(
                 Step::Spawn,
                 false,
-                spawn_successor(self.ctx(), &successor, staged, tier),
+                spawn_successor(self.ctx(), &successor, staged, tier, log_shim),
             )
             .await;
         let mut running = match spawned {
@@ -651,6 +671,7 @@ async fn spawn_successor(
     successor: &GenerationRecord,
     staged: &Staged,
     tier: &Tier,
+    log_shim: LogShimStart,
 ) -> Result<Running, StepError> {
     let key = &ctx.attempt.instance;
     let instance = ctx.engine.cgroups.instance(key)?;
@@ -664,11 +685,7 @@ async fn spawn_successor(
             return Err(error);
         }
     };
-    let serving = ctx.engine.serving(key).map(|s| s.generation);
-    // A fork, an exec and a wait for the shim's ready byte: off the runtime.
-    let (logs, log_key, n) = (ctx.engine.logs.clone(), key.clone(), successor.n);
-    let started = tokio::task::spawn_blocking(move || logs.start(&log_key, n, serving)).await;
-    let output = match started {
+    let output = match log_shim.await {
         Ok(Ok(output)) => Some(output),
         Err(join) => {
             tracing::warn!(instance = %key, error = %join, "starting the log shim panicked; the generation's output is discarded");
@@ -726,6 +743,15 @@ async fn spawn_successor(
         return Err(error);
     }
     Ok(running)
+}
+
+/// Starts generation `n`'s log shim on a blocking thread (a fork, an exec
+/// and a wait for its ready byte).
+fn log_shim_start(ctx: Ctx<'_>, n: u64) -> LogShimStart {
+    let key = ctx.attempt.instance.clone();
+    let serving = ctx.engine.serving(&key).map(|s| s.generation);
+    let logs = ctx.engine.logs.clone();
+    tokio::task::spawn_blocking(move || logs.start(&key, n, serving))
 }
 
 /// How the health step ended well.

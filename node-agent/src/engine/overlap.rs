@@ -69,6 +69,7 @@ async fn after_admission(
     run.note(Step::Raise, started, raised)?;
     crate::failpoint!(run.crash_scope(), "after_raise");
 
+    run.start_log_shim();
     // The one durable intent before the exec (SPEC 5.5 step 4).
     run.record.advance(Phase::Spawning);
     let write = run.write_journal(Durability::Durable);
