@@ -734,12 +734,16 @@ impl Journal {
 
     /// Changes the instance's supervised lineage with `change` and returns
     /// the entry as written; `None` when there is no lineage.
+    ///
+    /// Ordered, not durable: the supervisor's state between an exit and its
+    /// restart (state, backoff, message) is worked out again from the host
+    /// after a node crash, which stops every generation anyway.
     pub fn update_supervised(
         &self,
         instance: &InstanceKey,
         change: impl FnOnce(&mut Supervised),
     ) -> Result<Option<InstanceEntry>, JournalError> {
-        self.update(instance, |entry| {
+        self.update_with(instance, Durability::Ordered, |entry| {
             let Some(supervised) = entry.supervised.as_mut() else {
                 return Ok((None, false));
             };
@@ -936,12 +940,16 @@ impl Journal {
     /// Records that the serving generation `exit.generation` exited between
     /// attempts: nothing serves, and how it ended. Does nothing when another
     /// generation is recorded as serving.
+    ///
+    /// Ordered, not durable: undone by a node crash, the entry still names
+    /// a generation that is not running after it, which recovery treats as
+    /// an exit it did not see.
     pub fn record_exit(
         &self,
         instance: &InstanceKey,
         exit: ExitRecord,
     ) -> Result<(), JournalError> {
-        self.update(instance, |entry| {
+        self.update_with(instance, Durability::Ordered, |entry| {
             if entry
                 .serving
                 .as_ref()

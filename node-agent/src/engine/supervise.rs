@@ -592,7 +592,13 @@ impl Loop {
                 s.message = Some(message);
             })
             .await;
-            self.schedule(instance, delay);
+            if delay.is_zero() {
+                // Not through the timer: its tick would add up to a
+                // millisecond to every first restart.
+                self.restart(instance).await;
+            } else {
+                self.schedule(instance, delay);
+            }
             return;
         }
         // Exited or backing off: a restart is owed unless the policy left it
