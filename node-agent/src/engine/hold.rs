@@ -30,6 +30,8 @@ pub(super) async fn run(run: &mut Run<'_>, claim: &mut Claim<'_>) -> Result<Fini
     let admitted = run.admit(claim.serving.as_ref(), &staged).await;
     let tier = run.note(Step::Admit, started, admitted)?;
     crate::failpoint!(run.crash_scope(), "after_admit");
+    // Before the stop, so the gap in service does not wait for its exec.
+    run.start_log_shim();
 
     // The intent, with the successor's number and paths, before the stop:
     // from here recovery knows the incumbent may be gone.
@@ -116,7 +118,6 @@ async fn after_stop(
     run.note(Step::Raise, started, tiered)?;
     crate::failpoint!(run.crash_scope(), "after_raise");
 
-    run.start_log_shim();
     // The one durable intent before the exec (SPEC 5.5 step 4).
     run.record.advance(Phase::Spawning);
     let write = run.write_journal(Durability::Durable);
