@@ -187,6 +187,14 @@ pub(crate) enum ChildStep {
     Chdir(CString),
 }
 
+/// A raw system call's result as nix's.
+fn checked(result: libc::c_long) -> nix::Result<()> {
+    if result < 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
+
 impl ChildStep {
     fn run(&self) -> nix::Result<()> {
         match self {
@@ -200,9 +208,24 @@ impl ChildStep {
             }
             ChildStep::Setsid => nix::unistd::setsid().map(drop),
             ChildStep::NoNewPrivs => nix::sys::prctl::set_no_new_privs(),
-            ChildStep::Groups(gid) => nix::unistd::setgroups(&[*gid]),
-            ChildStep::Gid(gid) => nix::unistd::setgid(*gid),
-            ChildStep::Uid(uid) => nix::unistd::setuid(*uid),
+            // Raw system calls, not libc's: libc applies an id change to
+            // every thread it knows of, under a lock, and after a raw clone3
+            // its thread list and that lock are the parent's copies (a lock
+            // another parent thread held would never be released here). The
+            // child has one thread, so the raw call is the whole change.
+            ChildStep::Groups(gid) => {
+                let groups = [gid.as_raw()];
+                // SAFETY: one gid in a live array, and its length.
+                checked(unsafe { libc::syscall(libc::SYS_setgroups, 1, groups.as_ptr()) })
+            }
+            // SAFETY: setgid and setuid take one id and touch no memory.
+            ChildStep::Gid(gid) => {
+                checked(unsafe { libc::syscall(libc::SYS_setgid, gid.as_raw()) })
+            }
+            // SAFETY: as above.
+            ChildStep::Uid(uid) => {
+                checked(unsafe { libc::syscall(libc::SYS_setuid, uid.as_raw()) })
+            }
             ChildStep::Chdir(dir) => nix::unistd::chdir(dir.as_c_str()),
         }
     }
