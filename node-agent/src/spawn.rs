@@ -557,7 +557,7 @@ pub async fn spawn(spec: SpawnSpec) -> Result<Spawned, SpawnError> {
 
 /// Calls `once` until it returns anything but an exec refused with
 /// `ETXTBSY`, [`EXEC_BUSY_TRIES`] times at most, sleeping with `sleep`
-/// between tries. A failed exec leaves nothing behind (std reaps the
+/// between tries. A failed exec leaves nothing behind (the launcher reaps the
 /// child), so another try starts clean.
 async fn retry_while_busy<T, Sleep>(
     mut once: impl FnMut() -> Result<T, SpawnError>,
