@@ -319,7 +319,7 @@ impl<'a> Run<'a> {
         self.record.advance(phase);
         let write = self.write_journal(Durability::Ordered);
         if let Err(error) = write.await {
-            self.log_unjournaled(&error);
+            log_unjournaled(&self.attempt.instance, &self.attempt.name, &error);
         }
     }
 
@@ -332,23 +332,9 @@ impl<'a> Run<'a> {
         let (instance, attempt) = (self.attempt.instance.clone(), self.attempt.name.clone());
         self.pending_write = Some(tokio::spawn(async move {
             if let Err(error) = write.await {
-                tracing::error!(
-                    %instance,
-                    %attempt,
-                    error = %reason_of(&error),
-                    "the intent journal could not record a phase; the attempt goes on"
-                );
+                log_unjournaled(&instance, &attempt, &error);
             }
         }));
-    }
-
-    fn log_unjournaled(&self, error: &StepError) {
-        tracing::error!(
-            instance = %self.attempt.instance,
-            attempt = %self.attempt.name,
-            error = %reason_of(error),
-            "the intent journal could not record a phase; the attempt goes on"
-        );
     }
 
     /// Starts the successor's log shim in the background: the agent's own
@@ -655,6 +641,16 @@ impl<'a> Run<'a> {
         }
         crate::failpoint!(self.crash_scope(), "after_finish");
     }
+}
+
+/// A phase the journal could not record; the attempt goes on.
+fn log_unjournaled(instance: &crate::gate::InstanceKey, attempt: &str, error: &StepError) {
+    tracing::error!(
+        %instance,
+        attempt,
+        error = %reason_of(error),
+        "the intent journal could not record a phase; the attempt goes on"
+    );
 }
 
 fn millis_since_epoch(at: SystemTime) -> i64 {
