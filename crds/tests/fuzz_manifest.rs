@@ -3,13 +3,16 @@
 //! YAML-shaped text, byte edits of a valid manifest, and structured
 //! mutations of its object. Whatever comes in: no panic; a refusal is an
 //! `Err` whose message is not empty; an acceptance is an object that passes
-//! every CEL rule again and survives a round trip through YAML.
+//! every CEL rule again and survives a round trip through YAML. The CEL
+//! verdict (rules compiled once per process) is kube's own `validate_cel`
+//! (compiled per call) both ways: what one refuses, the other refuses with
+//! the same words.
 //!
 //! CI runs proptest's default case count. A longer campaign:
 //! `PROPTEST_CASES=100000 cargo test --release -p crds --test fuzz_manifest`.
 
 use genswap_crds::InstanceGeneration;
-use genswap_crds::manifest::parse_instance_generation;
+use genswap_crds::manifest::{ManifestError, parse_instance_generation};
 use proptest::prelude::*;
 use proptest::test_runner::Config;
 use serde_json::{Map, Value, json};
@@ -17,9 +20,9 @@ use serde_json::{Map, Value, json};
 /// The valid manifest every mutation starts from: every section present.
 const VALID: &str = include_str!("fixtures/every_section.yaml");
 
-/// Fewer cases than proptest's default: each case builds the CRD schema
-/// and compiles its CEL rules, which a debug build does slowly.
-/// `PROPTEST_CASES` still wins.
+/// Fewer cases than proptest's default: each case checks kube's own CEL
+/// verdict, which builds the CRD schema and compiles its rules per call
+/// and is slow in a debug build. `PROPTEST_CASES` still wins.
 fn config() -> Config {
     let mut config = Config::default();
     if std::env::var_os("PROPTEST_CASES").is_none() {
@@ -37,6 +40,24 @@ fn check(text: &str) -> Result<(), TestCaseError> {
                 !message.trim().is_empty(),
                 "an empty refusal ({error:?}) for {text:?}"
             );
+            if let ManifestError::Rules(ours) = &error {
+                let typed: InstanceGeneration = serde_saphyr::from_str::<Value>(text)
+                    .map_err(|e| e.to_string())
+                    .and_then(|value| serde_json::from_value(value).map_err(|e| e.to_string()))
+                    .map_err(|e| {
+                        TestCaseError::fail(format!(
+                            "refused by a rule but not typed ({e}): {text:?}"
+                        ))
+                    })?;
+                match kube::core::cel::validate_cel(&typed) {
+                    Ok(()) => {
+                        return Err(TestCaseError::fail(format!(
+                            "refused ({ours}) what kube's validate_cel accepts: {text:?}"
+                        )));
+                    }
+                    Err(theirs) => prop_assert_eq!(ours, &theirs.to_string()),
+                }
+            }
         }
         Ok(ig) => {
             prop_assert!(
