@@ -23,6 +23,7 @@ pub mod failpoint;
 pub mod gate;
 pub mod health;
 pub mod host;
+mod inotify;
 pub mod journal;
 pub mod kube;
 mod launch;

@@ -17,17 +17,14 @@
 //! before. So for its first [`EAGER_READS_FOR`] a wait also reads the file
 //! again every millisecond, which bounds the delay by the timer's tick.
 
-use std::io;
-use std::os::fd::OwnedFd;
 use std::path::Path;
 
 use nix::errno::Errno;
-use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
-use tokio::io::Interest;
-use tokio::io::unix::AsyncFd;
+use nix::sys::inotify::AddWatchFlags;
 use tokio::time::Instant;
 
 use super::{CgroupError, fs_util};
+use crate::inotify::AsyncInotify;
 
 /// Longer than the kernel's notification window, so a change it delays is
 /// read from the file first.
@@ -57,7 +54,11 @@ pub(super) fn populated(dir: &Path) -> Result<bool, CgroupError> {
 /// an exit between the two cannot be missed.
 pub(super) async fn wait_unpopulated(dir: &Path, deadline: Instant) -> Result<bool, CgroupError> {
     let events = dir.join("cgroup.events");
-    let watch = match EventsWatch::new(&events) {
+    let watch = match AsyncInotify::watch(
+        &events,
+        // IN_DELETE_SELF wakes the wait when the cgroup is removed.
+        AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_DELETE_SELF,
+    ) {
         Ok(watch) => watch,
         Err(Errno::ENOENT) => return Ok(true),
         Err(source) => {
@@ -74,83 +75,13 @@ pub(super) async fn wait_unpopulated(dir: &Path, deadline: Instant) -> Result<bo
         }
         let eager = Instant::now() < eager_until;
         tokio::select! {
-            changed = watch.changed() => changed.map_err(|source| CgroupError::Io {
+            changed = watch.events() => changed.map(drop).map_err(|source| CgroupError::Io {
                 op: "read inotify events for",
                 path: events.clone(),
                 source,
             })?,
             () = tokio::time::sleep(EAGER_READ_EVERY), if eager => {}
             () = tokio::time::sleep_until(deadline) => return Ok(!populated(dir)?),
-        }
-    }
-}
-
-struct EventsWatch {
-    /// `None` only while it is dropped.
-    fd: Option<AsyncFd<OwnedFd>>,
-}
-
-impl Drop for EventsWatch {
-    /// Closing an inotify instance that had a watch waits for an SRCU grace
-    /// period in the kernel (the marks' reaper): measured here at 15 ms p50,
-    /// 23 ms max, against 0.01 ms without a watch. On a runtime thread that
-    /// would stall the wait's caller (a stop's proof, an exit's notice) and
-    /// every task on that thread; the close goes to a blocking thread.
-    fn drop(&mut self) {
-        let Some(fd) = self.fd.take() else {
-            return;
-        };
-        let fd = fd.into_inner();
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn_blocking(move || drop(fd));
-            }
-            Err(_) => drop(fd),
-        }
-    }
-}
-
-impl EventsWatch {
-    fn new(events: &Path) -> Result<EventsWatch, Errno> {
-        let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)?;
-        // IN_DELETE_SELF wakes the wait when the cgroup is removed.
-        inotify.add_watch(
-            events,
-            AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_DELETE_SELF,
-        )?;
-        let fd = OwnedFd::from(inotify);
-        // SAFETY: an OwnedFd is a valid open descriptor that stays open, and
-        // names the same description, until the AsyncFd that owns it drops.
-        let registered = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) };
-        registered
-            .map(|fd| EventsWatch { fd: Some(fd) })
-            .map_err(|e| {
-                io::Error::from(e)
-                    .raw_os_error()
-                    .map_or(Errno::EINVAL, Errno::from_raw)
-            })
-    }
-
-    /// Resolves once at least one event arrived; drains them all (their
-    /// content does not matter, only that something changed).
-    async fn changed(&self) -> io::Result<()> {
-        let Some(fd) = self.fd.as_ref() else {
-            return Ok(());
-        };
-        let mut buffer = [0u8; 4096];
-        loop {
-            let mut guard = fd.readable().await?;
-            match guard
-                .try_io(|fd| nix::unistd::read(fd.get_ref(), &mut buffer).map_err(io::Error::from))
-            {
-                Ok(Ok(_)) => {
-                    // Drain what else is queued so the next wait starts clean.
-                    while nix::unistd::read(fd.get_ref(), &mut buffer).is_ok() {}
-                    return Ok(());
-                }
-                Ok(Err(error)) => return Err(error),
-                Err(_would_block) => continue,
-            }
         }
     }
 }

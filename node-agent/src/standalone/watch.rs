@@ -1,23 +1,21 @@
 //! Noticing changes to the manifest directory through inotify.
 //!
-//! nix's inotify (already a dependency, with the `inotify` feature) on a
-//! non-blocking descriptor registered with tokio's `AsyncFd`: one watch on
-//! one directory needs nothing more, costs nothing while nothing changes,
-//! and never falls back to polling (the `notify` crate would add a thread,
-//! a dependency and a polling backend we do not want).
+//! nix's inotify (already a dependency, with the `inotify` feature) on the
+//! runtime ([`crate::inotify`]): one watch on one directory needs nothing
+//! more, costs nothing while nothing changes, and never falls back to
+//! polling (the `notify` crate would add a thread, a dependency and a
+//! polling backend we do not want).
 //!
 //! Only completed changes wake the scan: a file closed after writing, a file
 //! moved in or out, a file deleted. A file that is still being written is
 //! read once it is closed, and an atomic writer's rename is one event.
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::path::Path;
 
-use nix::errno::Errno;
-use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
-use tokio::io::Interest;
-use tokio::io::unix::AsyncFd;
+use nix::sys::inotify::AddWatchFlags;
+
+use crate::inotify::AsyncInotify;
 
 /// What a batch of events means for the scan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,76 +29,41 @@ pub enum DirChange {
 /// A watch on one directory.
 #[derive(Debug)]
 pub struct DirWatch {
-    fd: AsyncFd<Watched>,
-}
-
-/// The inotify instance, as `AsyncFd` wants it (nix gives it `AsFd` only).
-#[derive(Debug)]
-struct Watched(Inotify);
-
-impl AsRawFd for Watched {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0.as_fd().as_raw_fd()
-    }
+    inotify: AsyncInotify,
 }
 
 impl DirWatch {
     /// Watches `dir` (which must be a directory).
     pub fn new(dir: &Path) -> io::Result<DirWatch> {
-        let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
-            .map_err(io::Error::from)?;
-        inotify
-            .add_watch(
-                dir,
-                AddWatchFlags::IN_CLOSE_WRITE
-                    | AddWatchFlags::IN_MOVED_TO
-                    | AddWatchFlags::IN_MOVED_FROM
-                    | AddWatchFlags::IN_DELETE
-                    | AddWatchFlags::IN_DELETE_SELF
-                    | AddWatchFlags::IN_MOVE_SELF
-                    | AddWatchFlags::IN_ONLYDIR,
-            )
-            .map_err(io::Error::from)?;
-        // SAFETY: the inotify descriptor is owned by `Watched`, which only
-        // the AsyncFd holds and never hands out mutably: it stays open and
-        // names the same description until the AsyncFd drops.
-        let registered =
-            unsafe { AsyncFd::register_with_interest(Watched(inotify), Interest::READABLE) };
-        let fd = registered.map_err(io::Error::from)?;
-        Ok(DirWatch { fd })
+        let inotify = AsyncInotify::watch(
+            dir,
+            AddWatchFlags::IN_CLOSE_WRITE
+                | AddWatchFlags::IN_MOVED_TO
+                | AddWatchFlags::IN_MOVED_FROM
+                | AddWatchFlags::IN_DELETE
+                | AddWatchFlags::IN_DELETE_SELF
+                | AddWatchFlags::IN_MOVE_SELF
+                | AddWatchFlags::IN_ONLYDIR,
+        )
+        .map_err(io::Error::from)?;
+        Ok(DirWatch { inotify })
     }
 
     /// Resolves with the next batch of events, every queued event drained.
     pub async fn changed(&self) -> io::Result<DirChange> {
-        loop {
-            let mut guard = self.fd.readable().await?;
-            match guard.try_io(|fd| fd.get_ref().0.read_events().map_err(io::Error::from)) {
-                Ok(Ok(events)) => {
-                    let mut change = DirChange::Entries;
-                    let mut batch = events;
-                    loop {
-                        let gone = batch.iter().any(|event| {
-                            event.mask.intersects(
-                                AddWatchFlags::IN_DELETE_SELF
-                                    | AddWatchFlags::IN_MOVE_SELF
-                                    | AddWatchFlags::IN_IGNORED,
-                            )
-                        });
-                        if gone {
-                            change = DirChange::DirectoryGone;
-                        }
-                        match self.fd.get_ref().0.read_events() {
-                            Ok(more) if !more.is_empty() => batch = more,
-                            Ok(_) | Err(Errno::EAGAIN) => break,
-                            Err(errno) => return Err(io::Error::from(errno)),
-                        }
-                    }
-                    return Ok(change);
-                }
-                Ok(Err(error)) => return Err(error),
-                Err(_would_block) => continue,
-            }
-        }
+        let events = self.inotify.events().await?;
+        let gone = events.iter().any(|event| {
+            event.mask.intersects(
+                AddWatchFlags::IN_DELETE_SELF
+                    | AddWatchFlags::IN_MOVE_SELF
+                    | AddWatchFlags::IN_IGNORED,
+            )
+        });
+        Ok(if gone {
+            DirChange::DirectoryGone
+        } else {
+            DirChange::Entries
+        })
     }
 }
 
