@@ -44,7 +44,7 @@ use crate::gate::InstanceKey;
 use crate::host::{Host, HostError, HostSettings};
 use crate::logs::LogSettings;
 use crate::sandbox::{Sandbox, SandboxError};
-use crate::standalone::files::write_atomically;
+use crate::standalone::files::replace_file;
 use crate::standalone::{
     self, NodeIdentity, StandaloneConfig, StandaloneError, StatusDocument, WaitError,
 };
@@ -670,7 +670,7 @@ impl Script<'_> {
         let started = Instant::now();
         let path = self.manifests.join(MANIFEST);
         let text = desired.manifest();
-        tokio::task::spawn_blocking(move || write_atomically(&path, text.as_bytes(), 0o644))
+        tokio::task::spawn_blocking(move || replace_file(&path, text.as_bytes(), 0o644))
             .await
             .map_err(|join| DemoError::Setup {
                 what: "write the manifest".into(),

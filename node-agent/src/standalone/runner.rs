@@ -16,7 +16,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::files::{blocking, remove_if_exists, write_atomically};
+use super::files::{blocking, remove_if_exists, replace_file};
 use super::manifests::{self, ManifestFile, Parsed};
 use super::report::{self, time_of};
 use super::state::{InstanceState, StateStore};
@@ -964,7 +964,7 @@ impl Runner {
             }
         };
         let path = self.status_dir.join(file);
-        match blocking(move || write_atomically(&path, text.as_bytes(), 0o644)).await {
+        match blocking(move || replace_file(&path, text.as_bytes(), 0o644)).await {
             Ok(()) => {
                 self.written.insert(file.to_string(), document);
             }

@@ -18,7 +18,7 @@ use genswap_crds::{InstanceGenerationSpec, InstanceGenerationStatus, SwapAttempt
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use super::files::{remove_if_exists, write_atomically};
+use super::files::{remove_if_exists, write_durably};
 use crate::disk_name::DiskName;
 use crate::gate::InstanceKey;
 
@@ -152,7 +152,7 @@ impl StateStore {
             error: error.to_string(),
         })?;
         let path = self.path_of(&state.instance);
-        write_atomically(&path, text.as_bytes(), 0o600)
+        write_durably(&path, text.as_bytes(), 0o600)
             .map_err(|source| StateError::Write { path, source })
     }
 
