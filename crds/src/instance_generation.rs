@@ -6,8 +6,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::settings::{
-    BuildSpec, Cause, Demand, HealthSpec, InstanceKind, Listeners, Mode, NodeSelector, Outcome,
-    ProcessSpec, ResourcesSpec, RestartPolicy, SettleSpec, SocketSpec, StopSpec,
+    Artifact, BuildSpec, Cause, Demand, HealthSpec, InstanceKind, Listeners, Mode, NodeSelector,
+    Outcome, ProcessSpec, ResourcesSpec, RestartPolicy, SettleSpec, SocketSpec, StopSpec,
 };
 use crate::swap_attempt::LastExit;
 
@@ -93,6 +93,9 @@ pub struct RolloutSpec {
     /// A failed or down outcome stops the rollout of that build.
     #[serde(default = "yes")]
     pub halt_on_failure: bool,
+    /// No new attempts while true; attempts in flight finish (SPEC 4.5).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused: bool,
 }
 
 impl Default for RolloutSpec {
@@ -101,6 +104,7 @@ impl Default for RolloutSpec {
             canary_nodes: one(),
             max_parallel: one(),
             halt_on_failure: yes(),
+            paused: false,
         }
     }
 }
@@ -143,6 +147,11 @@ pub struct InstanceGenerationStatus {
     /// The newest build that reached `done` on every selected node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub good_build: Option<String>,
+    /// The last few desired states every selected node served, newest
+    /// first: what `kubectl genswap undo` writes back (SPEC 4.5).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 5))]
+    pub history: Vec<HistoryEntry>,
     /// `Ready`, `Reconciling` and `Stalled`, with their kstatus meanings.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
@@ -225,6 +234,57 @@ pub struct HeldDown {
     /// A change of `spec.retry` armed one more attempt of this build.
     #[serde(default)]
     pub retry_armed: bool,
+}
+
+/// A desired state that every selected node served, and since when.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct HistoryEntry {
+    /// The build id.
+    pub build: String,
+    pub sha256: String,
+    /// Where the build came from, so it can be released again as it was.
+    pub artifact: HistoryArtifact,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub config_rev: String,
+    #[serde(
+        default,
+        rename = "restartID",
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub restart_id: String,
+    /// When every selected node first served it (this time round).
+    pub at: Time,
+}
+
+/// `spec.build.artifact` as it was, without the spec's CEL rules: the
+/// status repeats what the spec already passed, and rules inside a list
+/// would count against the API server's cost budget once per entry.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct HistoryArtifact {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+}
+
+impl From<&Artifact> for HistoryArtifact {
+    fn from(artifact: &Artifact) -> Self {
+        Self {
+            path: artifact.path.clone(),
+            url: artifact.url.clone(),
+        }
+    }
+}
+
+impl From<&HistoryArtifact> for Artifact {
+    fn from(artifact: &HistoryArtifact) -> Self {
+        Self {
+            path: artifact.path.clone(),
+            url: artifact.url.clone(),
+        }
+    }
 }
 
 impl InstanceGenerationSpec {

@@ -20,8 +20,8 @@ pub mod swap_attempt;
 
 pub use conditions::{ConditionType, set_condition};
 pub use instance_generation::{
-    DesiredState, HeldDown, InstanceGeneration, InstanceGenerationSpec, InstanceGenerationStatus,
-    LastAttempt, NodeGeneration, RolloutSpec,
+    DesiredState, HeldDown, HistoryArtifact, HistoryEntry, InstanceGeneration,
+    InstanceGenerationSpec, InstanceGenerationStatus, LastAttempt, NodeGeneration, RolloutSpec,
 };
 pub use settings::*;
 pub use swap_attempt::{

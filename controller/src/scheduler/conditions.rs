@@ -35,6 +35,8 @@ pub mod reasons {
     pub const REPEATED_REFUSAL: &str = "RepeatedRefusal";
     /// A node's generation keeps exiting; its next restart waits.
     pub const CRASH_LOOP_BACK_OFF: &str = "CrashLoopBackOff";
+    /// `spec.rollout.paused`: nodes wait for the rollout to resume.
+    pub const PAUSED: &str = "Paused";
 }
 
 /// At most this many names in one message.
@@ -141,7 +143,15 @@ pub(super) fn write(
     );
 
     let reconciling = progress.in_flight > 0 || progress.waiting > 0;
-    let (reconciling_reason, reconciling_message) = if reconciling {
+    let (reconciling_reason, reconciling_message) = if reconciling && ctx.spec.rollout.paused {
+        (
+            reasons::PAUSED,
+            format!(
+                "spec.rollout.paused: no new attempts toward {target}; {} attempt(s) in flight finish, {} node(s) wait for the rollout to resume",
+                progress.in_flight, progress.waiting
+            ),
+        )
+    } else if reconciling {
         let reason = if progress.superseding {
             reasons::SUPERSEDING
         } else if progress.retrying_held {

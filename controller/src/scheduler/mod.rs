@@ -31,9 +31,13 @@
 //! - A selector that matches no node is `Ready=False NoMatchingNodes` but not
 //!   `Stalled`: a pool scaled to zero is a normal state and a node joining
 //!   resumes the rollout without anyone acting.
+//! - `rollout.paused` withholds every new attempt, a restore of a
+//!   superseded node included; outcomes are still read, attempts in flight
+//!   finish, and `Reconciling` says `Paused` while nodes wait for it.
 
 mod conditions;
 mod failure_book;
+mod history;
 mod naming;
 mod outcomes;
 mod rollout;
@@ -50,6 +54,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 
 pub use conditions::reasons;
+pub use history::HISTORY_KEPT;
 pub use naming::{LABEL_INSTANCE, LABEL_NODE, attempt_name, label_value};
 pub use rollout::{abandoned_backoff, effective_mode, selects};
 
@@ -176,6 +181,10 @@ pub fn plan(
 
     let node_entries: Vec<NodeGeneration> = slots.into_iter().map(|s| s.entry).collect();
     status.good_build = good_build(&node_entries).or(status.good_build);
+    let progress = &decisions.progress;
+    if progress.selected > 0 && progress.ready == progress.selected {
+        history::record(&mut status.history, ctx.spec, &ctx.now);
+    }
     status.ready = Some(format!(
         "{}/{}",
         decisions.progress.ready, decisions.progress.selected

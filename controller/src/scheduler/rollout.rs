@@ -109,6 +109,8 @@ pub(super) struct Progress<'a> {
     pub down_between: Vec<(&'a str, Down)>,
     /// Nodes whose last attempts were all refused for the same reason.
     pub refused: Vec<(&'a str, String)>,
+    /// Attempts `rollout.paused` withheld from this plan.
+    pub paused: usize,
 }
 
 pub(super) struct Decisions<'a> {
@@ -275,6 +277,12 @@ pub(super) fn decide<'a>(
             slot: index,
             cause: cause_for(&slot.entry, desired, ctx.spec.cause),
         });
+    }
+    if ctx.spec.rollout.paused && !issues.is_empty() {
+        progress.paused = issues.len();
+        progress.waiting += issues.len();
+        issues.clear();
+        in_flight = facts.iter().filter(|f| f.in_flight).count();
     }
     progress.in_flight = in_flight;
     Decisions {
