@@ -1,0 +1,170 @@
+//! `kubectl genswap get` as text (a tree, styled or plain) or JSON.
+
+use std::fmt::Write;
+
+use anstyle::{AnsiColor, Style};
+
+use crate::tree::{AttemptView, NodeView, Tree};
+
+/// Whether the text carries ANSI styles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Colour {
+    On,
+    Off,
+}
+
+/// The tree as text, one line per condition, node and attempt.
+pub fn text(tree: &Tree, colour: Colour) -> String {
+    let paint = Painter(colour);
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{} {}/{}  build {} ({}){}",
+        paint.bold("InstanceGeneration"),
+        tree.namespace,
+        tree.name,
+        paint.bold(&tree.build),
+        tree.mode,
+        if tree.paused {
+            format!("  {}", paint.style(AnsiColor::Yellow, "paused"))
+        } else {
+            String::new()
+        }
+    );
+    let mut facts = vec![format!("ready {}", tree.ready.as_deref().unwrap_or("-"))];
+    if let Some(good) = &tree.good_build {
+        facts.push(format!("good build {good}"));
+    }
+    if !tree.history.is_empty() {
+        facts.push(format!("history {}", tree.history.join(", ")));
+    }
+    let _ = writeln!(out, "  {}", facts.join("  "));
+
+    let width = tree
+        .conditions
+        .iter()
+        .map(|c| c.type_.len())
+        .max()
+        .unwrap_or(0);
+    let last_section = tree.nodes.is_empty();
+    for (index, condition) in tree.conditions.iter().enumerate() {
+        let branch = branch(last_section && index + 1 == tree.conditions.len());
+        let good = match condition.type_.as_str() {
+            // Stalled and Reconciling are good when False.
+            "Stalled" | "Reconciling" => condition.status != "True",
+            _ => condition.status == "True",
+        };
+        let status = format!("{:<5}", condition.status);
+        let status = if good {
+            paint.style(AnsiColor::Green, &status)
+        } else if condition.type_ == "Reconciling" {
+            paint.style(AnsiColor::Cyan, &status)
+        } else {
+            paint.style(AnsiColor::Red, &status)
+        };
+        let _ = writeln!(
+            out,
+            "{branch}{:<width$}  {status}  {}: {}",
+            condition.type_, condition.reason, condition.message
+        );
+    }
+    for (index, node) in tree.nodes.iter().enumerate() {
+        let last = index + 1 == tree.nodes.len();
+        node_lines(&mut out, node, last, &paint);
+    }
+    if tree.nodes.is_empty() && tree.conditions.is_empty() {
+        let _ = writeln!(out, "└─ no status yet: is the controller running?");
+    }
+    out
+}
+
+fn node_lines(out: &mut String, node: &NodeView, last: bool, paint: &Painter) {
+    let serving = match (&node.build, node.generation) {
+        (Some(build), Some(generation)) => format!("serving {build} as generation {generation}"),
+        (Some(build), None) => format!("serving {build}"),
+        _ => "nothing serving".to_string(),
+    };
+    let serving = match node.serving {
+        Some(false) => paint.style(AnsiColor::Red, &format!("{serving} (down)")),
+        _ => serving,
+    };
+    let mut line = format!(
+        "{}{} {}  {}  {serving}",
+        branch(last),
+        paint.bold("node"),
+        paint.bold(&node.name),
+        node.cohort
+    );
+    if node.restarts > 0 {
+        let _ = write!(line, "  restarts {}", node.restarts);
+    }
+    if let Some(exit) = &node.last_exit {
+        let _ = write!(line, "  last exit: {exit}");
+    }
+    let _ = writeln!(out, "{line}");
+    let indent = if last { "   " } else { "│  " };
+    if node.attempts.is_empty() {
+        let _ = writeln!(out, "{indent}└─ no attempts kept");
+    }
+    for (index, attempt) in node.attempts.iter().enumerate() {
+        let branch = branch(index + 1 == node.attempts.len());
+        let _ = writeln!(out, "{indent}{branch}{}", attempt_line(attempt, paint));
+    }
+}
+
+fn attempt_line(attempt: &AttemptView, paint: &Painter) -> String {
+    let colour = match attempt.outcome.as_str() {
+        "done" => AnsiColor::Green,
+        "failed" | "down" => AnsiColor::Red,
+        "abandoned" => AnsiColor::Yellow,
+        _ => AnsiColor::Cyan,
+    };
+    let mut line = format!(
+        "rev {}  {}  {}  {}",
+        attempt.sched_rev,
+        attempt.cause,
+        attempt.mode,
+        paint.style(colour, &attempt.outcome)
+    );
+    match attempt.executed {
+        Some(true) => line.push_str("  executed"),
+        Some(false) => line.push_str("  not executed"),
+        None => {}
+    }
+    if let Some(drain) = attempt.drain_ms {
+        let _ = write!(line, "  drain {drain} ms");
+    }
+    let _ = write!(line, "  {}", attempt.age);
+    if !attempt.reason.is_empty() {
+        let _ = write!(line, "  {}", attempt.reason);
+    }
+    line
+}
+
+fn branch(last: bool) -> &'static str {
+    if last { "└─ " } else { "├─ " }
+}
+
+/// The tree as JSON, for scripts.
+pub fn json(tree: &Tree) -> String {
+    serde_json::to_string_pretty(tree).unwrap_or_else(|_| "{}".into())
+}
+
+struct Painter(Colour);
+
+impl Painter {
+    fn bold(&self, text: &str) -> String {
+        self.apply(Style::new().bold(), text)
+    }
+
+    fn style(&self, colour: AnsiColor, text: &str) -> String {
+        self.apply(Style::new().fg_color(Some(colour.into())), text)
+    }
+
+    fn apply(&self, style: Style, text: &str) -> String {
+        match self.0 {
+            Colour::On => format!("{style}{text}{style:#}"),
+            Colour::Off => text.to_string(),
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! What `kubectl genswap get` shows, built from the InstanceGeneration and
+//! its SwapAttempts alone: no client, no clock of its own.
+
+use genswap_crds::{InstanceGeneration, Mode, NodeGeneration, Outcome, SwapAttempt, describe_exit};
+use k8s_openapi::jiff::Timestamp;
+use serde::Serialize;
+
+/// How many attempts per node are shown, newest first (the controller keeps
+/// about as many).
+pub const ATTEMPTS_SHOWN: usize = 3;
+
+/// One InstanceGeneration and what runs for it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Tree {
+    pub namespace: String,
+    pub name: String,
+    /// The build the spec asks for, and its sha256.
+    pub build: String,
+    pub sha256: String,
+    /// `overlap` or `hold`, as the spec says.
+    pub mode: &'static str,
+    /// `ready/selected`, as the status says.
+    pub ready: Option<String>,
+    pub paused: bool,
+    pub good_build: Option<String>,
+    /// Builds of `status.history`, newest first.
+    pub history: Vec<String>,
+    pub conditions: Vec<ConditionView>,
+    pub nodes: Vec<NodeView>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConditionView {
+    #[serde(rename = "type")]
+    pub type_: String,
+    pub status: String,
+    pub reason: String,
+    pub message: String,
+}
+
+/// A selected node.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeView {
+    pub name: String,
+    /// `canary` for the first `rollout.canaryNodes` nodes, else `rest`.
+    pub cohort: &'static str,
+    pub build: Option<String>,
+    pub generation: Option<i64>,
+    /// Whether a generation of the desired state runs there now.
+    pub serving: Option<bool>,
+    pub restarts: i32,
+    /// How the last generation exited between attempts, in words.
+    pub last_exit: Option<String>,
+    /// Newest first.
+    pub attempts: Vec<AttemptView>,
+}
+
+/// One SwapAttempt.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AttemptView {
+    pub name: String,
+    pub sched_rev: i64,
+    pub cause: String,
+    /// The mode that ran (or runs); the spec's until the agent says.
+    pub mode: &'static str,
+    /// `running` until the agent reports an outcome.
+    pub outcome: String,
+    pub reason: String,
+    pub executed: Option<bool>,
+    pub drain_ms: Option<i64>,
+    /// Since the attempt was created, as kubectl prints ages.
+    pub age: String,
+}
+
+/// The tree of `ig` and `attempts` (any order; others' are ignored) at `now`.
+pub fn build(ig: &InstanceGeneration, attempts: &[SwapAttempt], now: Timestamp) -> Tree {
+    let spec = &ig.spec;
+    let status = ig.status.clone().unwrap_or_default();
+    let name = ig.metadata.name.clone().unwrap_or_default();
+    let canaries = usize::try_from(spec.rollout.canary_nodes).unwrap_or(0);
+    let mut ours: Vec<&SwapAttempt> = attempts
+        .iter()
+        .filter(|a| a.spec.instance == name)
+        .collect();
+    ours.sort_by_key(|a| std::cmp::Reverse(a.spec.sched_rev));
+    let nodes = status
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(index, entry)| node_view(entry, index < canaries, &ours, now))
+        .collect();
+    Tree {
+        namespace: ig.metadata.namespace.clone().unwrap_or_default(),
+        name,
+        build: spec.build.id.clone(),
+        sha256: spec.build.sha256.clone(),
+        mode: mode_word(spec.mode),
+        ready: status.ready.clone(),
+        paused: spec.rollout.paused,
+        good_build: status.good_build.clone(),
+        history: status.history.iter().map(|h| h.build.clone()).collect(),
+        conditions: status
+            .conditions
+            .iter()
+            .map(|c| ConditionView {
+                type_: c.type_.clone(),
+                status: c.status.clone(),
+                reason: c.reason.clone(),
+                message: c.message.clone(),
+            })
+            .collect(),
+        nodes,
+    }
+}
+
+fn node_view(
+    entry: &NodeGeneration,
+    canary: bool,
+    attempts: &[&SwapAttempt],
+    now: Timestamp,
+) -> NodeView {
+    NodeView {
+        name: entry.name.clone(),
+        cohort: if canary { "canary" } else { "rest" },
+        build: entry.build.clone(),
+        generation: entry.generation,
+        serving: entry.serving,
+        restarts: entry.restarts.unwrap_or(0),
+        last_exit: entry.last_exit.as_ref().map(|exit| {
+            format!(
+                "generation {} {}",
+                exit.generation,
+                describe_exit(exit.exit_code, exit.signal, exit.oom_killed)
+            )
+        }),
+        attempts: attempts
+            .iter()
+            .filter(|a| a.spec.node_name == entry.name)
+            .take(ATTEMPTS_SHOWN)
+            .map(|a| attempt_view(a, now))
+            .collect(),
+    }
+}
+
+fn attempt_view(attempt: &SwapAttempt, now: Timestamp) -> AttemptView {
+    let status = attempt.status.as_ref();
+    let mode = status
+        .and_then(|s| s.effective_mode)
+        .unwrap_or(attempt.spec.mode);
+    AttemptView {
+        name: attempt.metadata.name.clone().unwrap_or_default(),
+        sched_rev: attempt.spec.sched_rev,
+        cause: word(&attempt.spec.cause),
+        mode: mode_word(mode),
+        outcome: status
+            .and_then(|s| s.outcome)
+            .map_or_else(|| "running".to_string(), |o| outcome_word(o).to_string()),
+        reason: status.and_then(|s| s.reason.clone()).unwrap_or_default(),
+        executed: status.and_then(|s| s.executed),
+        drain_ms: status.and_then(|s| s.drain_ms),
+        age: attempt
+            .metadata
+            .creation_timestamp
+            .as_ref()
+            .map_or_else(|| "-".to_string(), |t| age(now, t.0)),
+    }
+}
+
+/// An age as kubectl prints it: `45s`, `12m`, `5h`, `3d`.
+pub fn age(now: Timestamp, then: Timestamp) -> String {
+    let seconds = now.as_second().saturating_sub(then.as_second()).max(0);
+    match seconds {
+        s if s < 120 => format!("{s}s"),
+        s if s < 2 * 3600 => format!("{}m", s / 60),
+        s if s < 2 * 86400 => format!("{}h", s / 3600),
+        s => format!("{}d", s / 86400),
+    }
+}
+
+fn mode_word(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Overlap => "overlap",
+        Mode::Hold => "hold",
+    }
+}
+
+fn outcome_word(outcome: Outcome) -> &'static str {
+    match outcome {
+        Outcome::Done => "done",
+        Outcome::Failed => "failed",
+        Outcome::Down => "down",
+        Outcome::Abandoned => "abandoned",
+    }
+}
+
+/// The wire spelling of a serde enum value.
+fn word(value: &impl Serialize) -> String {
+    serde_json::to_value(value)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
