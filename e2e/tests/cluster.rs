@@ -13,7 +13,8 @@
 //! 3. walks one InstanceGeneration through install, an overlap release, a
 //!    failing build held down (Stalled=True), a retry that succeeds, a bad
 //!    digest abandoned without running anything, and a release waited for
-//!    with `kubectl wait --for=condition=Ready`, checking after each step
+//!    with `kubectl wait --for=condition=Ready`, a `kubectl genswap get` and
+//!    a `kubectl genswap undo` to the previous good build, checking after each step
 //!    who answers on the instance's `current.sock`; then moves its
 //!    `nodeSelector` off the node (the instance stops) and back (it is
 //!    installed again), and finally deletes it and waits for the instance
@@ -277,6 +278,28 @@ async fn genswap_end_to_end_on_the_cluster_in_kubeconfig() {
     assert!(serves(&ig, "hello-5"), "{:?}", ig.status);
     e2e.expect_serving("hello-5").await;
 
+    // 3f'. The kubectl plugin: `get` shows the node serving hello-5, and
+    // `undo` releases the previous good build (hello-3) from the history.
+    let tree = e2e.plugin(&binaries, &["get", IG]);
+    assert!(tree.contains("build hello-5"), "{tree}");
+    assert!(tree.contains("serving hello-5"), "{tree}");
+    let said = e2e.plugin(&binaries, &["undo", IG]);
+    assert!(said.contains("spec.build is hello-3 again"), "{said}");
+    let undone = e2e
+        .wait_ig("the undo to Ready on hello-3", |ig| {
+            is_true(ig, "Ready") && serves(ig, "hello-3")
+        })
+        .await;
+    assert_eq!(
+        undone
+            .status
+            .as_ref()
+            .and_then(|s| s.history.first())
+            .map(|h| h.build.as_str()),
+        Some("hello-3")
+    );
+    e2e.expect_serving("hello-3").await;
+
     // 3g. A selector that no longer matches the node stops its instance:
     // the controller deletes the node's attempts, the agent reads the
     // object and its Node fresh. Selecting the node again installs it.
@@ -368,6 +391,29 @@ impl E2e {
             )
             .await
             .unwrap_or_else(|e| panic!("apply the InstanceGeneration: {e}"));
+    }
+
+    /// Runs `kubectl genswap ARGS -n <namespace>` (kubectl finds the plugin
+    /// on PATH) and returns what it printed; panics when it fails.
+    fn plugin(&self, binaries: &support::Binaries, args: &[&str]) -> String {
+        let path = std::env::join_paths(std::iter::once(binaries.bin_dir.clone()).chain(
+            std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()),
+        ))
+        .expect("a PATH");
+        let output = Command::new("kubectl")
+            .arg("genswap")
+            .args(args)
+            .args(["-n", &self.namespace])
+            .env("PATH", path)
+            .output()
+            .expect("run kubectl genswap");
+        assert!(
+            output.status.success(),
+            "kubectl genswap {args:?} failed: {}{}",
+            String::from_utf8_lossy(&output.stderr),
+            self.diagnosis()
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
     }
 
     /// Polls the IG until `done` holds, returning it.

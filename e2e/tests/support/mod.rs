@@ -94,6 +94,8 @@ pub struct Binaries {
     pub controller: PathBuf,
     /// `node-agent`.
     pub agent: PathBuf,
+    /// The directory holding `kubectl-genswap`, for kubectl's plugin PATH.
+    pub bin_dir: PathBuf,
 }
 
 /// Builds the controller, the agent and the test app into the cargo target
@@ -120,6 +122,8 @@ pub fn build_binaries() -> Binaries {
             "node-agent",
             "-p",
             "testapp",
+            "-p",
+            "kubectl-genswap",
         ])
         .arg("--manifest-path")
         .arg(workspace().join("Cargo.toml"))
@@ -135,6 +139,7 @@ pub fn build_binaries() -> Binaries {
     Binaries {
         controller: profile_dir.join("genswap-controller"),
         agent: profile_dir.join("node-agent"),
+        bin_dir: profile_dir.clone(),
     }
 }
 
