@@ -157,3 +157,70 @@ fn a_paused_instance_that_serves_everywhere_is_ready_and_not_reconciling() {
         "Ready=True AllNodesReady | Reconciling=False AllNodesReady | Stalled=False AllNodesReady"
     );
 }
+
+#[test]
+fn what_a_pause_withholds_table() {
+    // (situation, set up the world, paused, attempts created, Reconciling)
+    type Setup = fn() -> World;
+    let first_rollout: Setup = || three_nodes("b1");
+    let release_over_b1: Setup = || {
+        let mut world = three_nodes("b1");
+        world.roll_out();
+        release(&mut world, "b2");
+        world
+    };
+    let settled: Setup = || {
+        let mut world = three_nodes("b1");
+        world.roll_out();
+        world
+    };
+    let rows: [(&str, Setup, bool, &[&str], &str); 6] = [
+        (
+            "a first rollout",
+            first_rollout,
+            false,
+            &["a rev1 install canary"],
+            "True RolloutInProgress",
+        ),
+        (
+            "a first rollout, paused",
+            first_rollout,
+            true,
+            &[],
+            "True Paused",
+        ),
+        (
+            "a release",
+            release_over_b1,
+            false,
+            &["a rev4 release canary"],
+            "True RolloutInProgress",
+        ),
+        (
+            "a release, paused",
+            release_over_b1,
+            true,
+            &[],
+            "True Paused",
+        ),
+        ("nothing to do", settled, false, &[], "False AllNodesReady"),
+        (
+            "nothing to do, paused",
+            settled,
+            true,
+            &[],
+            "False AllNodesReady",
+        ),
+    ];
+    for (situation, setup, paused, expected, reconciling) in rows {
+        let mut world = setup();
+        world.edit(|s| s.rollout.paused = paused);
+        let plan = world.reconcile();
+        assert_eq!(created(&plan), expected, "{situation}: created");
+        assert_eq!(
+            condition(&plan.status, "Reconciling"),
+            reconciling,
+            "{situation}: Reconciling"
+        );
+    }
+}
