@@ -40,6 +40,19 @@ pub enum Cause {
     Config,
 }
 
+impl Cause {
+    /// The wire spelling, for messages and labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cause::Release => "release",
+            Cause::Install => "install",
+            Cause::Retry => "retry",
+            Cause::Restart => "restart",
+            Cause::Config => "config",
+        }
+    }
+}
+
 /// How an instance moves to a new generation.
 #[derive(
     Serialize,
@@ -62,6 +75,16 @@ pub enum Mode {
     Overlap,
     /// The incumbent stops, then the successor starts: a gap in service.
     Hold,
+}
+
+impl Mode {
+    /// The wire spelling, for messages and labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Overlap => "overlap",
+            Mode::Hold => "hold",
+        }
+    }
 }
 
 /// What an artifact demands of the way it is started.
@@ -127,6 +150,18 @@ pub enum Outcome {
     Abandoned,
     /// Hold: the new build failed after the old one stopped; nothing serves.
     Down,
+}
+
+impl Outcome {
+    /// The wire spelling, for messages and labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Done => "done",
+            Outcome::Failed => "failed",
+            Outcome::Abandoned => "abandoned",
+            Outcome::Down => "down",
+        }
+    }
 }
 
 impl Outcome {
@@ -437,6 +472,42 @@ impl RestartPolicy {
             RestartPolicy::Always => "Always",
             RestartPolicy::OnFailure => "OnFailure",
             RestartPolicy::Never => "Never",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wire(value: impl Serialize) -> String {
+        serde_json::to_value(value)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn as_str_is_the_wire_spelling() {
+        for cause in [
+            Cause::Release,
+            Cause::Install,
+            Cause::Retry,
+            Cause::Restart,
+            Cause::Config,
+        ] {
+            assert_eq!(cause.as_str(), wire(cause));
+        }
+        for mode in [Mode::Overlap, Mode::Hold] {
+            assert_eq!(mode.as_str(), wire(mode));
+        }
+        for outcome in [
+            Outcome::Done,
+            Outcome::Failed,
+            Outcome::Abandoned,
+            Outcome::Down,
+        ] {
+            assert_eq!(outcome.as_str(), wire(outcome));
         }
     }
 }

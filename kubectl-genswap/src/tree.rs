@@ -1,7 +1,7 @@
 //! What `kubectl genswap get` shows, built from the InstanceGeneration and
 //! its SwapAttempts alone: no client, no clock of its own.
 
-use genswap_crds::{InstanceGeneration, Mode, NodeGeneration, Outcome, SwapAttempt, describe_exit};
+use genswap_crds::{InstanceGeneration, NodeGeneration, SwapAttempt, describe_exit};
 use k8s_openapi::jiff::Timestamp;
 use serde::Serialize;
 
@@ -98,7 +98,7 @@ pub fn build(ig: &InstanceGeneration, attempts: &[SwapAttempt], now: Timestamp) 
         name,
         build: spec.build.id.clone(),
         sha256: spec.build.sha256.clone(),
-        mode: mode_word(spec.mode),
+        mode: spec.mode.as_str(),
         ready: status.ready.clone(),
         paused: spec.rollout.paused,
         good_build: status.good_build.clone(),
@@ -154,11 +154,11 @@ fn attempt_view(attempt: &SwapAttempt, now: Timestamp) -> AttemptView {
     AttemptView {
         name: attempt.metadata.name.clone().unwrap_or_default(),
         sched_rev: attempt.spec.sched_rev,
-        cause: word(&attempt.spec.cause),
-        mode: mode_word(mode),
+        cause: attempt.spec.cause.as_str().to_string(),
+        mode: mode.as_str(),
         outcome: status
             .and_then(|s| s.outcome)
-            .map_or_else(|| "running".to_string(), |o| outcome_word(o).to_string()),
+            .map_or_else(|| "running".to_string(), |o| o.as_str().to_string()),
         reason: status.and_then(|s| s.reason.clone()).unwrap_or_default(),
         executed: status.and_then(|s| s.executed),
         drain_ms: status.and_then(|s| s.drain_ms),
@@ -179,28 +179,4 @@ pub fn age(now: Timestamp, then: Timestamp) -> String {
         s if s < 2 * 86400 => format!("{}h", s / 3600),
         s => format!("{}d", s / 86400),
     }
-}
-
-fn mode_word(mode: Mode) -> &'static str {
-    match mode {
-        Mode::Overlap => "overlap",
-        Mode::Hold => "hold",
-    }
-}
-
-fn outcome_word(outcome: Outcome) -> &'static str {
-    match outcome {
-        Outcome::Done => "done",
-        Outcome::Failed => "failed",
-        Outcome::Down => "down",
-        Outcome::Abandoned => "abandoned",
-    }
-}
-
-/// The wire spelling of a serde enum value.
-fn word(value: &impl Serialize) -> String {
-    serde_json::to_value(value)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_string))
-        .unwrap_or_default()
 }

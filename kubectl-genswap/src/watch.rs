@@ -2,7 +2,6 @@
 //! stores by two watches, and the tree drawn again after every change the
 //! API server reports. Nothing polls: between changes the command waits.
 
-
 use futures::{StreamExt, TryStreamExt, stream};
 use genswap_crds::{InstanceGeneration, SwapAttempt};
 use kube::runtime::watcher::{self, Event};

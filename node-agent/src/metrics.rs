@@ -295,8 +295,8 @@ impl AgentMetrics {
     pub fn record_outcome(&self, outcome: Outcome, mode: Mode) {
         self.attempts
             .get_or_create(&AttemptLabels {
-                outcome: outcome_label(outcome).to_string(),
-                mode: mode_label(mode).to_string(),
+                outcome: outcome.as_str().to_string(),
+                mode: mode.as_str().to_string(),
             })
             .inc();
     }
@@ -339,22 +339,6 @@ impl AgentMetrics {
         let mut text = String::new();
         encode(&mut text, &self.registry)?;
         Ok(text)
-    }
-}
-
-fn outcome_label(outcome: Outcome) -> &'static str {
-    match outcome {
-        Outcome::Done => "done",
-        Outcome::Failed => "failed",
-        Outcome::Abandoned => "abandoned",
-        Outcome::Down => "down",
-    }
-}
-
-fn mode_label(mode: Mode) -> &'static str {
-    match mode {
-        Mode::Overlap => "overlap",
-        Mode::Hold => "hold",
     }
 }
 

@@ -4,10 +4,10 @@
 use genswap_crds::{ConditionType, DesiredState, set_condition};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
+use super::Context;
 use super::failure_book::FailureBook;
 use super::rollout::Progress;
 use super::supervision::Down;
-use super::{Context, mode_name};
 
 /// The reasons the scheduler writes on its conditions.
 pub mod reasons {
@@ -242,7 +242,7 @@ fn stall_message(ctx: &Context<'_>, progress: &Progress<'_>, book: &FailureBook)
         "build {} ({}) is held down after failing on {}{down}; not rolled out: {}; \
          change spec.retry to attempt it once more, or choose another build",
         ctx.desired.build,
-        mode_name(ctx.mode),
+        ctx.mode.as_str(),
         failures.join(", "),
         names(&progress.stalled),
     )

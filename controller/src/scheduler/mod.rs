@@ -140,7 +140,7 @@ pub fn plan(
                 message: format!(
                     "spec.retry changed: build {} ({}) may be attempted once more",
                     ctx.desired.build,
-                    mode_name(ctx.mode)
+                    ctx.mode.as_str()
                 ),
             });
         }
@@ -159,8 +159,8 @@ pub fn plan(
             message: format!(
                 "node {}: rev {sched_rev}, cause {}, mode {}, build {}{}",
                 slot.name,
-                cause_name(issue.cause),
-                mode_name(ctx.spec.mode),
+                issue.cause.as_str(),
+                ctx.spec.mode.as_str(),
                 ctx.desired.build,
                 if slot.canary { ", canary" } else { "" },
             ),
@@ -336,24 +336,4 @@ fn good_build(entries: &[NodeGeneration]) -> Option<String> {
         .iter()
         .all(|e| e.build.as_ref() == Some(first))
         .then(|| first.clone())
-}
-
-/// The wire spelling of a mode, for messages.
-fn mode_name(mode: Mode) -> &'static str {
-    match mode {
-        Mode::Overlap => "overlap",
-        Mode::Hold => "hold",
-    }
-}
-
-/// The wire spelling of a cause, for messages.
-fn cause_name(cause: genswap_crds::Cause) -> &'static str {
-    use genswap_crds::Cause;
-    match cause {
-        Cause::Release => "release",
-        Cause::Install => "install",
-        Cause::Retry => "retry",
-        Cause::Restart => "restart",
-        Cause::Config => "config",
-    }
 }

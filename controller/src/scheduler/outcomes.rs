@@ -13,7 +13,7 @@ use genswap_crds::{Cause, LastAttempt, NodeGeneration, Outcome, SwapAttempt, Swa
 
 use super::failure_book::{Failure, FailureBook};
 use super::rollout::effective_mode_of;
-use super::{Context, NodeSlot, PlanEvent, cause_name, mode_name};
+use super::{Context, NodeSlot, PlanEvent};
 
 pub(super) fn observe(
     slot: &mut NodeSlot<'_>,
@@ -102,7 +102,7 @@ pub(super) fn observe(
                         } else {
                             "failed, the incumbent still serves"
                         },
-                        mode_name(mode),
+                        mode.as_str(),
                         reason_suffix(&reason),
                     ),
                 });
@@ -121,7 +121,7 @@ pub(super) fn observe(
                     reason: "SwapAbandoned".into(),
                     message: format!(
                         "node {node}: rev {rev} abandoned ({}, build {build}){}",
-                        cause_name(attempt.spec.cause),
+                        attempt.spec.cause.as_str(),
                         reason_suffix(&reason),
                     ),
                 });
@@ -169,8 +169,8 @@ fn done_event(
             "node {node}: rev {} done: build {} serves{generation} ({}, {})",
             attempt.spec.sched_rev,
             attempt.spec.build.id,
-            mode_name(mode),
-            cause_name(attempt.spec.cause),
+            mode.as_str(),
+            attempt.spec.cause.as_str(),
         ),
     }
 }

@@ -181,9 +181,9 @@ impl DemoReport {
                 if row.restart {
                     "restart"
                 } else {
-                    mode_name(row.mode)
+                    row.mode.as_str()
                 },
-                outcome_name(row.outcome),
+                row.outcome.as_str(),
                 row.executed,
                 row.drain_ms
                     .map_or_else(|| "-".to_string(), |ms| format!("{ms} ms")),
@@ -436,7 +436,7 @@ spec:
             id = self.id,
             path = self.build.path.display(),
             sha = self.build.sha256,
-            mode = mode_name(self.mode),
+            mode = self.mode.as_str(),
             retry = self.retry,
         )
     }
@@ -700,7 +700,7 @@ impl Script<'_> {
         };
         println!(
             "    -> {} in {:.1} s; {}{}\n",
-            outcome_name(row.outcome),
+            row.outcome.as_str(),
             took.as_secs_f64(),
             conditions(&doc),
             traffic.map_or_else(String::new, |t| format!(
@@ -734,20 +734,4 @@ fn conditions(doc: &StatusDocument) -> String {
         .map(|c| format!("{}={} ({})", c.type_, c.status, c.reason))
         .collect::<Vec<_>>()
         .join(", ")
-}
-
-fn mode_name(mode: Mode) -> &'static str {
-    match mode {
-        Mode::Overlap => "overlap",
-        Mode::Hold => "hold",
-    }
-}
-
-fn outcome_name(outcome: Outcome) -> &'static str {
-    match outcome {
-        Outcome::Done => "done",
-        Outcome::Failed => "failed",
-        Outcome::Abandoned => "abandoned",
-        Outcome::Down => "down",
-    }
 }
