@@ -4,7 +4,8 @@
 //! Nodes, now) -> [`scheduler::Plan`]. Everything else adapts it to the API
 //! server, as a pipeline a reader can follow:
 //!
-//! - [`observe`]: the reads (watch caches, no requests), planned from only
+//! - [`observe`] and [`attempt_index`]: the reads (watch caches, no
+//!   requests; an IG's attempts by owner, not by a scan), planned from only
 //!   once [`cache_sync`] says the caches have listed and [`expectations`]
 //!   says they show this replica's own writes;
 //! - [`scheduler`]: the plan (pure);
@@ -18,6 +19,7 @@
 #![forbid(unsafe_code)]
 
 pub mod apply;
+pub mod attempt_index;
 pub mod cache_sync;
 pub mod cli;
 pub mod expectations;

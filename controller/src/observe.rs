@@ -1,51 +1,10 @@
-//! The read side of a reconcile: what the watch caches hold for one
-//! InstanceGeneration. No requests; the reflectors keep the caches current.
+//! The read side of a reconcile: what the Node cache holds (an IG's
+//! attempts come from [`crate::attempt_index`]). No requests; the
+//! reflectors keep the caches current.
 
-use genswap_crds::{InstanceGeneration, SwapAttempt};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::core::DeserializeGuard;
 use kube::runtime::reflector::Store;
-
-use crate::scheduler::{LABEL_INSTANCE, label_value};
-use kube::{Resource, ResourceExt};
-
-/// The SwapAttempts `ig` owns, ordered by node then revision.
-///
-/// Ownership is the ownerReference to this very object (its uid): an IG
-/// deleted and re-created under the same name is a new object, and the old
-/// one's attempts are not its history. The instance label is only the watch
-/// filter; it may be a digest for a long name. Attempts that failed to
-/// deserialize are left out.
-pub fn attempts_of(
-    ig: &InstanceGeneration,
-    store: &Store<DeserializeGuard<SwapAttempt>>,
-) -> Vec<SwapAttempt> {
-    let namespace = ig.namespace();
-    let kind = InstanceGeneration::kind(&());
-    let owner_uid = ig.uid();
-    let name = ig.name_any();
-    let mut owned: Vec<SwapAttempt> = store
-        .state()
-        .iter()
-        .filter_map(|guard| guard.0.as_ref().ok())
-        .filter(|attempt| attempt.namespace() == namespace)
-        .filter(|attempt| match &owner_uid {
-            Some(uid) => attempt
-                .owner_references()
-                .iter()
-                .any(|owner| owner.kind == kind && &owner.uid == uid),
-            // Only an object that never passed through an API server lacks
-            // a uid; its attempts carry no owner either.
-            None => attempt.labels().get(LABEL_INSTANCE) == Some(&label_value(&name)),
-        })
-        .cloned()
-        .collect();
-    owned.sort_by(|a, b| {
-        (&a.spec.node_name, a.spec.sched_rev).cmp(&(&b.spec.node_name, b.spec.sched_rev))
-    });
-    owned
-}
 
 /// Every cached Node, ordered by name.
 pub fn nodes(store: &Store<Node>) -> Vec<Node> {
@@ -76,6 +35,7 @@ pub fn trim_node(node: &mut Node) {
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{ContainerImage, NodeStatus};
+    use kube::ResourceExt;
     use std::collections::BTreeMap;
 
     #[test]

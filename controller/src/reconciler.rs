@@ -19,6 +19,7 @@ use thiserror::Error;
 use tracing::{debug, info, warn};
 
 use crate::apply::{self, Applied, ApplyError, EVENT_ACTION, FIELD_MANAGER};
+use crate::attempt_index::AttemptIndex;
 use crate::cache_sync::CacheSync;
 use crate::expectations::{CaughtUp, Expectations, IgKey};
 use crate::leader::Leadership;
@@ -33,7 +34,7 @@ pub type WatchedIg = DeserializeGuard<InstanceGeneration>;
 
 /// The pure scheduler, or a stand-in for tests.
 pub type Planner =
-    Arc<dyn Fn(&InstanceGeneration, &[SwapAttempt], &[Node], Timestamp) -> Plan + Send + Sync>;
+    Arc<dyn Fn(&InstanceGeneration, &[Arc<SwapAttempt>], &[Node], Timestamp) -> Plan + Send + Sync>;
 
 /// The source of `now` handed to the planner.
 pub type Clock = Arc<dyn Fn() -> Timestamp + Send + Sync>;
@@ -80,8 +81,9 @@ pub struct Context {
     pub leadership: Leadership,
     /// Field manager of the status writes.
     pub field_manager: String,
-    /// Every SwapAttempt carrying [`scheduler::LABEL_INSTANCE`], in scope.
-    pub attempts: Store<DeserializeGuard<SwapAttempt>>,
+    /// Every SwapAttempt carrying [`scheduler::LABEL_INSTANCE`], in scope,
+    /// by owner.
+    pub attempts: AttemptIndex,
     /// Every Node, trimmed by [`observe::trim_node`].
     pub nodes: Store<Node>,
     /// Whether those caches (and the IG cache) have had their first list.
@@ -100,7 +102,7 @@ impl Context {
         reporter: Reporter,
         metrics: Arc<Metrics>,
         leadership: Leadership,
-        attempts: Store<DeserializeGuard<SwapAttempt>>,
+        attempts: AttemptIndex,
         nodes: Store<Node>,
         caches: CacheSync,
     ) -> Self {
@@ -114,7 +116,7 @@ impl Context {
             nodes,
             caches,
             expectations: Expectations::default(),
-            planner: Arc::new(scheduler::plan),
+            planner: Arc::new(scheduler::plan::<Arc<SwapAttempt>>),
             clock: Arc::new(Timestamp::now),
             failures: Mutex::new(HashMap::new()),
         }
@@ -156,11 +158,7 @@ impl Context {
     /// Whether the caches show every write this replica made for `ig`.
     fn caught_up(&self, ig: &InstanceGeneration) -> CaughtUp {
         let namespace = ig.namespace().unwrap_or_default();
-        let cached = |name: &str| {
-            self.attempts
-                .get(&ObjectRef::new(name).within(&namespace))
-                .is_some()
-        };
+        let cached = |name: &str| self.attempts.contains(&namespace, name);
         self.expectations.caught_up(
             &key_of(ig),
             ig.resource_version().as_deref(),
@@ -209,7 +207,7 @@ pub async fn reconcile(
     if let Some(retry) = wait_for_caches(ig, &ctx).await {
         return Ok(retry);
     }
-    let attempts = observe::attempts_of(ig, &ctx.attempts);
+    let attempts = ctx.attempts.attempts_of(ig);
     let nodes = observe::nodes(&ctx.nodes);
     let plan = (ctx.planner)(ig, &attempts, &nodes, (ctx.clock)());
     let applied = apply::apply_plan(&ctx, ig, &plan).await?;

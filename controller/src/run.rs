@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use futures::{Stream, StreamExt};
+use futures::{Stream, StreamExt, TryStreamExt};
 use genswap_crds::SwapAttempt;
 use k8s_openapi::api::core::v1::Node;
 use kube::core::DeserializeGuard;
@@ -25,6 +25,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use tracing::{debug, info, warn};
 
+use crate::attempt_index::AttemptIndex;
 use crate::cache_sync::{Cache, CacheSync};
 use crate::http::Readiness;
 use crate::leader::Leadership;
@@ -77,10 +78,13 @@ pub async fn run_controller(
             .applied_objects(),
     );
 
-    let (attempt_store, attempt_writer) = reflector::store();
+    // The index is the attempts' cache (no reflector store): it sees each
+    // event before the reconcile it triggers is queued.
+    let attempt_index = AttemptIndex::new();
+    let indexed = attempt_index.clone();
     let attempt_events = watcher(attempts, watcher::Config::default().labels(LABEL_INSTANCE))
         .backoff(watch_backoff())
-        .reflect(attempt_writer);
+        .inspect_ok(move |event| indexed.observe(event));
     let attempt_events = without_errors(
         "SwapAttempt",
         caches
@@ -110,7 +114,7 @@ pub async fn run_controller(
         reporter,
         metrics,
         leadership.clone(),
-        attempt_store,
+        attempt_index,
         node_store,
         caches,
     ));

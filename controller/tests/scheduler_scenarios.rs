@@ -261,7 +261,7 @@ fn the_cause_follows_what_changed_on_the_node() {
             nodes: case.serves.into_iter().collect(),
             ..InstanceGenerationStatus::default()
         });
-        let plan = plan(&ig, &[], &nodes(&["a"]), at(T0));
+        let plan = plan(&ig, NO_ATTEMPTS, &nodes(&["a"]), at(T0));
         assert_eq!(
             causes(&plan),
             case.cause.into_iter().collect::<Vec<_>>(),
@@ -315,7 +315,7 @@ fn the_selector_picks_nodes_whose_labels_include_it() {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        let plan = plan(&ig(s), &[], &cluster, at(T0));
+        let plan = plan(&ig(s), NO_ATTEMPTS, &cluster, at(T0));
         let selected: Vec<&str> = plan.status.nodes.iter().map(|n| n.name.as_str()).collect();
         assert_eq!(selected, expected, "selector {selector:?}");
         assert_eq!(
@@ -330,7 +330,7 @@ fn the_selector_picks_nodes_whose_labels_include_it() {
 fn no_matching_node_is_not_ready_but_not_stalled_either() {
     let mut s = spec("b1");
     s.node_selector = [("pool".to_string(), "gpu".to_string())].into();
-    let plan = plan(&ig(s), &[], &nodes(&["a", "b"]), at(T0));
+    let plan = plan(&ig(s), NO_ATTEMPTS, &nodes(&["a", "b"]), at(T0));
     assert!(plan.create.is_empty());
     assert_eq!(
         kstatus(&plan.status),
@@ -435,7 +435,7 @@ fn an_attempt_is_a_complete_object_with_a_snapshot_of_the_spec() {
     s.socket.layout = SocketLayout::Fixed;
     s.config_rev = "c1".into();
     let ig = ig(s);
-    let plan = plan(&ig, &[], &nodes(&["a"]), at(T0));
+    let plan = plan(&ig, NO_ATTEMPTS, &nodes(&["a"]), at(T0));
     let [attempt] = plan.create.as_slice() else {
         panic!("one attempt expected, got {}", plan.create.len());
     };

@@ -43,6 +43,7 @@ mod outcomes;
 mod rollout;
 mod supervision;
 
+use std::borrow::Borrow;
 use std::time::Duration;
 
 use genswap_crds::{
@@ -104,9 +105,9 @@ pub struct PlanEvent {
 
 /// Plans one InstanceGeneration. `attempts` are the SwapAttempts it owns;
 /// `nodes` are all Nodes (the scheduler applies the selector).
-pub fn plan(
+pub fn plan<A: Borrow<SwapAttempt>>(
     ig: &InstanceGeneration,
-    attempts: &[SwapAttempt],
+    attempts: &[A],
     nodes: &[Node],
     now: Timestamp,
 ) -> Plan {
@@ -252,12 +253,13 @@ struct NodeSlot<'a> {
 /// This instance's attempts sorted by (node, revision), so each node's are
 /// one run, and the highest revision among them. Attempts of another
 /// instance are not ours to count or delete.
-fn sort_attempts<'a>(
+fn sort_attempts<'a, A: Borrow<SwapAttempt>>(
     ctx: &Context<'_>,
-    attempts: &'a [SwapAttempt],
+    attempts: &'a [A],
 ) -> (Vec<&'a SwapAttempt>, i64) {
     let mut ours: Vec<&SwapAttempt> = attempts
         .iter()
+        .map(Borrow::borrow)
         .filter(|a| a.spec.instance == ctx.name)
         .collect();
     ours.sort_unstable_by(|a, b| {

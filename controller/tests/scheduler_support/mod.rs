@@ -18,6 +18,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
 use serde_json::json;
 
+/// No attempts, typed for [`scheduler::plan`].
+pub const NO_ATTEMPTS: &[SwapAttempt] = &[];
+
 /// Seconds since the epoch where every scenario starts.
 pub const T0: i64 = 1_800_000_000;
 

@@ -70,15 +70,13 @@ impl FakeCluster {
                 state.attempts.values().cloned().collect::<Vec<_>>(),
             )
         });
-        harness.attempts.apply_watcher_event(&watcher::Event::Init);
+        harness.attempts.observe(&watcher::Event::Init);
         for attempt in attempts {
             harness
                 .attempts
-                .apply_watcher_event(&watcher::Event::InitApply(DeserializeGuard(Ok(attempt))));
+                .observe(&watcher::Event::InitApply(DeserializeGuard(Ok(attempt))));
         }
-        harness
-            .attempts
-            .apply_watcher_event(&watcher::Event::InitDone);
+        harness.attempts.observe(&watcher::Event::InitDone);
         ig
     }
 

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use genswap_controller::apply::FIELD_MANAGER;
+use genswap_controller::attempt_index::AttemptIndex;
 use genswap_controller::cache_sync::CacheSync;
 use genswap_controller::leader::Leadership;
 use genswap_controller::metrics::Metrics;
@@ -144,7 +145,7 @@ pub struct Harness {
     pub ctx: Arc<Context>,
     pub metrics: Arc<Metrics>,
     pub leadership: Leadership,
-    pub attempts: Writer<DeserializeGuard<SwapAttempt>>,
+    pub attempts: AttemptIndex,
     pub nodes: Writer<Node>,
 }
 
@@ -165,7 +166,7 @@ pub fn harness_with_caches(
     let metrics = Arc::new(Metrics::new());
     let leadership = Leadership::follower(metrics.clone());
     leadership.set(leader);
-    let (attempt_store, attempts) = reflector::store();
+    let attempts = AttemptIndex::new();
     let (node_store, nodes) = reflector::store();
     let ctx = Context::new(
         client,
@@ -175,7 +176,7 @@ pub fn harness_with_caches(
         },
         metrics.clone(),
         leadership.clone(),
-        attempt_store,
+        attempts.clone(),
         node_store,
         caches,
     )
@@ -194,7 +195,7 @@ pub fn harness_with_caches(
 impl Harness {
     pub fn add_attempt(&mut self, attempt: SwapAttempt) {
         self.attempts
-            .apply_watcher_event(&watcher::Event::Apply(DeserializeGuard(Ok(attempt))));
+            .observe(&watcher::Event::Apply(DeserializeGuard(Ok(attempt))));
     }
 
     pub fn add_node(&mut self, node: Node) {
