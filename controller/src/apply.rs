@@ -7,7 +7,8 @@
 //! 2. the SwapAttempts, only after the reservation stands (a create that
 //!    fails burns its revision; the next plan issues a higher one);
 //! 3. deletions of old attempts;
-//! 4. Events on the InstanceGeneration.
+//! 4. Events on the InstanceGeneration, queued for [`crate::events`] to
+//!    send after the reconcile (they are not on its critical path).
 //!
 //! Leadership is checked right before every request, so a replica that loses
 //! the Lease mid-way sends nothing more.
@@ -15,28 +16,21 @@
 use std::collections::HashSet;
 
 use genswap_crds::{InstanceGeneration, InstanceGenerationStatus, Mode, Outcome, SwapAttempt};
-use k8s_openapi::api::core::v1::ObjectReference;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Resource, ResourceExt};
 use serde_json::{Value, json};
 use thiserror::Error;
 use tracing::{debug, info, warn};
 
+use crate::events::Queued;
 use crate::reconciler::Context;
 use crate::scheduler::{Plan, PlanEvent};
 
 /// The field manager of every status write.
 pub const FIELD_MANAGER: &str = "genswap-controller";
 
-/// The `action` of every Event the controller records.
-pub const EVENT_ACTION: &str = "Reconcile";
-
 /// Reason of the Warning recorded when an attempt could not be created.
 pub const REASON_CREATE_FAILED: &str = "AttemptCreateFailed";
-
-/// events.k8s.io/v1 refuses notes longer than this many bytes.
-const MAX_NOTE_BYTES: usize = 1024;
 
 /// Why a plan could not be applied in full.
 #[derive(Debug, Error)]
@@ -232,12 +226,17 @@ pub async fn apply_plan(
         if !ctx.leadership.is_leader() {
             return Ok(stepped_down(Write::Event, done));
         }
-        match publish(ctx, event, &regarding).await {
-            Ok(()) => done.events += 1,
-            Err(error) => {
-                ctx.metrics.reconcile_failed("event");
-                warn!(ig = %name, reason = %event.reason, %error, "recording an Event failed");
-            }
+        let queued = Queued {
+            warning: event.warning,
+            reason: event.reason.clone(),
+            note: event.message.clone(),
+            regarding: regarding.clone(),
+        };
+        if ctx.events.record(queued) {
+            done.events += 1;
+        } else {
+            ctx.metrics.reconcile_failed("event_queue_full");
+            warn!(ig = %name, reason = %event.reason, "the Event queue is full; dropping an Event");
         }
     }
 
@@ -363,44 +362,6 @@ async fn create_attempt(
     }
 }
 
-async fn publish(
-    ctx: &Context,
-    event: &PlanEvent,
-    regarding: &ObjectReference,
-) -> Result<(), kube::Error> {
-    // A fresh Recorder per Event: the shared one folds Events with the same
-    // reason into a series that keeps only the first note, and each attempt
-    // issued or outcome seen has its own message.
-    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
-    recorder
-        .publish(
-            &Event {
-                type_: if event.warning {
-                    EventType::Warning
-                } else {
-                    EventType::Normal
-                },
-                reason: event.reason.clone(),
-                note: Some(truncate(&event.message, MAX_NOTE_BYTES)),
-                action: EVENT_ACTION.to_string(),
-                secondary: None,
-            },
-            regarding,
-        )
-        .await
-}
-
-fn truncate(text: &str, max_bytes: usize) -> String {
-    if text.len() <= max_bytes {
-        return text.to_string();
-    }
-    let mut end = max_bytes.saturating_sub('…'.len_utf8());
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &text[..end])
-}
-
 /// The (outcome, mode) of every node whose last finished attempt in `next`
 /// is not the one `previous` recorded. Counted after the status write
 /// succeeds, so an outcome is counted once, by the replica that recorded it.
@@ -473,15 +434,6 @@ mod tests {
             ]
         );
         assert!(newly_recorded_outcomes(Some(&next), &next).is_empty());
-    }
-
-    #[test]
-    fn truncates_long_notes_on_a_char_boundary() {
-        let long = "é".repeat(2000);
-        let short = truncate(&long, MAX_NOTE_BYTES);
-        assert!(short.len() <= MAX_NOTE_BYTES);
-        assert!(short.ends_with('…'));
-        assert_eq!(truncate("short", MAX_NOTE_BYTES), "short");
     }
 
     #[test]

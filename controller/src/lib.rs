@@ -9,7 +9,8 @@
 //!   once [`cache_sync`] says the caches have listed and [`expectations`]
 //!   says they show this replica's own writes;
 //! - [`scheduler`]: the plan (pure);
-//! - [`apply`]: the writes, in the order that keeps revisions unique;
+//! - [`apply`]: the writes, in the order that keeps revisions unique, and
+//!   [`events`], which sends a reconcile's Events after it;
 //! - [`reconciler`]: one reconcile, read → plan → apply, and its error policy;
 //! - [`run`]: the kube-runtime Controller and its watches ([`node_index`]
 //!   decides which IGs a Node event concerns, [`watch_backoff`] how a watch
@@ -22,6 +23,7 @@ pub mod apply;
 pub mod attempt_index;
 pub mod cache_sync;
 pub mod cli;
+pub mod events;
 pub mod expectations;
 pub mod http;
 pub mod leader;

@@ -12,15 +12,16 @@ use k8s_openapi::jiff::Timestamp;
 use kube::core::DeserializeGuard;
 use kube::core::error_boundary::InvalidObject;
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::Reporter;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, Resource, ResourceExt};
 use thiserror::Error;
 use tracing::{debug, info, warn};
 
-use crate::apply::{self, Applied, ApplyError, EVENT_ACTION, FIELD_MANAGER};
+use crate::apply::{self, Applied, ApplyError, FIELD_MANAGER};
 use crate::attempt_index::AttemptIndex;
 use crate::cache_sync::CacheSync;
+use crate::events::{EventQueue, Queued};
 use crate::expectations::{CaughtUp, Expectations, IgKey};
 use crate::leader::Leadership;
 use crate::metrics::{Deferral, Metrics};
@@ -81,6 +82,8 @@ pub struct Context {
     pub leadership: Leadership,
     /// Field manager of the status writes.
     pub field_manager: String,
+    /// Where a reconcile's Events go; sent after it, in order.
+    pub events: EventQueue,
     /// Every SwapAttempt carrying [`scheduler::LABEL_INSTANCE`], in scope,
     /// by owner.
     pub attempts: AttemptIndex,
@@ -106,12 +109,19 @@ impl Context {
         nodes: Store<Node>,
         caches: CacheSync,
     ) -> Self {
+        let events = EventQueue::start(
+            client.clone(),
+            reporter.clone(),
+            leadership.clone(),
+            metrics.clone(),
+        );
         Self {
             client,
             reporter,
             metrics,
             leadership,
             field_manager: FIELD_MANAGER.to_string(),
+            events,
             attempts,
             nodes,
             caches,
@@ -192,7 +202,7 @@ pub async fn reconcile(
     let _timer = ctx.metrics.reconcile_started();
     let ig = match &object.0 {
         Ok(ig) => ig,
-        Err(invalid) => return Ok(report_invalid(&ctx, invalid).await),
+        Err(invalid) => return Ok(report_invalid(&ctx, invalid)),
     };
     if !ctx.leadership.is_leader() {
         debug!(ig = %ig.name_any(), "follower; not planning");
@@ -291,7 +301,7 @@ pub fn backoff_delay(consecutive_failures: u32) -> Duration {
 
 /// Logs an InstanceGeneration the controller cannot deserialize and, as the
 /// leader, records a Warning on it; then waits for it to change.
-async fn report_invalid(ctx: &Context, invalid: &InvalidObject) -> Action {
+fn report_invalid(ctx: &Context, invalid: &InvalidObject) -> Action {
     let name = invalid.metadata.name.clone().unwrap_or_default();
     ctx.metrics.reconcile_failed("invalid_object");
     warn!(ig = %name, error = %invalid.error, "cannot read InstanceGeneration; skipping it");
@@ -305,20 +315,18 @@ async fn report_invalid(ctx: &Context, invalid: &InvalidObject) -> Action {
             resource_version: invalid.metadata.resource_version.clone(),
             ..ObjectReference::default()
         };
-        let event = Event {
-            type_: EventType::Warning,
+        let queued = Queued {
+            warning: true,
             reason: REASON_INVALID.to_string(),
-            note: Some(format!(
+            note: format!(
                 "the controller cannot read this object and skips it: {}",
                 invalid.error
-            )),
-            action: EVENT_ACTION.to_string(),
-            secondary: None,
+            ),
+            regarding,
         };
-        let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
-        if let Err(error) = recorder.publish(&event, &regarding).await {
-            ctx.metrics.reconcile_failed("event");
-            info!(ig = %name, %error, "recording the InvalidObject Event failed");
+        if !ctx.events.record(queued) {
+            ctx.metrics.reconcile_failed("event_queue_full");
+            info!(ig = %name, "the Event queue is full; dropping the InvalidObject Event");
         }
     }
     Action::await_change()

@@ -187,9 +187,11 @@ async fn an_exit_reported_by_an_agent_reaches_the_conditions_and_issues_nothing(
         vec![1, 2],
         "the agent restarts it; the controller issues nothing"
     );
+    // Events are sent after the reconcile, and all of them before the
+    // client goes away.
+    stop(h, server).await;
     assert!(
         cluster.with(|s| s.event_reasons.iter().any(|r| r == "GenerationExited")),
         "the exit is an Event"
     );
-    stop(h, server).await;
 }

@@ -36,6 +36,31 @@ fn issuing_plan() -> Plan {
     }
 }
 
+#[tokio::test]
+async fn a_reconcile_does_not_wait_for_its_events() {
+    let plan = issuing_plan();
+    let (h, verifier) = harness(fixed_planner(plan.clone()), true);
+    let (release, released) = tokio::sync::oneshot::channel();
+    let scenario = verifier.run(Scenario::EventHeld {
+        ig: ig("100", Some(status(4))),
+        plan,
+        released,
+    });
+    // The API server has not answered the Event: the reconcile is done all
+    // the same, its attempt created.
+    let action = tokio::time::timeout(
+        DEADLINE,
+        reconcile(watched(ig("100", Some(status(4)))), h.ctx.clone()),
+    )
+    .await
+    .expect("the reconcile ends while its Event is unanswered")
+    .expect("reconcile succeeds");
+    assert_eq!(action, Action::requeue(RESYNC_PERIOD));
+    let _ = release.send(());
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
 fn metric_line(metrics: &Metrics, line: &str) -> bool {
     metrics
         .encode()

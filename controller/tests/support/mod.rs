@@ -238,6 +238,13 @@ pub enum Scenario {
     EventsOnly { events: Vec<PlanEvent> },
     /// Not a single request.
     RadioSilence,
+    /// The reservation and every create accepted; the first Event's POST is
+    /// then held unanswered until `released` fires, and answered after.
+    EventHeld {
+        ig: InstanceGeneration,
+        plan: Plan,
+        released: tokio::sync::oneshot::Receiver<()>,
+    },
 }
 
 impl ApiServerVerifier {
@@ -299,6 +306,27 @@ impl ApiServerVerifier {
                     v
                 }
                 Scenario::RadioSilence => self,
+                Scenario::EventHeld { ig, plan, released } => {
+                    let mut v = self.status_apply(&ig, &plan.status, Answer::Accept).await;
+                    for attempt in &plan.create {
+                        v = v.attempt_create(attempt, StatusCode::CREATED).await;
+                    }
+                    let (request, send) = v.next().await;
+                    assert_eq!(
+                        request.uri().path(),
+                        format!("/apis/events.k8s.io/v1/namespaces/{NAMESPACE}/events")
+                    );
+                    let _ = released.await;
+                    send.send_response(
+                        Response::builder()
+                            .status(StatusCode::CREATED)
+                            .body(Body::from(
+                                serde_json::to_vec(&json!({})).unwrap_or_default(),
+                            ))
+                            .expect("a response"),
+                    );
+                    v
+                }
             };
             verifier.no_more_requests().await;
         })
