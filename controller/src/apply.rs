@@ -10,8 +10,9 @@
 //! 4. Events on the InstanceGeneration, queued for [`crate::events`] to
 //!    send after the reconcile (they are not on its critical path).
 //!
-//! Leadership is checked right before every request, so a replica that loses
-//! the Lease mid-way sends nothing more.
+//! Leadership is checked right before every request (before the plan's
+//! creates, which go out together), so a replica that loses the Lease
+//! mid-way sends nothing more.
 
 use std::collections::HashSet;
 
@@ -168,11 +169,19 @@ pub async fn apply_plan(
 
     let mut failures = Vec::new();
     let attempts: Api<SwapAttempt> = Api::namespaced(ctx.client.clone(), &namespace);
-    for attempt in &plan.create {
-        if !ctx.leadership.is_leader() {
-            return Ok(stepped_down(Write::Create, done));
-        }
-        match create_attempt(&attempts, attempt, &ctx.field_manager).await {
+    // The plan's creates go out together: each is its own reserved
+    // revision, so none waits on another's round trip.
+    if !plan.create.is_empty() && !ctx.leadership.is_leader() {
+        return Ok(stepped_down(Write::Create, done));
+    }
+    let created = futures::future::join_all(
+        plan.create
+            .iter()
+            .map(|attempt| create_attempt(&attempts, attempt, &ctx.field_manager)),
+    )
+    .await;
+    for (attempt, result) in plan.create.iter().zip(created) {
+        match result {
             Ok(()) => {
                 ctx.note_created(ig, &attempt.name_any());
                 done.created += 1;

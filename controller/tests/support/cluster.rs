@@ -400,6 +400,37 @@ pub fn client(cluster: &Shared) -> Client {
     Client::new(service, NS)
 }
 
+/// [`client`], answering requests concurrently and every write (anything
+/// but a GET) only after `write_latency`, as a busy API server does. The
+/// benchmarks' stand-in for a real server's round trip; it adds no queueing
+/// of its own, which a real server under load would.
+pub fn client_with_latency(cluster: &Shared, write_latency: std::time::Duration) -> Client {
+    let (service, mut handle) =
+        tower_test::mock::pair::<Request<kube::client::Body>, Response<ResponseBody>>();
+    let cluster = cluster.clone();
+    tokio::spawn(async move {
+        while let Some((request, send)) = handle.next_request().await {
+            let cluster = cluster.clone();
+            tokio::spawn(async move {
+                let (parts, body) = request.into_parts();
+                let bytes = body.collect_bytes().await.unwrap_or_default();
+                if parts.method != Method::GET {
+                    tokio::time::sleep(write_latency).await;
+                }
+                let response = lock(&cluster).answer(
+                    &parts.method,
+                    parts.uri.path(),
+                    parts.uri.query().unwrap_or_default(),
+                    &content_type(&parts.headers),
+                    parse(&bytes),
+                );
+                send.send_response(response);
+            });
+        }
+    });
+    Client::new(service, NS)
+}
+
 /// Serves `cluster` over HTTP on a loopback port until the task is aborted.
 pub async fn serve_http(cluster: &Shared) -> (SocketAddr, tokio::task::JoinHandle<()>) {
     async fn handle(
