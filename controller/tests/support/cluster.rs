@@ -378,23 +378,14 @@ fn content_type(headers: &http::HeaderMap) -> String {
         .to_string()
 }
 
-/// A client whose requests `cluster` answers in process.
+/// A client whose requests `cluster` answers in process, one at a time.
 pub fn client(cluster: &Shared) -> Client {
     let (service, mut handle) =
         tower_test::mock::pair::<Request<kube::client::Body>, Response<ResponseBody>>();
     let cluster = cluster.clone();
     tokio::spawn(async move {
         while let Some((request, send)) = handle.next_request().await {
-            let (parts, body) = request.into_parts();
-            let bytes = body.collect_bytes().await.expect("request body readable");
-            let response = lock(&cluster).answer(
-                &parts.method,
-                parts.uri.path(),
-                parts.uri.query().unwrap_or_default(),
-                &content_type(&parts.headers),
-                parse(&bytes),
-            );
-            send.send_response(response);
+            send.send_response(answer_request(&cluster, request, None).await);
         }
     });
     Client::new(service, NS)
@@ -412,23 +403,32 @@ pub fn client_with_latency(cluster: &Shared, write_latency: std::time::Duration)
         while let Some((request, send)) = handle.next_request().await {
             let cluster = cluster.clone();
             tokio::spawn(async move {
-                let (parts, body) = request.into_parts();
-                let bytes = body.collect_bytes().await.unwrap_or_default();
-                if parts.method != Method::GET {
-                    tokio::time::sleep(write_latency).await;
-                }
-                let response = lock(&cluster).answer(
-                    &parts.method,
-                    parts.uri.path(),
-                    parts.uri.query().unwrap_or_default(),
-                    &content_type(&parts.headers),
-                    parse(&bytes),
-                );
-                send.send_response(response);
+                send.send_response(answer_request(&cluster, request, Some(write_latency)).await);
             });
         }
     });
     Client::new(service, NS)
+}
+
+/// `cluster`'s answer to one request of the mocked client, a write's after
+/// `write_latency` when given.
+async fn answer_request(
+    cluster: &Shared,
+    request: Request<kube::client::Body>,
+    write_latency: Option<std::time::Duration>,
+) -> Response<ResponseBody> {
+    let (parts, body) = request.into_parts();
+    let bytes = body.collect_bytes().await.expect("request body readable");
+    if let Some(latency) = write_latency.filter(|_| parts.method != Method::GET) {
+        tokio::time::sleep(latency).await;
+    }
+    lock(cluster).answer(
+        &parts.method,
+        parts.uri.path(),
+        parts.uri.query().unwrap_or_default(),
+        &content_type(&parts.headers),
+        parse(&bytes),
+    )
 }
 
 /// Serves `cluster` over HTTP on a loopback port until the task is aborted.
