@@ -895,20 +895,6 @@ impl Journal {
         Ok(entry.next_generation)
     }
 
-    /// Reserves the instance's next generation number, durably: the number
-    /// returned is never returned again, across restarts.
-    pub fn allocate_generation(&self, instance: &InstanceKey) -> Result<u64, JournalError> {
-        self.update(instance, |entry| {
-            let n = entry.next_generation;
-            entry.next_generation =
-                n.checked_add(1)
-                    .ok_or_else(|| JournalError::GenerationsExhausted {
-                        instance: entry.instance.clone(),
-                    })?;
-            Ok((n, true))
-        })
-    }
-
     /// Keeps the instance's counter above `generation`, a number seen on the
     /// host (a `gen-<N>` cgroup or socket). Recovery calls it for each one.
     pub fn observe_generation(

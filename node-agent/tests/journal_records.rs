@@ -204,10 +204,7 @@ fn corrupt_files_are_reported_and_never_hide_other_instances() {
     let moved = journal.quarantine(&corrupt[2]).expect("quarantine");
     assert!(moved.is_file());
     journal.observe_generation(&truncated, 7).expect("observe");
-    assert_eq!(
-        journal.allocate_generation(&truncated).expect("allocate"),
-        8
-    );
+    assert_eq!(journal.next_generation(&truncated).expect("next"), 8);
     let (entries, corrupt) = journal.load_all().expect("readable");
     assert_eq!(entries.len(), 2, "the quarantined file is skipped");
     assert_eq!(corrupt.len(), 3);
@@ -222,7 +219,7 @@ fn writes_leave_no_temp_files_and_crash_leftovers_are_ignored_then_removed() {
     for _ in 0..20 {
         rec.advance(Phase::Healthy);
         journal.record(&rec).expect("record");
-        journal.allocate_generation(&instance).expect("allocate");
+        journal.observe_generation(&instance, 5).expect("observe");
     }
     assert_eq!(files_in(journal.dir()), vec!["default.app.json"]);
 
@@ -334,6 +331,19 @@ fn pending_reports_span_instances_and_survive_a_reopen() {
     assert_eq!(journal.pending_reports().expect("pending"), vec![a]);
 }
 
+/// What the engine does with a new generation number: the intent record
+/// that names it (phase spawning) is written before anything of it exists.
+/// One attempt in flight throughout, its successor renumbered each time.
+fn spawn_next(journal: &Journal, instance: &InstanceKey) -> u64 {
+    let n = journal.next_generation(instance).expect("next");
+    let mut rec = record(instance, 1);
+    rec.incumbent = None;
+    rec.successor = Some(generation(n, "vN"));
+    rec.advance(Phase::Spawning);
+    journal.record(&rec).expect("record the intent");
+    n
+}
+
 #[test]
 fn the_generation_counter_strictly_increases_across_reopens() {
     let state = tempfile::tempdir().expect("temp dir");
@@ -341,28 +351,30 @@ fn the_generation_counter_strictly_increases_across_reopens() {
     let mut seen = Vec::new();
     for _ in 0..3 {
         let journal = Journal::open(state.path()).expect("open");
-        seen.push(journal.allocate_generation(&instance).expect("allocate"));
-        seen.push(journal.allocate_generation(&instance).expect("allocate"));
+        seen.push(spawn_next(&journal, &instance));
+        seen.push(spawn_next(&journal, &instance));
     }
     assert_eq!(seen, vec![1, 2, 3, 4, 5, 6]);
 
+    // Read without a record naming it, the number is handed out again:
+    // nothing of it exists on the host yet.
     let journal = Journal::open(state.path()).expect("open");
+    assert_eq!(journal.next_generation(&instance).expect("next"), 7);
+    assert_eq!(journal.next_generation(&instance).expect("next"), 7);
+
     journal
         .observe_generation(&instance, 3)
         .expect("lower: no change");
-    assert_eq!(journal.allocate_generation(&instance).expect("allocate"), 7);
+    assert_eq!(journal.next_generation(&instance).expect("next"), 7);
     journal.observe_generation(&instance, 40).expect("observe");
-    assert_eq!(
-        journal.allocate_generation(&instance).expect("allocate"),
-        41
-    );
+    assert_eq!(journal.next_generation(&instance).expect("next"), 41);
 
     // A record naming a higher generation keeps the counter above it.
     let other = key("other");
     let mut rec = record(&other, 1);
     rec.successor = Some(generation(90, "v9"));
     journal.record(&rec).expect("record");
-    assert_eq!(journal.allocate_generation(&other).expect("allocate"), 91);
+    assert_eq!(journal.next_generation(&other).expect("next"), 91);
 }
 
 #[test]
@@ -378,7 +390,7 @@ fn the_serving_generation_is_kept_for_adoption() {
         .expect("set");
     let journal = Journal::open(state.path()).expect("reopen");
     assert_eq!(journal.serving(&instance).expect("readable"), Some(serving));
-    assert_eq!(journal.allocate_generation(&instance).expect("allocate"), 4);
+    assert_eq!(journal.next_generation(&instance).expect("next"), 4);
     journal.set_serving(&instance, None).expect("down");
     assert_eq!(journal.serving(&instance).expect("readable"), None);
 

@@ -89,7 +89,7 @@ async fn a_restarted_agent_delivers_the_recovered_outcome_once_and_never_reruns_
     // exec (phase spawning), before the successor's cgroup existed.
     let journal = node.engine.journal();
     let incumbent = journal.serving(&web).expect("journal").expect("v1 serves");
-    let n = journal.allocate_generation(&web).expect("reserve 2");
+    let n = journal.next_generation(&web).expect("generation 2");
     let mut record = Record::admitted(
         web.clone(),
         AttemptRef {

@@ -138,12 +138,13 @@ async fn installed(host: &SwapHost) -> GenerationRecord {
         .expect("generation 1 serves")
 }
 
-/// Writes `record` as the attempt in flight, with its generation reserved.
+/// Writes `record` as the attempt in flight, naming the generation the
+/// engine would have numbered next.
 fn journal_in_flight(host: &SwapHost, record: &Record) {
     let journal = host.engine.journal();
     let n = journal
-        .allocate_generation(&host.instance)
-        .expect("reserve the successor's number");
+        .next_generation(&host.instance)
+        .expect("the successor's number");
     assert_eq!(Some(n), record.successor.as_ref().map(|g| g.n));
     journal.record(record).expect("journal the attempt");
 }
