@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cluster::{Kind, NS, Shared, client_with_latency, lock, node};
+use genswap_controller::events::DEFAULT_WINDOW;
 use genswap_controller::http::Readiness;
 use genswap_controller::leader::Leadership;
 use genswap_controller::metrics::Metrics;
@@ -85,6 +86,7 @@ async fn burst(igs: usize, write_latency: Duration) -> Run {
             namespace: Some(NS.into()),
             identity: "bench".into(),
             concurrency: 16,
+            event_window: DEFAULT_WINDOW,
         },
         metrics,
         leadership,
@@ -149,9 +151,10 @@ async fn burst(igs: usize, write_latency: Duration) -> Run {
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
     agents.abort();
-    // Events trail the reconciles: count them once they stop coming.
+    // Normal Events trail by up to the window: count once they stop coming.
+    let quiet = DEFAULT_WINDOW + Duration::from_secs(1);
     let mut last = (lock(&cluster).writes.len(), Instant::now());
-    while last.1.elapsed() < Duration::from_millis(500) && started.elapsed() < DEADLINE {
+    while last.1.elapsed() < quiet && started.elapsed() < DEADLINE {
         tokio::time::sleep(Duration::from_millis(20)).await;
         let now = lock(&cluster).writes.len();
         if now != last.0 {

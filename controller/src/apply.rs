@@ -8,7 +8,7 @@
 //!    fails burns its revision; the next plan issues a higher one);
 //! 3. deletions of old attempts;
 //! 4. Events on the InstanceGeneration, queued for [`crate::events`] to
-//!    send after the reconcile (they are not on its critical path).
+//!    write after the reconcile (they are not on its critical path).
 //!
 //! Leadership is checked right before every request (before the plan's
 //! creates, which go out together), so a replica that loses the Lease

@@ -11,6 +11,8 @@ use kube::config::{InferConfigError, KubeConfigOptions, Kubeconfig, KubeconfigEr
 use thiserror::Error;
 use tracing_subscriber::EnvFilter;
 
+use crate::events::DEFAULT_WINDOW;
+
 /// The genswap cluster controller: turns InstanceGenerations into
 /// SwapAttempts and aggregates their outcomes into status.
 #[derive(Parser, Debug, Clone)]
@@ -48,6 +50,11 @@ pub struct Args {
     /// InstanceGenerations reconciled at once.
     #[arg(long, env = "GENSWAP_CONCURRENCY", default_value_t = 16)]
     pub concurrency: u16,
+    /// An InstanceGeneration's Normal Events are held this long from the
+    /// first and written as one Event that lists each; 0 writes each at
+    /// once. Warnings are never held.
+    #[arg(long, env = "GENSWAP_EVENT_WINDOW_SECONDS", default_value_t = DEFAULT_WINDOW.as_secs())]
+    pub event_window_seconds: u64,
     /// Log line format.
     #[arg(long, env = "GENSWAP_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -92,6 +99,11 @@ impl Args {
     /// The namespace scope; `None` is every namespace.
     pub fn namespace_scope(&self) -> Option<&str> {
         self.namespace.as_deref().filter(|ns| !ns.is_empty())
+    }
+
+    /// How long an IG's Normal Events are folded.
+    pub fn event_window(&self) -> Duration {
+        Duration::from_secs(self.event_window_seconds)
     }
 
     /// The identity from the flag or POD_NAME, else the host name.

@@ -10,7 +10,8 @@
 //!   says they show this replica's own writes;
 //! - [`scheduler`]: the plan (pure);
 //! - [`apply`]: the writes, in the order that keeps revisions unique, and
-//!   [`events`], which sends a reconcile's Events after it;
+//!   [`events`], which sends a reconcile's Events after it, an object's
+//!   Normal Events of a few seconds as one ([`event_fold`]);
 //! - [`reconciler`]: one reconcile, read → plan → apply, and its error policy;
 //! - [`run`]: the kube-runtime Controller and its watches ([`node_index`]
 //!   decides which IGs a Node event concerns, [`watch_backoff`] how a watch
@@ -23,6 +24,7 @@ pub mod apply;
 pub mod attempt_index;
 pub mod cache_sync;
 pub mod cli;
+pub mod event_fold;
 pub mod events;
 pub mod expectations;
 pub mod http;

@@ -103,6 +103,7 @@ async fn run(args: Args) -> Result<(), MainError> {
             namespace: args.namespace_scope().map(str::to_string),
             identity: lease_settings.identity.clone(),
             concurrency: args.concurrency,
+            event_window: args.event_window(),
         },
         metrics,
         leadership,

@@ -12,7 +12,6 @@ use k8s_openapi::jiff::Timestamp;
 use kube::core::DeserializeGuard;
 use kube::core::error_boundary::InvalidObject;
 use kube::runtime::controller::Action;
-use kube::runtime::events::Reporter;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, Resource, ResourceExt};
 use thiserror::Error;
@@ -76,13 +75,11 @@ impl ReconcileError {
 /// Everything a reconcile needs, shared by all of them.
 pub struct Context {
     pub client: Client,
-    /// Names this controller and replica in Events.
-    pub reporter: Reporter,
     pub metrics: Arc<Metrics>,
     pub leadership: Leadership,
     /// Field manager of the status writes.
     pub field_manager: String,
-    /// Where a reconcile's Events go; sent after it, in order.
+    /// Where a reconcile's Events go; written after it, folded per object.
     pub events: EventQueue,
     /// Every SwapAttempt carrying [`scheduler::LABEL_INSTANCE`], in scope,
     /// by owner.
@@ -102,22 +99,15 @@ impl Context {
     /// A context that plans with [`scheduler::plan`] at the wall clock.
     pub fn new(
         client: Client,
-        reporter: Reporter,
         metrics: Arc<Metrics>,
         leadership: Leadership,
+        events: EventQueue,
         attempts: AttemptIndex,
         nodes: Store<Node>,
         caches: CacheSync,
     ) -> Self {
-        let events = EventQueue::start(
-            client.clone(),
-            reporter.clone(),
-            leadership.clone(),
-            metrics.clone(),
-        );
         Self {
             client,
-            reporter,
             metrics,
             leadership,
             field_manager: FIELD_MANAGER.to_string(),

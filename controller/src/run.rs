@@ -13,6 +13,7 @@
 //! first full list to [`CacheSync`], which gates planning and `/readyz`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::{Stream, StreamExt, TryStreamExt};
 use genswap_crds::SwapAttempt;
@@ -27,6 +28,8 @@ use tracing::{debug, info, warn};
 
 use crate::attempt_index::AttemptIndex;
 use crate::cache_sync::{Cache, CacheSync};
+use crate::cli::WRITE_TIMEOUT;
+use crate::events::EventQueue;
 use crate::http::Readiness;
 use crate::leader::Leadership;
 use crate::metrics::Metrics;
@@ -47,10 +50,13 @@ pub struct Settings {
     pub identity: String,
     /// InstanceGenerations reconciled at once.
     pub concurrency: u16,
+    /// How long an IG's Normal Events are held to go out as one Event
+    /// ([`crate::event_fold`]); zero writes each alone at once.
+    pub event_window: Duration,
 }
 
-/// Runs the controller until `shutdown` resolves and in-flight reconciles
-/// finish. `watch_client` serves the watches (no request timeout);
+/// Runs the controller until `shutdown` resolves, in-flight reconciles
+/// finish and the queued Events are written. `watch_client` serves the watches (no request timeout);
 /// `write_client` the reconciler's writes (bounded requests).
 pub async fn run_controller(
     watch_client: Client,
@@ -109,11 +115,18 @@ pub async fn run_controller(
         controller: CONTROLLER_NAME.to_string(),
         instance: Some(settings.identity),
     };
+    let (events, event_sender) = EventQueue::start(
+        write_client.clone(),
+        reporter,
+        leadership.clone(),
+        metrics.clone(),
+        settings.event_window,
+    );
     let ctx = Arc::new(Context::new(
         write_client,
-        reporter,
         metrics,
         leadership.clone(),
+        events,
         attempt_index,
         node_store,
         caches,
@@ -141,6 +154,10 @@ pub async fn run_controller(
             }
         })
         .await;
+    // The Context, and with it the last queue handle, went with the
+    // Controller: what is still folding is written now, while this replica
+    // still holds the Lease.
+    event_sender.finish(WRITE_TIMEOUT).await;
     info!("controller stopped");
 }
 

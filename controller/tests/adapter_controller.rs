@@ -15,6 +15,9 @@ use genswap_controller::shutdown;
 use support::cluster::{Cluster, Kind, NS, Shared, client, eventually, lock, node, seeded};
 
 const DEADLINE: Duration = Duration::from_secs(30);
+/// Longer than any test here runs: Normal Events are written only when the
+/// controller stops.
+const EVENT_WINDOW: Duration = Duration::from_secs(600);
 
 #[tokio::test]
 async fn the_controller_follows_its_watches_and_writes_only_as_leader() {
@@ -75,13 +78,11 @@ async fn the_controller_follows_its_watches_and_writes_only_as_leader() {
 
     {
         let c = lock(&cluster);
-        for reason in ["AttemptIssued", "SwapDone"] {
-            assert!(
-                c.event_reasons.iter().any(|r| r == reason),
-                "{reason}: {:?}",
-                c.event_reasons
-            );
-        }
+        assert!(
+            c.events.is_empty(),
+            "Normal Events wait for their window: {:?}",
+            c.events
+        );
         let revs: Vec<i64> = c
             .all(Kind::Attempt)
             .iter()
@@ -101,7 +102,32 @@ async fn the_controller_follows_its_watches_and_writes_only_as_leader() {
         "{text}"
     );
 
+    // Stopping writes what was still folding: the IG's three Normal Events
+    // as one, in the order they happened, before the Lease is let go.
     stop_and_join(stop, controller).await;
+    let c = lock(&cluster);
+    assert_eq!(c.events.len(), 1, "{:?}", c.events);
+    let event = &c.events[0];
+    assert_eq!(event["reason"], "Progressing");
+    assert_eq!(event["type"], "Normal");
+    assert_eq!(event["regarding"]["name"], "web");
+    assert_eq!(event["reportingInstance"], "replica-a");
+    assert_eq!(event["series"]["count"], 3);
+    let note = event["note"].as_str().unwrap_or_default();
+    let entries: Vec<&str> = note.split("; ").collect();
+    assert_eq!(entries.len(), 3, "{note}");
+    assert!(
+        entries[0].starts_with("AttemptIssued: node n1: rev 1,"),
+        "{note}"
+    );
+    assert!(
+        entries[1].starts_with("SwapDone: node n1: rev 1 done"),
+        "{note}"
+    );
+    assert!(
+        entries[2].starts_with("AttemptIssued: node n2: rev 2,"),
+        "{note}"
+    );
 }
 
 /// The number on `line` of the metrics text (a counter's sample), or 0.
@@ -144,6 +170,7 @@ fn start(
             namespace: Some(NS.into()),
             identity: "replica-a".into(),
             concurrency: 4,
+            event_window: EVENT_WINDOW,
         },
         metrics.clone(),
         leadership.clone(),

@@ -194,6 +194,11 @@ fn the_controller_runs_two_hardened_leader_electing_replicas() {
     assert_eq!(parsed.lease_namespace.as_deref(), Some("$(POD_NAMESPACE)"));
     assert!(parsed.lease_grace_seconds < parsed.lease_duration_seconds);
     assert_eq!(parsed.namespace_scope(), None);
+    assert_eq!(
+        parsed.event_window(),
+        genswap_controller::events::DEFAULT_WINDOW,
+        "the chart's Event window is the binary's default"
+    );
 
     // Probes and the metrics port.
     let ports = controller.ports.as_deref().unwrap_or_default();

@@ -72,7 +72,8 @@ pub struct Cluster {
     resource_version: u64,
     /// Every genswap write the controller sent, as "METHOD path".
     pub writes: Vec<String>,
-    pub event_reasons: Vec<String>,
+    /// Every Event created, as sent.
+    pub events: Vec<Value>,
     /// While set, every request fails with 503 (see [`Cluster::go_down`]).
     down: bool,
     /// Requests that arrived while down.
@@ -248,8 +249,7 @@ impl Cluster {
         } else if method == Method::POST
             && path == format!("/apis/events.k8s.io/v1/namespaces/{NS}/events")
         {
-            self.event_reasons
-                .push(body["reason"].as_str().unwrap_or_default().to_string());
+            self.events.push(body.clone());
             respond(StatusCode::CREATED, &body)
         } else {
             panic!("the fake API server does not expect {method} {path}?{query}");

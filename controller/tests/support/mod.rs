@@ -12,6 +12,7 @@ use std::time::Duration;
 use genswap_controller::apply::FIELD_MANAGER;
 use genswap_controller::attempt_index::AttemptIndex;
 use genswap_controller::cache_sync::CacheSync;
+use genswap_controller::events::EventQueue;
 use genswap_controller::leader::Leadership;
 use genswap_controller::metrics::Metrics;
 use genswap_controller::reconciler::{Context, Planner, WatchedIg};
@@ -140,6 +141,14 @@ pub fn fixed_planner(plan: Plan) -> Planner {
     Arc::new(move |_, _, _, _| plan.clone())
 }
 
+/// The controller and replica every harness writes Events as.
+pub fn reporter() -> Reporter {
+    Reporter {
+        controller: "genswap-controller".into(),
+        instance: Some("test-replica".into()),
+    }
+}
+
 /// A context over a mocked API server, with caches the test fills.
 pub struct Harness {
     pub ctx: Arc<Context>,
@@ -168,14 +177,20 @@ pub fn harness_with_caches(
     leadership.set(leader);
     let attempts = AttemptIndex::new();
     let (node_store, nodes) = reflector::store();
+    // Each Event alone and at once, so a scenario can list them in order;
+    // adapter_events.rs tests the folding.
+    let (events, _sender) = EventQueue::start(
+        client.clone(),
+        reporter(),
+        leadership.clone(),
+        metrics.clone(),
+        Duration::ZERO,
+    );
     let ctx = Context::new(
         client,
-        Reporter {
-            controller: "genswap-controller".into(),
-            instance: Some("test-replica".into()),
-        },
         metrics.clone(),
         leadership.clone(),
+        events,
         attempts.clone(),
         node_store,
         caches,

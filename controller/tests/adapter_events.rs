@@ -1,0 +1,247 @@
+//! The Event sender against a mocked API server: what it writes, when, and
+//! as whom. Time is tokio's paused clock, so a window of ten seconds passes
+//! as soon as nothing else is left to run; what is asserted about time is
+//! that clock's, never the wall's.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use genswap_controller::events::{EventQueue, EventSender, Queued};
+use genswap_controller::leader::Leadership;
+use genswap_controller::metrics::Metrics;
+use http::{Method, Request, Response, StatusCode};
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::jiff::Timestamp;
+use kube::Client;
+use kube::client::Body;
+use serde_json::Value;
+use support::{IG_NAME, IG_UID, NAMESPACE, reporter};
+use tokio::time::Instant;
+
+const WINDOW: Duration = Duration::from_secs(10);
+
+type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+fn regarding() -> ObjectReference {
+    ObjectReference {
+        api_version: Some("genswap.dev/v1alpha1".into()),
+        kind: Some("InstanceGeneration".into()),
+        name: Some(IG_NAME.into()),
+        namespace: Some(NAMESPACE.into()),
+        uid: Some(IG_UID.into()),
+        ..ObjectReference::default()
+    }
+}
+
+fn queued(warning: bool, reason: &str, note: &str) -> Queued {
+    Queued {
+        warning,
+        reason: reason.into(),
+        note: note.into(),
+        regarding: regarding(),
+    }
+}
+
+struct Sender {
+    queue: EventQueue,
+    sender: EventSender,
+    leadership: Leadership,
+    server: Handle,
+}
+
+fn start(window: Duration) -> Sender {
+    let (service, server) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let client = Client::new(service, NAMESPACE);
+    let metrics = Arc::new(Metrics::new());
+    let leadership = Leadership::follower(metrics.clone());
+    leadership.set(true);
+    let (queue, sender) =
+        EventQueue::start(client, reporter(), leadership.clone(), metrics, window);
+    Sender {
+        queue,
+        sender,
+        leadership,
+        server,
+    }
+}
+
+/// The next Event POST, answered 201, and the clock's time it came at.
+async fn next_event(server: &mut Handle) -> (Value, Instant) {
+    let (request, send) = tokio::time::timeout(Duration::from_secs(600), server.next_request())
+        .await
+        .expect("an Event within ten minutes of the clock")
+        .expect("the sender is still there");
+    let arrived = Instant::now();
+    assert_eq!(request.method(), Method::POST);
+    assert_eq!(
+        request.uri().path(),
+        format!("/apis/events.k8s.io/v1/namespaces/{NAMESPACE}/events")
+    );
+    let bytes = request
+        .into_body()
+        .collect_bytes()
+        .await
+        .expect("body readable");
+    let body: Value = serde_json::from_slice(&bytes).expect("body is JSON");
+    send.send_response(
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Body::from(bytes.to_vec()))
+            .expect("a response"),
+    );
+    (body, arrived)
+}
+
+/// Fails if a request arrives before the client is dropped.
+async fn nothing_more(mut server: Handle) {
+    let next = tokio::time::timeout(Duration::from_secs(600), server.next_request())
+        .await
+        .expect("the sender ended");
+    if let Some((request, _)) = next {
+        panic!("unexpected {} {}", request.method(), request.uri());
+    }
+}
+
+fn time(body: &Value, field: &str) -> Timestamp {
+    let text = field
+        .split('.')
+        .fold(body, |value, key| &value[key])
+        .as_str()
+        .unwrap_or_else(|| panic!("{field} is set: {body}"));
+    text.parse()
+        .unwrap_or_else(|e| panic!("{field} {text:?} is a time: {e}"))
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_objects_normal_events_of_one_window_are_written_as_one_event() {
+    let Sender {
+        queue,
+        sender,
+        leadership: _leadership,
+        mut server,
+    } = start(WINDOW);
+    let opened = Instant::now();
+    assert!(queue.record(queued(false, "AttemptIssued", "node n1: rev 1, canary")));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(queue.record(queued(false, "SwapDone", "node n1: rev 1 done")));
+    assert!(queue.record(queued(false, "AttemptIssued", "node n2: rev 2")));
+
+    let (event, arrived) = next_event(&mut server).await;
+    assert!(
+        arrived >= opened + WINDOW,
+        "held for the window from the first: {:?}",
+        arrived - opened
+    );
+    assert_eq!(event["apiVersion"], "events.k8s.io/v1");
+    assert_eq!(event["kind"], "Event");
+    assert!(
+        event["metadata"]["name"]
+            .as_str()
+            .is_some_and(|n| n.starts_with("web.")),
+        "{event}"
+    );
+    assert_eq!(event["metadata"]["namespace"], NAMESPACE);
+    assert_eq!(event["type"], "Normal");
+    assert_eq!(event["reason"], "Progressing");
+    assert_eq!(event["action"], "Reconcile");
+    assert_eq!(
+        event["note"],
+        "AttemptIssued: node n1: rev 1, canary; SwapDone: node n1: rev 1 done; AttemptIssued: node n2: rev 2"
+    );
+    assert_eq!(event["regarding"]["uid"], IG_UID);
+    assert_eq!(event["regarding"]["kind"], "InstanceGeneration");
+    assert_eq!(event["reportingController"], "genswap-controller");
+    assert_eq!(event["reportingInstance"], "test-replica");
+    assert_eq!(event["series"]["count"], 3);
+    let first = time(&event, "eventTime");
+    let last = time(&event, "series.lastObservedTime");
+    // The stamps are the wall clock's; the paused clock does not move them.
+    assert!(first <= last, "{first} then {last}");
+
+    drop(queue);
+    sender.finish(Duration::from_secs(60)).await;
+    nothing_more(server).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_warning_goes_at_once_after_the_normal_events_before_it() {
+    let Sender {
+        queue,
+        sender,
+        leadership: _leadership,
+        mut server,
+    } = start(WINDOW);
+    let opened = Instant::now();
+    queue.record(queued(false, "AttemptIssued", "node n1: rev 1"));
+    queue.record(queued(true, "SwapFailed", "node n1: rev 1 failed"));
+
+    let (before, _) = next_event(&mut server).await;
+    let (warning, arrived) = next_event(&mut server).await;
+    assert!(
+        arrived < opened + WINDOW,
+        "not held: {:?}",
+        arrived - opened
+    );
+    assert_eq!(
+        (before["type"].clone(), before["reason"].clone()),
+        ("Normal".into(), "AttemptIssued".into())
+    );
+    assert_eq!(before["note"], "node n1: rev 1");
+    assert!(
+        before.get("series").is_none_or(Value::is_null),
+        "one entry is no series"
+    );
+    assert_eq!(
+        (warning["type"].clone(), warning["reason"].clone()),
+        ("Warning".into(), "SwapFailed".into())
+    );
+
+    drop(queue);
+    sender.finish(Duration::from_secs(60)).await;
+    nothing_more(server).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_last_queue_handle_gone_writes_what_is_folding_at_once() {
+    let Sender {
+        queue,
+        sender,
+        leadership: _leadership,
+        mut server,
+    } = start(WINDOW);
+    let opened = Instant::now();
+    queue.record(queued(false, "SwapDone", "node n1: done"));
+    queue.record(queued(false, "SwapDone", "node n2: done"));
+    drop(queue);
+    let finished = tokio::spawn(sender.finish(Duration::from_secs(60)));
+
+    let (event, arrived) = next_event(&mut server).await;
+    assert!(
+        arrived < opened + WINDOW,
+        "not held: {:?}",
+        arrived - opened
+    );
+    assert_eq!(event["reason"], "SwapDone");
+    assert_eq!(event["note"], "node n1: done; node n2: done");
+    assert_eq!(event["series"]["count"], 2);
+    finished.await.expect("finish returns once all is written");
+    nothing_more(server).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_replica_that_stepped_down_writes_nothing_it_had_folded() {
+    let Sender {
+        queue,
+        sender,
+        leadership,
+        server,
+    } = start(WINDOW);
+    queue.record(queued(false, "SwapDone", "node n1: done"));
+    leadership.set(false);
+    drop(queue);
+    sender.finish(Duration::from_secs(60)).await;
+    nothing_more(server).await;
+}
