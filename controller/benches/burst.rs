@@ -5,16 +5,23 @@
 //! appears (the agents are not what is measured).
 //!
 //! Prints, per N: the time from the writes to every IG Ready, the median
-//! time to an IG's canary attempt, and the controller's requests per
-//! attempt by kind. `cargo bench -p controller --bench burst`
-//! (`BURST_SIZES=10,100,200`, `WRITE_LATENCY_MS=100`). Nothing is asserted.
+//! time to an IG's canary attempt, the controller's requests per attempt by
+//! kind (Events counted once written, after their fold window), and the
+//! controller's CPU per reconcile: the CPU its runtime's threads used over
+//! the burst, divided by the reconciles it ran. The fake API server and
+//! the agents run on a runtime of their own and the bench polls from the
+//! main thread, so none of theirs is counted. `cargo bench -p controller --bench burst`
+//! (`BURST_SIZES=10,100,200,1000`, `WRITE_LATENCY_MS=100`,
+//! `EVENT_WINDOW_SECONDS=10`). Nothing is asserted.
 
 #[path = "../tests/support/cluster.rs"]
 #[allow(dead_code)]
 mod cluster;
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use cluster::{Kind, NS, Shared, client_with_latency, lock, node};
@@ -66,10 +73,87 @@ struct Run {
     all_ready: Duration,
     canary_median: Duration,
     writes: BTreeMap<String, usize>,
+    /// Events as the scheduler asked for them (the entries the written
+    /// Events list).
+    event_entries: usize,
     attempts: usize,
+    reconciles: u64,
+    /// CPU time of the controller's runtime threads, from the writes to
+    /// the last Event written.
+    controller_cpu: Duration,
 }
 
-async fn burst(igs: usize, write_latency: Duration) -> Run {
+/// The bench's two runtimes: the controller's, whose threads' CPU is the
+/// controller's, and the fake API server's with the agents, which is not
+/// counted. The bench's own polling runs on the main thread.
+struct Runtimes {
+    controller: tokio::runtime::Runtime,
+    api: tokio::runtime::Runtime,
+}
+
+/// CPU the controller's runtime threads used while awake (unparked).
+static CONTROLLER_CPU_NS: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    static AWAKE_SINCE: Cell<Option<Duration>> = const { Cell::new(None) };
+}
+
+/// This thread's CPU time so far, to the nanosecond (clock ticks in
+/// `/proc` are too coarse for a burst of ten IGs).
+fn thread_cpu() -> Duration {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .map(Duration::from)
+        .unwrap_or_default()
+}
+
+fn awake() {
+    AWAKE_SINCE.set(Some(thread_cpu()));
+}
+
+fn asleep() {
+    if let Some(since) = AWAKE_SINCE.take() {
+        let used = thread_cpu().saturating_sub(since).as_nanos();
+        CONTROLLER_CPU_NS.fetch_add(u64::try_from(used).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+}
+
+fn runtimes() -> Runtimes {
+    let controller = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("controller")
+        .on_thread_start(awake)
+        .on_thread_unpark(awake)
+        .on_thread_park(asleep)
+        .on_thread_stop(asleep)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let api = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("api-server")
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    Runtimes { controller, api }
+}
+
+/// The controller's CPU so far (each worker's time awake, counted when it
+/// next sleeps).
+fn controller_cpu() -> Duration {
+    Duration::from_nanos(CONTROLLER_CPU_NS.load(Ordering::Relaxed))
+}
+
+fn reconciles(metrics: &Metrics) -> u64 {
+    metrics
+        .encode()
+        .unwrap_or_default()
+        .lines()
+        .find_map(|line| line.strip_prefix("genswap_controller_reconciles_total "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn burst(igs: usize, write_latency: Duration, window: Duration, rt: &Runtimes) -> Run {
     let cluster = Shared::default();
     for name in ["n1", "n2", "n3"] {
         lock(&cluster).put(Kind::Node, node(name, "a"), false);
@@ -79,32 +163,41 @@ async fn burst(igs: usize, write_latency: Duration) -> Run {
     leadership.set(true);
     let readiness = Readiness::default();
     let (stop, stopped) = shutdown::channel();
-    let controller = tokio::spawn(run_controller(
-        client_with_latency(&cluster, write_latency),
-        client_with_latency(&cluster, write_latency),
+    // The clients' tasks (the fake's answers) run on the API server's runtime.
+    let (watch_client, write_client) = {
+        let _api = rt.api.enter();
+        (
+            client_with_latency(&cluster, write_latency),
+            client_with_latency(&cluster, write_latency),
+        )
+    };
+    let controller = rt.controller.spawn(run_controller(
+        watch_client,
+        write_client,
         Settings {
             namespace: Some(NS.into()),
             identity: "bench".into(),
             concurrency: 16,
-            event_window: DEFAULT_WINDOW,
+            event_window: window,
         },
-        metrics,
+        metrics.clone(),
         leadership,
         readiness.clone(),
         stopped.wait(),
     ));
-    poll_until("caches synced", DEADLINE, || readiness.is_ready()).await;
+    rt.api.block_on(poll_until("caches synced", DEADLINE, || {
+        readiness.is_ready()
+    }));
 
     // The agents: every attempt without a status is done at once.
-    let agents = tokio::spawn({
+    let agents = rt.api.spawn({
         let cluster = cluster.clone();
         async move {
             loop {
                 {
                     let mut c = lock(&cluster);
                     let fresh: Vec<(String, i64)> = c
-                        .all(Kind::Attempt)
-                        .iter()
+                        .each(Kind::Attempt)
                         .filter(|a| a.get("status").is_none_or(Value::is_null))
                         .filter_map(|a| {
                             Some((
@@ -122,6 +215,8 @@ async fn burst(igs: usize, write_latency: Duration) -> Run {
         }
     });
 
+    let cpu_before = controller_cpu();
+    let reconciles_before = reconciles(&metrics);
     let started = Instant::now();
     {
         let mut c = lock(&cluster);
@@ -133,7 +228,7 @@ async fn burst(igs: usize, write_latency: Duration) -> Run {
     let all_ready = loop {
         {
             let c = lock(&cluster);
-            for attempt in c.all(Kind::Attempt) {
+            for attempt in c.each(Kind::Attempt) {
                 if let Some(i) = attempt["metadata"]["name"]
                     .as_str()
                     .and_then(|n| n.strip_prefix("app-"))
@@ -143,26 +238,30 @@ async fn burst(igs: usize, write_latency: Duration) -> Run {
                     canary_at.entry(i).or_insert_with(|| started.elapsed());
                 }
             }
-            if c.all(Kind::Ig).iter().filter(|ig| ready(ig)).count() == igs {
+            if c.each(Kind::Ig).filter(|ig| ready(ig)).count() == igs {
                 break started.elapsed();
             }
         }
         assert!(started.elapsed() < DEADLINE, "the burst did not settle");
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        std::thread::sleep(Duration::from_millis(5));
     };
-    agents.abort();
+    rt.api.block_on(async { agents.abort() });
     // Normal Events trail by up to the window: count once they stop coming.
-    let quiet = DEFAULT_WINDOW + Duration::from_secs(1);
+    let quiet = window + Duration::from_secs(1);
     let mut last = (lock(&cluster).writes.len(), Instant::now());
     while last.1.elapsed() < quiet && started.elapsed() < DEADLINE {
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        std::thread::sleep(Duration::from_millis(20));
         let now = lock(&cluster).writes.len();
         if now != last.0 {
             last = (now, Instant::now());
         }
     }
+    let controller_cpu = controller_cpu().saturating_sub(cpu_before);
+    let reconciles = reconciles(&metrics) - reconciles_before;
     stop.fire();
-    let _ = tokio::time::timeout(Duration::from_secs(30), controller).await;
+    let _ = rt
+        .controller
+        .block_on(async { tokio::time::timeout(Duration::from_secs(30), controller).await });
 
     let c = lock(&cluster);
     let mut writes: BTreeMap<String, usize> = BTreeMap::new();
@@ -180,6 +279,11 @@ async fn burst(igs: usize, write_latency: Duration) -> Run {
         };
         *writes.entry(kind.to_string()).or_default() += 1;
     }
+    let event_entries = c
+        .events
+        .iter()
+        .map(|e| e["series"]["count"].as_u64().unwrap_or(1) as usize)
+        .sum();
     let mut canaries: Vec<Duration> = canary_at.into_values().collect();
     canaries.sort_unstable();
     Run {
@@ -190,32 +294,34 @@ async fn burst(igs: usize, write_latency: Duration) -> Run {
             .copied()
             .unwrap_or_default(),
         writes,
-        attempts: c.all(Kind::Attempt).len(),
+        event_entries,
+        attempts: c.each(Kind::Attempt).count(),
+        reconciles,
+        controller_cpu,
     }
+}
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(default)
 }
 
 fn main() {
     let sizes: Vec<usize> = std::env::var("BURST_SIZES")
         .ok()
         .map(|s| s.split(',').filter_map(|n| n.trim().parse().ok()).collect())
-        .unwrap_or_else(|| vec![10, 100, 200]);
-    let latency = Duration::from_millis(
-        std::env::var("WRITE_LATENCY_MS")
-            .ok()
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(100),
-    );
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
+        .unwrap_or_else(|| vec![10, 100, 200, 1000]);
+    let latency = Duration::from_millis(env_or("WRITE_LATENCY_MS", 100));
+    let window = Duration::from_secs(env_or("EVENT_WINDOW_SECONDS", DEFAULT_WINDOW.as_secs()));
     println!(
-        "burst install, 3 nodes per IG, canaryNodes 1, maxParallel 2, every write answered after {} ms",
-        latency.as_millis()
+        "burst install, 3 nodes per IG, canaryNodes 1, maxParallel 2, every write answered after {} ms, Events folded over {} s",
+        latency.as_millis(),
+        window.as_secs()
     );
     println!(
-        "{:>5} {:>9} {:>16} {:>16} {:>12} {:>8} {:>8} {:>8} {:>8}",
+        "{:>5} {:>9} {:>16} {:>14} {:>11} {:>7} {:>7} {:>7} {:>7} {:>13} {:>10} {:>12}",
         "IGs",
         "attempts",
         "writes→all Ready",
@@ -224,16 +330,20 @@ fn main() {
         "status",
         "create",
         "event",
-        "delete"
+        "delete",
+        "Event entries",
+        "reconciles",
+        "CPU/reconcile"
     );
     for igs in sizes {
-        let run = runtime.block_on(burst(igs, latency));
+        let rt = runtimes();
+        let run = burst(igs, latency, window, &rt);
         let total: usize = run.writes.values().sum();
         let per = |kind: &str| {
             run.writes.get(kind).copied().unwrap_or(0) as f64 / run.attempts.max(1) as f64
         };
         println!(
-            "{:>5} {:>9} {:>14.2} s {:>14.2} s {:>12.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
+            "{:>5} {:>9} {:>14.2} s {:>12.2} s {:>11.2} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>13} {:>10} {:>9.3} ms",
             run.igs,
             run.attempts,
             run.all_ready.as_secs_f64(),
@@ -243,6 +353,11 @@ fn main() {
             per("create"),
             per("event"),
             per("delete"),
+            run.event_entries,
+            run.reconciles,
+            run.controller_cpu.as_secs_f64() * 1e3 / run.reconciles.max(1) as f64,
         );
+        rt.api.shutdown_background();
+        rt.controller.shutdown_background();
     }
 }

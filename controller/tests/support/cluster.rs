@@ -165,6 +165,15 @@ impl Cluster {
         self.objects.get(&kind)?.get(name).cloned()
     }
 
+    /// Every stored object of `kind`, borrowed: what a loop polling a
+    /// large cluster reads, so it does not copy the cluster each time.
+    pub fn each(&self, kind: Kind) -> impl Iterator<Item = &Value> {
+        self.objects
+            .get(&kind)
+            .into_iter()
+            .flat_map(BTreeMap::values)
+    }
+
     pub fn all(&self, kind: Kind) -> Vec<Value> {
         self.objects
             .get(&kind)
