@@ -67,6 +67,16 @@ fn start(window: Duration) -> Sender {
     }
 }
 
+impl Sender {
+    /// Drops the queue, waits for the sender to end and requires that it
+    /// wrote nothing more.
+    async fn close(self) {
+        drop(self.queue);
+        self.sender.finish(Duration::from_secs(60)).await;
+        nothing_more(self.server).await;
+    }
+}
+
 /// The next Event POST, answered 201, and the clock's time it came at.
 async fn next_event(server: &mut Handle) -> (Value, Instant) {
     let (request, send) = tokio::time::timeout(Duration::from_secs(600), server.next_request())
@@ -117,19 +127,15 @@ fn time(body: &Value, field: &str) -> Timestamp {
 
 #[tokio::test(start_paused = true)]
 async fn an_objects_normal_events_of_one_window_are_written_as_one_event() {
-    let Sender {
-        queue,
-        sender,
-        leadership: _leadership,
-        mut server,
-    } = start(WINDOW);
+    let mut events = start(WINDOW);
     let opened = Instant::now();
+    let queue = &events.queue;
     assert!(queue.record(queued(false, "AttemptIssued", "node n1: rev 1, canary")));
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(queue.record(queued(false, "SwapDone", "node n1: rev 1 done")));
     assert!(queue.record(queued(false, "AttemptIssued", "node n2: rev 2")));
 
-    let (event, arrived) = next_event(&mut server).await;
+    let (event, arrived) = next_event(&mut events.server).await;
     assert!(
         arrived >= opened + WINDOW,
         "held for the window from the first: {:?}",
@@ -160,26 +166,22 @@ async fn an_objects_normal_events_of_one_window_are_written_as_one_event() {
     let last = time(&event, "series.lastObservedTime");
     // The stamps are the wall clock's; the paused clock does not move them.
     assert!(first <= last, "{first} then {last}");
-
-    drop(queue);
-    sender.finish(Duration::from_secs(60)).await;
-    nothing_more(server).await;
+    events.close().await;
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_warning_goes_at_once_after_the_normal_events_before_it() {
-    let Sender {
-        queue,
-        sender,
-        leadership: _leadership,
-        mut server,
-    } = start(WINDOW);
+    let mut events = start(WINDOW);
     let opened = Instant::now();
-    queue.record(queued(false, "AttemptIssued", "node n1: rev 1"));
-    queue.record(queued(true, "SwapFailed", "node n1: rev 1 failed"));
+    events
+        .queue
+        .record(queued(false, "AttemptIssued", "node n1: rev 1"));
+    events
+        .queue
+        .record(queued(true, "SwapFailed", "node n1: rev 1 failed"));
 
-    let (before, _) = next_event(&mut server).await;
-    let (warning, arrived) = next_event(&mut server).await;
+    let (before, _) = next_event(&mut events.server).await;
+    let (warning, arrived) = next_event(&mut events.server).await;
     assert!(
         arrived < opened + WINDOW,
         "not held: {:?}",
@@ -198,10 +200,7 @@ async fn a_warning_goes_at_once_after_the_normal_events_before_it() {
         (warning["type"].clone(), warning["reason"].clone()),
         ("Warning".into(), "SwapFailed".into())
     );
-
-    drop(queue);
-    sender.finish(Duration::from_secs(60)).await;
-    nothing_more(server).await;
+    events.close().await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -209,8 +208,8 @@ async fn the_last_queue_handle_gone_writes_what_is_folding_at_once() {
     let Sender {
         queue,
         sender,
-        leadership: _leadership,
         mut server,
+        ..
     } = start(WINDOW);
     let opened = Instant::now();
     queue.record(queued(false, "SwapDone", "node n1: done"));
@@ -233,15 +232,10 @@ async fn the_last_queue_handle_gone_writes_what_is_folding_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn a_replica_that_stepped_down_writes_nothing_it_had_folded() {
-    let Sender {
-        queue,
-        sender,
-        leadership,
-        server,
-    } = start(WINDOW);
-    queue.record(queued(false, "SwapDone", "node n1: done"));
-    leadership.set(false);
-    drop(queue);
-    sender.finish(Duration::from_secs(60)).await;
-    nothing_more(server).await;
+    let events = start(WINDOW);
+    events
+        .queue
+        .record(queued(false, "SwapDone", "node n1: done"));
+    events.leadership.set(false);
+    events.close().await;
 }
