@@ -56,8 +56,9 @@ pub struct Settings {
 }
 
 /// Runs the controller until `shutdown` resolves, in-flight reconciles
-/// finish and the queued Events are written. `watch_client` serves the watches (no request timeout);
-/// `write_client` the reconciler's writes (bounded requests).
+/// finish and the queued Events are written. `watch_client` serves the
+/// watches (no request timeout); `write_client` the reconciler's writes
+/// (bounded requests).
 pub async fn run_controller(
     watch_client: Client,
     write_client: Client,
