@@ -187,8 +187,8 @@ impl Sink {
         let instance = self
             .reporter
             .instance
-            .clone()
-            .unwrap_or_else(|| self.reporter.controller.clone());
+            .as_deref()
+            .unwrap_or(&self.reporter.controller);
         Event {
             metadata: ObjectMeta {
                 name: Some(name),
@@ -207,7 +207,7 @@ impl Sink {
             }),
             regarding: Some(folded.regarding),
             reporting_controller: Some(self.reporter.controller.clone()),
-            reporting_instance: Some(instance),
+            reporting_instance: Some(cut(instance, MAX_INSTANCE_BYTES).to_string()),
             ..Event::default()
         }
     }
@@ -216,6 +216,19 @@ impl Sink {
 /// The longest object name an Event's name is made of: a name is at most
 /// 253 bytes, and the dot and the time take up to 33.
 const NAME_PREFIX_BYTES: usize = 220;
+
+/// The API server refuses a longer `reportingInstance`; an identity is
+/// cut to it rather than lose every Event.
+const MAX_INSTANCE_BYTES: usize = 128;
+
+/// `text` cut to at most `max_bytes`, on a char boundary.
+fn cut(text: &str, max_bytes: usize) -> &str {
+    let mut end = text.len().min(max_bytes);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
 
 /// Event names as client-go and kube-runtime make them (the object's name
 /// and a time in hex), kept distinct within this replica even when two are
@@ -237,12 +250,8 @@ impl EventNames {
 /// `object` cut to [`NAME_PREFIX_BYTES`], still ending in a letter or digit
 /// as a DNS subdomain must.
 fn name_prefix(object: &str) -> &str {
-    let mut end = object.len().min(NAME_PREFIX_BYTES);
-    while !object.is_char_boundary(end) {
-        end -= 1;
-    }
-    let cut = &object[..end];
-    let kept = cut.trim_end_matches(|c: char| !c.is_ascii_alphanumeric());
+    let kept =
+        cut(object, NAME_PREFIX_BYTES).trim_end_matches(|c: char| !c.is_ascii_alphanumeric());
     if kept.is_empty() { "genswap" } else { kept }
 }
 

@@ -2,6 +2,11 @@
 //! as whom. Time is tokio's paused clock, so a window of ten seconds passes
 //! as soon as nothing else is left to run; what is asserted about time is
 //! that clock's, never the wall's.
+//!
+//! The mock accepts any body, where the API server validates an
+//! events.k8s.io/v1 create (a series of one is refused, a note over 1 kB,
+//! a missing eventTime...). [`assert_api_server_accepts`] holds every
+//! Event written here to those rules, taken from the Kubernetes sources.
 
 mod support;
 
@@ -16,6 +21,7 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::client::Body;
+use kube::runtime::events::Reporter;
 use serde_json::Value;
 use support::{IG_NAME, IG_UID, NAMESPACE, reporter};
 use tokio::time::Instant;
@@ -52,13 +58,16 @@ struct Sender {
 }
 
 fn start(window: Duration) -> Sender {
+    start_as(window, reporter())
+}
+
+fn start_as(window: Duration, reporter: Reporter) -> Sender {
     let (service, server) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, NAMESPACE);
     let metrics = Arc::new(Metrics::new());
     let leadership = Leadership::follower(metrics.clone());
     leadership.set(true);
-    let (queue, sender) =
-        EventQueue::start(client, reporter(), leadership.clone(), metrics, window);
+    let (queue, sender) = EventQueue::start(client, reporter, leadership.clone(), metrics, window);
     Sender {
         queue,
         sender,
@@ -95,6 +104,7 @@ async fn next_event(server: &mut Handle) -> (Value, Instant) {
         .await
         .expect("body readable");
     let body: Value = serde_json::from_slice(&bytes).expect("body is JSON");
+    assert_api_server_accepts(&body);
     send.send_response(
         Response::builder()
             .status(StatusCode::CREATED)
@@ -113,6 +123,96 @@ async fn nothing_more(mut server: Handle) {
     if let Some((request, _)) = next {
         panic!("unexpected {} {}", request.method(), request.uri());
     }
+}
+
+/// What `ValidateEventCreate` (kubernetes pkg/apis/core/validation/
+/// events.go) and the object meta checks demand of an events.k8s.io/v1
+/// create, as far as this sender's Events can break it.
+fn assert_api_server_accepts(event: &Value) {
+    let text = |field: &str| {
+        field
+            .split('.')
+            .fold(event, |v, k| &v[k])
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let name = text("metadata.name");
+    assert!(
+        is_dns_subdomain(&name),
+        "metadata.name {name:?} is a DNS subdomain"
+    );
+    assert!(is_dns_subdomain(&text("metadata.namespace")), "{event}");
+    assert!(
+        !text("regarding.namespace").is_empty(),
+        "a namespaced object is regarded: {event}"
+    );
+    assert!(
+        !text("eventTime").is_empty(),
+        "eventTime is required: {event}"
+    );
+    assert!(
+        ["Normal", "Warning"].contains(&text("type").as_str()),
+        "{event}"
+    );
+    for deprecated in [
+        "deprecatedFirstTimestamp",
+        "deprecatedLastTimestamp",
+        "deprecatedCount",
+        "deprecatedSource",
+    ] {
+        assert!(
+            event.get(deprecated).is_none_or(Value::is_null),
+            "{deprecated} must be unset: {event}"
+        );
+    }
+    if let Some(series) = event.get("series").filter(|s| !s.is_null()) {
+        assert!(
+            series["count"].as_i64().is_some_and(|c| c >= 2),
+            "series.count is at least 2: {event}"
+        );
+        assert!(
+            series["lastObservedTime"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty()),
+            "{event}"
+        );
+    }
+    let controller = text("reportingController");
+    assert!(
+        !controller.is_empty()
+            && controller.len() <= 63
+            && controller
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+            && controller.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && controller.ends_with(|c: char| c.is_ascii_alphanumeric()),
+        "reportingController {controller:?} is a qualified name"
+    );
+    for (field, limit) in [("reportingInstance", 128), ("action", 128), ("reason", 128)] {
+        let value = text(field);
+        assert!(
+            !value.is_empty() && value.len() <= limit,
+            "{field} is 1..={limit} bytes: {value:?}"
+        );
+    }
+    assert!(
+        text("note").len() <= 1024,
+        "note is at most 1024 bytes: {event}"
+    );
+}
+
+fn is_dns_subdomain(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
 }
 
 fn time(body: &Value, field: &str) -> Timestamp {
@@ -237,5 +337,22 @@ async fn a_replica_that_stepped_down_writes_nothing_it_had_folded() {
         .queue
         .record(queued(false, "SwapDone", "node n1: done"));
     events.leadership.set(false);
+    events.close().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_identity_too_long_for_reporting_instance_is_cut_not_refused() {
+    let mut events = start_as(
+        Duration::ZERO,
+        Reporter {
+            controller: "genswap-controller".into(),
+            instance: Some("r".repeat(200)),
+        },
+    );
+    events
+        .queue
+        .record(queued(true, "SwapFailed", "node n1: failed"));
+    let (event, _) = next_event(&mut events.server).await;
+    assert_eq!(event["reportingInstance"], "r".repeat(128));
     events.close().await;
 }
