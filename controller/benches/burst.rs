@@ -17,6 +17,10 @@
 #[path = "../tests/support/cluster.rs"]
 #[allow(dead_code)]
 mod cluster;
+// `cluster::eventually` polls with it, from the crate root.
+#[path = "../tests/support/poll.rs"]
+mod poll;
+use poll::poll_until;
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
@@ -35,18 +39,6 @@ use serde_json::{Value, json};
 
 const DEADLINE: Duration = Duration::from_secs(300);
 const SHA: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
-
-/// What `cluster::eventually` polls with.
-pub async fn poll_until(what: &str, deadline: Duration, mut condition: impl FnMut() -> bool) {
-    let until = tokio::time::Instant::now() + deadline;
-    while !condition() {
-        assert!(
-            tokio::time::Instant::now() < until,
-            "timed out waiting: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
 
 fn ig(i: usize) -> Value {
     json!({

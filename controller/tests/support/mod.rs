@@ -5,6 +5,9 @@
 
 pub mod cluster;
 pub mod fake_api;
+mod poll;
+
+pub use poll::poll_until;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,19 +38,6 @@ pub const IG_UID: &str = "0f6c5a4e-0000-4000-8000-000000000001";
 pub const SHA: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
 /// Every request of a test must arrive within this; generous on purpose.
 pub const DEADLINE: Duration = Duration::from_secs(20);
-
-/// Polls `condition` every 20 ms until it holds; fails the test once
-/// `deadline` has passed without it.
-pub async fn poll_until(what: &str, deadline: Duration, mut condition: impl FnMut() -> bool) {
-    let until = tokio::time::Instant::now() + deadline;
-    while !condition() {
-        assert!(
-            tokio::time::Instant::now() < until,
-            "timed out waiting: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 /// An InstanceGeneration as the cache holds it.
 pub fn ig(resource_version: &str, status: Option<InstanceGenerationStatus>) -> InstanceGeneration {
