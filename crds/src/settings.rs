@@ -162,9 +162,7 @@ impl Outcome {
             Outcome::Down => "down",
         }
     }
-}
 
-impl Outcome {
     /// `failed` and `down` are the build's fault and hold the build down.
     pub fn is_build_failure(self) -> bool {
         matches!(self, Outcome::Failed | Outcome::Down)

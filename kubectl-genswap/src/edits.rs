@@ -61,17 +61,10 @@ pub fn undo_target<'a>(
 
 /// `spec.build` set back to `entry`'s build, as it was released.
 pub fn undo(ig: &InstanceGeneration, entry: &HistoryEntry) -> Value {
-    let mut artifact = serde_json::Map::new();
-    if let Some(path) = &entry.artifact.path {
-        artifact.insert("path".into(), json!(path));
-    }
-    if let Some(url) = &entry.artifact.url {
-        artifact.insert("url".into(), json!(url));
-    }
     apply_spec(
         namespace(ig),
         name(ig),
-        json!({"build": {"id": entry.build, "artifact": artifact, "sha256": entry.sha256}}),
+        json!({"build": {"id": entry.build, "artifact": entry.artifact, "sha256": entry.sha256}}),
     )
 }
 
