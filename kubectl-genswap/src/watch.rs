@@ -37,7 +37,8 @@ pub async fn run(
         )
         .default_backoff(),
     )
-    .map_ok(|event| Change::Instance(settled(&event)));
+    .map_ok(|event| Change::Instance(settled(&event)))
+    .map_err(|error| watch_error(target, error, "instancegenerations"));
     let attempt_events = reflector::reflector(
         attempt_writer,
         watcher::watcher(
@@ -46,7 +47,8 @@ pub async fn run(
         )
         .default_backoff(),
     )
-    .map_ok(|event| Change::Attempts(settled(&event)));
+    .map_ok(|event| Change::Attempts(settled(&event)))
+    .map_err(|error| watch_error(target, error, "swapattempts"));
     let mut changes = stream::select(ig_events.boxed(), attempt_events.boxed());
 
     let (mut ig_listed, mut attempts_listed) = (false, false);
@@ -57,7 +59,7 @@ pub async fn run(
             Ok(Change::Attempts(settled)) => attempts_listed |= settled,
             // Before the first frame an error is the answer (not found,
             // forbidden); after it the watch retries with backoff.
-            Err(error) if drawn == 0 => return Err(watch_error(target, error)),
+            Err(error) if drawn == 0 => return Err(error),
             Err(_) => continue,
         }
         if !(ig_listed && attempts_listed) {
@@ -88,10 +90,11 @@ fn settled<K>(event: &Event<K>) -> bool {
     matches!(event, Event::InitDone | Event::Apply(_) | Event::Delete(_))
 }
 
-fn watch_error(target: &Target, error: watcher::Error) -> PluginError {
+/// What a failed watch of `resource` means to a human.
+fn watch_error(target: &Target, error: watcher::Error, resource: &'static str) -> PluginError {
     match error {
         watcher::Error::InitialListFailed(e) | watcher::Error::WatchStartFailed(e) => {
-            target.explain(e, "watch", "instancegenerations")
+            target.explain(e, "watch", resource)
         }
         other => PluginError::Unreachable(other.to_string()),
     }

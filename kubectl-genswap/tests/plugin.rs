@@ -140,6 +140,8 @@ struct Script {
     ig: Option<Value>,
     /// Answer writes with 403.
     forbid_writes: bool,
+    /// Answer the attempts' list with 403.
+    forbid_attempts: bool,
 }
 
 fn status(code: u16, reason: &str, message: &str) -> Value {
@@ -205,6 +207,14 @@ fn mocked(script: Script) -> (Client, Arc<Mutex<Vec<Seen>>>) {
                         ),
                     ),
                 },
+                (&Method::GET, ATTEMPTS_PATH) if script.forbid_attempts => (
+                    403,
+                    status(
+                        403,
+                        "Forbidden",
+                        "swapattempts.genswap.dev is forbidden: User \"dev\" cannot list resource \"swapattempts\"",
+                    ),
+                ),
                 (&Method::GET, ATTEMPTS_PATH) => (
                     200,
                     json!({"apiVersion": "genswap.dev/v1alpha1", "kind": "SwapAttemptList", "metadata": {"resourceVersion": "11"}, "items": attempts()}),
@@ -272,6 +282,7 @@ fn serving() -> Script {
     Script {
         ig: Some(mid_rollout()),
         forbid_writes: false,
+        forbid_attempts: false,
     }
 }
 
@@ -419,6 +430,7 @@ async fn undo_refuses_when_the_history_has_nothing_to_go_back_to() {
     let script = Script {
         ig: Some(ig),
         forbid_writes: false,
+        forbid_attempts: false,
     };
     let command = Command::Undo {
         name: "web".into(),
@@ -469,6 +481,7 @@ async fn refusals_are_one_line_naming_what_to_do() {
     let missing = Script {
         ig: None,
         forbid_writes: false,
+        forbid_attempts: false,
     };
     let (result, _) = plugin(get("web"), missing).await;
     assert_eq!(
@@ -479,6 +492,7 @@ async fn refusals_are_one_line_naming_what_to_do() {
     let forbidden = Script {
         ig: Some(mid_rollout()),
         forbid_writes: true,
+        forbid_attempts: false,
     };
     let (result, _) = plugin(Command::Pause { name: "web".into() }, forbidden).await;
     assert_eq!(
@@ -521,6 +535,35 @@ async fn get_watch_draws_again_on_a_watch_event() {
         .filter(|s| !s.uri.contains("watch=true"))
         .count();
     assert_eq!(lists, 2, "{seen:?}");
+}
+
+#[tokio::test]
+async fn get_watch_names_the_resource_whose_watch_was_refused() {
+    let script = Script {
+        forbid_attempts: true,
+        ..serving()
+    };
+    let (client, _) = mocked(script);
+    let target = kubectl_genswap::api::Target::new(client, NAMESPACE, "web");
+    let mut out = Vec::new();
+    let mut terminal = Terminal {
+        out: &mut out,
+        colour: Colour::Off,
+        redraw: false,
+        now,
+        token,
+    };
+    let error = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        kubectl_genswap::watch::run(&target, Output::Text, &mut terminal, Some(1)),
+    )
+    .await
+    .expect("an answer within the deadline")
+    .expect_err("the attempts cannot be listed");
+    assert_eq!(
+        error.to_string(),
+        "forbidden: you may not watch swapattempts in namespace prod (ask for that RBAC verb on genswap.dev)"
+    );
 }
 
 #[test]
