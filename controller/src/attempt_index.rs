@@ -3,9 +3,10 @@
 //! copying) every attempt in the cache: a plan's cost no longer grows with
 //! the number of InstanceGenerations.
 //!
-//! It is fed the attempt watch's events before the reflector store is, and
-//! it alone answers both "which attempts does this IG own" and "has this
-//! replica's create reached the cache": one source, so a plan never sees an
+//! It is the attempts' cache (there is no reflector store beside it): fed
+//! each event of the attempt watch before the reconcile that event wakes is
+//! queued, it alone answers both "which attempts does this IG own" and "has
+//! this replica's create reached the cache", so a plan never sees an
 //! attempt the expectations have not, or the other way round.
 //!
 //! Ownership is the ownerReference to the IG's uid: an IG deleted and

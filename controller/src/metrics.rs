@@ -13,7 +13,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
-use serde::Serialize;
 
 /// The prefix of every metric name.
 pub const PREFIX: &str = "genswap_controller";
@@ -178,8 +177,8 @@ impl Metrics {
     pub fn attempt_issued(&self, cause: Cause, mode: Mode) {
         self.attempts_issued
             .get_or_create(&AttemptLabels {
-                cause: label_value(&cause),
-                mode: label_value(&mode),
+                cause: cause.as_str().to_string(),
+                mode: mode.as_str().to_string(),
             })
             .inc();
     }
@@ -188,8 +187,8 @@ impl Metrics {
     pub fn outcome_recorded(&self, outcome: Outcome, mode: Mode) {
         self.outcomes
             .get_or_create(&OutcomeLabels {
-                outcome: label_value(&outcome),
-                mode: label_value(&mode),
+                outcome: outcome.as_str().to_string(),
+                mode: mode.as_str().to_string(),
             })
             .inc();
     }
@@ -219,17 +218,6 @@ pub struct ReconcileTimer {
 impl Drop for ReconcileTimer {
     fn drop(&mut self) {
         self.histogram.observe(self.started.elapsed().as_secs_f64());
-    }
-}
-
-/// The API spelling of a unit enum (`overlap`, `release`, `done`), so label
-/// values match what `kubectl get` shows.
-fn label_value<T: Serialize>(value: &T) -> String {
-    match serde_json::to_value(value) {
-        Ok(serde_json::Value::String(text)) => text,
-        // Every enum passed here serializes to a string; keep a visible value
-        // rather than dropping the sample if that ever changes.
-        _ => "unknown".to_string(),
     }
 }
 

@@ -186,15 +186,12 @@ pub fn plan<A: Borrow<SwapAttempt>>(
     if progress.selected > 0 && progress.ready == progress.selected {
         history::record(&mut status.history, ctx.spec, &ctx.now);
     }
-    status.ready = Some(format!(
-        "{}/{}",
-        decisions.progress.ready, decisions.progress.selected
-    ));
+    status.ready = Some(format!("{}/{}", progress.ready, progress.selected));
     status.listeners = genswap_crds::listeners_summary(&ctx.spec.listeners);
     status.sched_rev = sched_rev;
     status.observed_generation = ctx.generation;
     status.desired = Some(ctx.desired.clone());
-    conditions::write(&mut status.conditions, &ctx, &decisions.progress, &book);
+    conditions::write(&mut status.conditions, &ctx, progress, &book);
     status.nodes = node_entries;
     status.held_down = book.into_entries();
 
