@@ -501,9 +501,16 @@ async fn refusals_are_one_line_naming_what_to_do() {
     );
 }
 
-#[tokio::test]
-async fn get_watch_draws_again_on_a_watch_event() {
-    let (client, seen) = mocked(serving());
+/// `get --watch` against the mock until `frames` frames are drawn: what
+/// it printed, or its error, and the requests it made.
+async fn watch_frames(
+    script: Script,
+    frames: usize,
+) -> (
+    Result<String, kubectl_genswap::error::PluginError>,
+    Vec<Seen>,
+) {
+    let (client, seen) = mocked(script);
     let target = kubectl_genswap::api::Target::new(client, NAMESPACE, "web");
     let mut out = Vec::new();
     let mut terminal = Terminal {
@@ -513,14 +520,23 @@ async fn get_watch_draws_again_on_a_watch_event() {
         now,
         token,
     };
-    tokio::time::timeout(
+    let result = tokio::time::timeout(
         std::time::Duration::from_secs(30),
-        kubectl_genswap::watch::run(&target, Output::Text, &mut terminal, Some(2)),
+        kubectl_genswap::watch::run(&target, Output::Text, &mut terminal, Some(frames)),
     )
     .await
-    .expect("two frames within the deadline")
-    .expect("the watch runs");
-    let printed = String::from_utf8_lossy(&out).into_owned();
+    .expect("the watch answers within the deadline");
+    let seen = seen.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    (
+        result.map(|()| String::from_utf8_lossy(&out).into_owned()),
+        seen,
+    )
+}
+
+#[tokio::test]
+async fn get_watch_draws_again_on_a_watch_event() {
+    let (printed, seen) = watch_frames(serving(), 2).await;
+    let printed = printed.expect("the watch runs");
     let golden = include_str!("golden/get_mid_rollout.txt");
     let (first, second) = printed.split_at(golden.len());
     assert_eq!(first, golden, "the first frame is the listed state");
@@ -529,7 +545,6 @@ async fn get_watch_draws_again_on_a_watch_event() {
         "the second frame shows the change: {second}"
     );
     // Two lists and two watches, no polling: no other GET.
-    let seen = seen.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let lists = seen
         .iter()
         .filter(|s| !s.uri.contains("watch=true"))
@@ -543,25 +558,11 @@ async fn get_watch_names_the_resource_whose_watch_was_refused() {
         forbid_attempts: true,
         ..serving()
     };
-    let (client, _) = mocked(script);
-    let target = kubectl_genswap::api::Target::new(client, NAMESPACE, "web");
-    let mut out = Vec::new();
-    let mut terminal = Terminal {
-        out: &mut out,
-        colour: Colour::Off,
-        redraw: false,
-        now,
-        token,
-    };
-    let error = tokio::time::timeout(
-        std::time::Duration::from_secs(30),
-        kubectl_genswap::watch::run(&target, Output::Text, &mut terminal, Some(1)),
-    )
-    .await
-    .expect("an answer within the deadline")
-    .expect_err("the attempts cannot be listed");
+    let (result, _) = watch_frames(script, 1).await;
     assert_eq!(
-        error.to_string(),
+        result
+            .expect_err("the attempts cannot be listed")
+            .to_string(),
         "forbidden: you may not watch swapattempts in namespace prod (ask for that RBAC verb on genswap.dev)"
     );
 }
