@@ -62,8 +62,23 @@ pub fn parse_instance_generation(yaml: &str) -> Result<InstanceGeneration, Manif
     let object = serde_json::to_value(&ig).map_err(|e| ManifestError::Schema(e.to_string()))?;
     kube_cel::Validator::new()
         .validate_compiled(&schema.rules, &object, None)
-        .map_err(|e| ManifestError::Rules(e.to_string()))?;
+        .map_err(|errors| ManifestError::Rules(rules_message(&errors)))?;
     Ok(ig)
+}
+
+/// kube-cel's own text for `errors`, one line per broken rule, with the
+/// lines sorted. kube-cel keeps a schema's properties in a HashMap, so it
+/// finds two broken rules in an order that changes from one process to the
+/// next; sorted by field path, the same manifest is always refused in the
+/// same words.
+pub fn rules_message(errors: &kube_cel::ValidationErrors) -> String {
+    let mut lines: Vec<String> = errors
+        .as_slice()
+        .iter()
+        .map(|error| format!("  - {error}"))
+        .collect();
+    lines.sort();
+    format!("{} validation error(s):\n{}", lines.len(), lines.join("\n"))
 }
 
 /// The InstanceGeneration schema, derived once per process: deriving it

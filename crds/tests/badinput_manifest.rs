@@ -167,6 +167,22 @@ fn two_broken_rules_are_both_named() {
 }
 
 #[test]
+fn two_broken_rules_are_named_in_field_order_every_time() {
+    let sha = "2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae";
+    let yaml = with("memoryMax: 512Mi", "memoryMax: lots")
+        .replace(&format!("sha256: {sha}"), "sha256: abc");
+    match refused(&yaml) {
+        ManifestError::Rules(text) => assert_eq!(
+            text,
+            "2 validation error(s):\n  \
+             - spec.build.sha256: build.sha256 must be 64 lowercase hex characters\n  \
+             - spec.resources.memoryMax: resources.memoryMax must be a positive quantity such as 512Mi"
+        ),
+        other => panic!("expected CEL refusals, got {other:?}"),
+    }
+}
+
+#[test]
 fn text_that_is_not_yaml_is_refused_as_such() {
     for text in [
         "kind: [",
