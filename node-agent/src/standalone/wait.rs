@@ -1,6 +1,7 @@
 //! Waiting for a status file to say something, woken by inotify on the
 //! status directory (every status write is a rename into it), for the demo,
-//! the tests and anyone scripting standalone mode.
+//! the tests and anyone scripting standalone mode. A wait may start before
+//! standalone mode has made that directory; it then waits for it too.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -9,9 +10,12 @@ use std::time::Duration;
 use thiserror::Error;
 use tokio::time::Instant;
 
+use nix::sys::inotify::AddWatchFlags;
+
 use super::status::StatusDocument;
 use super::watch::{DirChange, DirWatch};
 use super::{STATUS_SUBDIR, status_path};
+use crate::inotify::AsyncInotify;
 
 /// Why a wait for a status ended without what it waited for.
 #[derive(Debug, Error)]
@@ -76,12 +80,13 @@ async fn wait_until<T>(
     mut check: impl FnMut(Result<StatusDocument, String>) -> Result<T, String>,
 ) -> Result<T, WaitError> {
     let status_dir = dir.join(STATUS_SUBDIR);
+    let deadline = Instant::now() + timeout;
+    status_dir_made(dir, &status_dir, deadline, timeout).await?;
     // In place before the first read, so a write between the two wakes us.
     let watch = DirWatch::new(&status_dir).map_err(|source| WaitError::Watch {
         path: status_dir.clone(),
         source,
     })?;
-    let deadline = Instant::now() + timeout;
     loop {
         let last = match check(StatusDocument::read(path)) {
             Ok(found) => return Ok(found),
@@ -98,5 +103,100 @@ async fn wait_until<T>(
                 });
             }
         }
+    }
+}
+
+/// Waits until `status_dir` exists. Standalone mode makes it when it
+/// starts, so a wait begun beside a starting agent may come first; that is
+/// "not yet", not an error.
+async fn status_dir_made(
+    dir: &Path,
+    status_dir: &Path,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<(), WaitError> {
+    if status_dir.is_dir() {
+        return Ok(());
+    }
+    // In place before the next look, as above. A directory made in it is
+    // a create, which the manifest watch does not wake on.
+    let watch = AsyncInotify::watch(
+        dir,
+        AddWatchFlags::IN_CREATE | AddWatchFlags::IN_MOVED_TO | AddWatchFlags::IN_ONLYDIR,
+    )
+    .map_err(|errno| WaitError::Watch {
+        path: dir.to_path_buf(),
+        source: errno.into(),
+    })?;
+    while !status_dir.is_dir() {
+        let woken = tokio::time::timeout_at(deadline, watch.events()).await;
+        if !matches!(woken, Ok(Ok(_))) && !status_dir.is_dir() {
+            return Err(WaitError::Timeout {
+                path: status_dir.to_path_buf(),
+                timeout,
+                last: "no status directory: is standalone mode running on this directory?"
+                    .to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::standalone::status::{STATUS_SUBDIR, render};
+
+    fn doc() -> StatusDocument {
+        let now = crate::standalone::report::time_of(std::time::SystemTime::now());
+        crate::standalone::status::for_refused(
+            "app.yaml",
+            None,
+            "InvalidManifest",
+            "unknown field(s): spec.bogus",
+            &now,
+        )
+    }
+
+    #[tokio::test]
+    async fn a_wait_begun_before_the_agent_made_the_status_directory_waits_for_it() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let waiting = tokio::spawn({
+            let dir = dir.path().to_path_buf();
+            // Its own deadline far off: only a wake can end it in time.
+            async move { wait_for_status(&dir, "app.yaml", Duration::from_secs(3600), |_| true).await }
+        });
+        // One thread: the yield runs the wait until it sleeps on its watch,
+        // so the directory appears after the wait began, as it does beside
+        // a starting agent.
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        let status_dir = dir.path().join(STATUS_SUBDIR);
+        std::fs::create_dir(&status_dir).expect("status dir");
+        let written = doc();
+        std::fs::write(
+            status_dir.join("app.yaml"),
+            render(&written).expect("render"),
+        )
+        .expect("status file");
+        let found = tokio::time::timeout(Duration::from_secs(20), waiting)
+            .await
+            .expect("woken by the directory and the file, not by a deadline")
+            .expect("the wait ran")
+            .expect("the status is found once the directory appears");
+        assert_eq!(found, written);
+    }
+
+    #[tokio::test]
+    async fn a_directory_no_agent_ever_serves_times_out_and_says_so() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let error = wait_for_status(dir.path(), "app.yaml", Duration::from_millis(200), |_| true)
+            .await
+            .expect_err("nothing makes the status directory");
+        assert!(error.to_string().contains("no status directory"), "{error}");
+        assert!(
+            !dir.path().join(STATUS_SUBDIR).exists(),
+            "a wait creates nothing"
+        );
     }
 }
