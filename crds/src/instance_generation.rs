@@ -35,6 +35,7 @@ use crate::swap_attempt::LastExit;
 pub struct InstanceGenerationSpec {
     /// Node labels; one instance runs on each matching node. Empty selects every node.
     #[serde(default, skip_serializing_if = "NodeSelector::is_empty")]
+    #[schemars(extend("maxProperties" = 64, "additionalProperties" = {"type": "string", "maxLength": 63}))]
     pub node_selector: NodeSelector,
     #[serde(default)]
     pub kind: InstanceKind,
@@ -47,12 +48,15 @@ pub struct InstanceGenerationSpec {
     pub demand: Demand,
     /// Opaque; a change with the same build is a new desired state (cause `config`).
     #[serde(default)]
+    #[schemars(length(max = 256))]
     pub config_rev: String,
     /// Opaque; a change with the same build is a new desired state (cause `restart`).
     #[serde(default, rename = "restartID")]
+    #[schemars(length(max = 256))]
     pub restart_id: String,
     /// Opaque; a change re-arms one attempt of a held-down build.
     #[serde(default)]
+    #[schemars(length(max = 256))]
     pub retry: String,
     #[serde(default)]
     pub process: ProcessSpec,
@@ -70,7 +74,8 @@ pub struct InstanceGenerationSpec {
     pub socket: SocketSpec,
     /// Sockets the agent binds and holds for every generation (SPEC 6.2).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]), validation = Rule::new("self.size() <= 8").message("at most 8 listeners"))]
+    #[schemars(length(max = 8))]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
     pub listeners: Listeners,
     /// What the agent does when a serving generation exits between
     /// attempts; unset: `Always` for an instance, `OnFailure` for a worker.

@@ -21,6 +21,12 @@ pub enum ManifestError {
     UnknownFields(Vec<String>),
     #[error("does not match the InstanceGeneration schema: {0}")]
     Schema(String),
+    /// What the structural schema refuses beyond types: strings, lists and
+    /// maps past their `maxLength`, `maxItems` or `maxProperties`, and two
+    /// entries of a list-map with the same key; one line each, in the API
+    /// server's words.
+    #[error("{}", .0.join("; "))]
+    Structural(Vec<String>),
     #[error("metadata.name is missing")]
     MissingName,
     #[error("{0}")]
@@ -51,8 +57,15 @@ pub fn parse_instance_generation(yaml: &str) -> Result<InstanceGeneration, Manif
     if !unknown.is_empty() {
         return Err(ManifestError::UnknownFields(unknown));
     }
+    let mut structural = Vec::new();
+    structural_errors(&value, &schema.openapi, "", &mut structural);
     let ig: InstanceGeneration =
         serde_json::from_value(value).map_err(|e| ManifestError::Schema(e.to_string()))?;
+    // The API server checks the structural schema first and evaluates no
+    // CEL rule of an object that fails it; so does this.
+    if !structural.is_empty() {
+        return Err(ManifestError::Structural(structural));
+    }
     if ig.metadata.name.as_deref().unwrap_or_default().is_empty() {
         return Err(ManifestError::MissingName);
     }
@@ -141,5 +154,91 @@ fn unknown_fields(value: &Value, schema: &Value, path: &str, out: &mut Vec<Strin
             }
         }
         _ => {}
+    }
+}
+
+/// Collects, in the API server's words, every string longer than its
+/// `maxLength` (counted in characters, as the server counts), list longer
+/// than its `maxItems`, map with more entries than its `maxProperties`, and
+/// list-map entry whose key an earlier entry has.
+fn structural_errors(value: &Value, schema: &Value, path: &str, out: &mut Vec<String>) {
+    let limit = |key: &str| schema.get(key).and_then(Value::as_u64);
+    match value {
+        Value::String(text) => {
+            if let Some(max) = limit("maxLength")
+                && text.chars().count() as u64 > max
+            {
+                out.push(format!(
+                    "{path}: Too long: may not be more than {max} bytes"
+                ));
+            }
+        }
+        Value::Array(items) => {
+            if let Some(max) = limit("maxItems")
+                && items.len() as u64 > max
+            {
+                out.push(format!(
+                    "{path}: Too many: {}: must have at most {max} items",
+                    items.len()
+                ));
+            }
+            duplicate_keys(items, schema, path, out);
+            if let Some(item_schema) = schema.get("items") {
+                for (i, item) in items.iter().enumerate() {
+                    structural_errors(item, item_schema, &format!("{path}[{i}]"), out);
+                }
+            }
+        }
+        Value::Object(map) => {
+            if let Some(max) = limit("maxProperties")
+                && map.len() as u64 > max
+            {
+                out.push(format!(
+                    "{path}: Too many: {}: must have at most {max} items",
+                    map.len()
+                ));
+            }
+            let properties = schema.get("properties");
+            let additional = schema.get("additionalProperties").filter(|a| a.is_object());
+            for (key, child) in map {
+                let child_path = if path.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{path}.{key}")
+                };
+                if let Some(child_schema) = properties.and_then(|p| p.get(key)).or(additional) {
+                    structural_errors(child, child_schema, &child_path, out);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The entries of an `x-kubernetes-list-type: map` list whose key fields
+/// repeat an earlier entry's.
+fn duplicate_keys(items: &[Value], schema: &Value, path: &str, out: &mut Vec<String>) {
+    if schema.get("x-kubernetes-list-type").and_then(Value::as_str) != Some("map") {
+        return;
+    }
+    let keys: Vec<&str> = schema
+        .get("x-kubernetes-list-map-keys")
+        .and_then(Value::as_array)
+        .map(|keys| keys.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let mut seen = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let key: serde_json::Map<String, Value> = keys
+            .iter()
+            .filter_map(|k| Some(((*k).to_string(), item.get(*k)?.clone())))
+            .collect();
+        if seen.contains(&key) {
+            out.push(format!(
+                "{path}[{i}]: Duplicate value: {}",
+                Value::Object(key)
+            ));
+        } else {
+            seen.push(key);
+        }
     }
 }

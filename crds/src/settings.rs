@@ -203,11 +203,13 @@ pub enum StopSignal {
 #[serde(rename_all = "camelCase")]
 pub struct BuildSpec {
     /// The build's name, reported in status and to the process as GENSWAP_BUILD.
-    #[x_kube(validation = Rule::new("self.size() > 0 && self.size() <= 128").message("build.id must be 1 to 128 characters"))]
+    #[schemars(length(max = 128))]
+    #[x_kube(validation = Rule::new("self.size() > 0").message("build.id must be 1 to 128 characters"))]
     pub id: String,
     /// Where the artifact comes from.
     pub artifact: Artifact,
     /// The sha256 of the artifact, 64 lowercase hex characters.
+    #[schemars(length(max = 64))]
     #[x_kube(validation = Rule::new("self.matches('^[0-9a-f]{64}$')").message("build.sha256 must be 64 lowercase hex characters"))]
     pub sha256: String,
 }
@@ -219,10 +221,12 @@ pub struct BuildSpec {
 pub struct Artifact {
     /// An absolute path on the node, under the agent's staging root.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
     #[x_kube(validation = Rule::new("self.startsWith('/')").message("build.artifact.path must be an absolute path"))]
     pub path: Option<String>,
     /// An http or https URL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
     #[x_kube(validation = Rule::new("self.matches('^https?://[^/]+')").message("build.artifact.url must be an http or https URL"))]
     pub url: Option<String>,
 }
@@ -230,8 +234,10 @@ pub struct Artifact {
 /// One environment variable of the process.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq)]
 pub struct EnvVar {
+    #[schemars(length(max = 256))]
     pub name: String,
     #[serde(default)]
+    #[schemars(length(max = 32768))]
     pub value: String,
 }
 
@@ -241,13 +247,16 @@ pub struct EnvVar {
 pub struct ProcessSpec {
     /// Arguments after the executable.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 256), inner(length(max = 4096)))]
     pub args: Vec<String>,
     /// Environment; GENSWAP_SOCKET, GENSWAP_GENERATION and GENSWAP_BUILD are added.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 256))]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
     pub env: Vec<EnvVar>,
     /// Working directory, absolute.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
     #[x_kube(validation = Rule::new("self.startsWith('/')").message("process.workingDir must be an absolute path"))]
     pub working_dir: Option<String>,
     /// Numeric uid. 0 is refused unless the agent allows root instances.
@@ -266,6 +275,7 @@ pub struct ProcessSpec {
 pub struct HealthSpec {
     /// Request path; a status below 500 is healthy.
     #[serde(default = "default_health_path")]
+    #[schemars(length(max = 2048))]
     #[x_kube(validation = Rule::new("self.startsWith('/')").message("health.path must start with /"))]
     pub path: String,
     /// How long a successor has to become healthy.
@@ -332,10 +342,12 @@ impl Default for StopSpec {
 pub struct ResourcesSpec {
     /// memory.max, a Kubernetes quantity of bytes such as `512Mi`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("maxLength" = 64))]
     #[x_kube(validation = Rule::new("isQuantity(string(self)) && sign(quantity(string(self))) > 0").message("resources.memoryMax must be a positive quantity such as 512Mi"))]
     pub memory_max: Option<Quantity>,
     /// cpu.max in cores, a Kubernetes quantity such as `500m` or `2`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("maxLength" = 64))]
     #[x_kube(validation = Rule::new("isQuantity(string(self)) && sign(quantity(string(self))) > 0").message("resources.cpuMax must be a positive quantity of cores such as 500m"))]
     pub cpu_max: Option<Quantity>,
     /// pids.max.
@@ -367,17 +379,20 @@ pub struct SocketSpec {
 #[x_kube(validation = Rule::new("has(self.tcp) != has(self.unix)").message("a listener needs exactly one of tcp and unix"))]
 pub struct ListenerSpec {
     /// Its name in `LISTEN_FDNAMES`, unique among the listeners.
+    #[schemars(length(max = 63))]
     #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$')").message("a listener's name must be 1 to 63 of a-z, 0-9 and '-', starting and ending alphanumeric"))]
     pub name: String,
     /// `<IPv4>:<port>` or `[<IPv6>]:<port>`, such as `0.0.0.0:53` or
     /// `[::1]:8080`; port 1 to 65535. The agent binds it as root, so a
     /// privileged port serves an unprivileged instance.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
     #[x_kube(validation = Rule::new(LISTENER_TCP_RULE).message("listener tcp must be <IPv4>:<port> or [<IPv6>]:<port> with a port from 1 to 65535"))]
     pub tcp: Option<String>,
     /// An absolute path for a unix stream socket, at most 107 bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = Rule::new("self.startsWith('/') && self.size() <= 107").message("listener unix must be an absolute path of at most 107 bytes"))]
+    #[schemars(length(max = 107))]
+    #[x_kube(validation = Rule::new("self.startsWith('/')").message("listener unix must be an absolute path"))]
     pub unix: Option<String>,
     /// The listen(2) backlog: connections that wait while no generation
     /// accepts (a hold's gap).

@@ -34,7 +34,9 @@ use crate::settings::{
 #[serde(rename_all = "camelCase")]
 pub struct SwapAttemptSpec {
     /// The InstanceGeneration this attempt moves.
+    #[schemars(length(max = 253))]
     pub instance: String,
+    #[schemars(length(max = 253))]
     pub node_name: String,
     /// Strictly increasing per InstanceGeneration; a higher one supersedes every lower one.
     #[x_kube(validation = Rule::new("self >= 1").message("schedRev must be at least 1"))]
@@ -47,8 +49,10 @@ pub struct SwapAttemptSpec {
     #[serde(default)]
     pub demand: Demand,
     #[serde(default)]
+    #[schemars(length(max = 256))]
     pub config_rev: String,
     #[serde(default, rename = "restartID")]
+    #[schemars(length(max = 256))]
     pub restart_id: String,
     /// In the first rollout cohort: watched for the settle window.
     #[serde(default)]
@@ -67,7 +71,8 @@ pub struct SwapAttemptSpec {
     pub socket: SocketSpec,
     /// Sockets the agent binds and holds for every generation (SPEC 6.2).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]), validation = Rule::new("self.size() <= 8").message("at most 8 listeners"))]
+    #[schemars(length(max = 8))]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
     pub listeners: Listeners,
     /// What the agent does when the generation this attempt installs exits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
