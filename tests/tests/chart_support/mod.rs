@@ -1,18 +1,17 @@
 //! Rendering the Helm chart with a real helm, for the `chart_*` tests.
 //!
-//! The helm binary comes from `$HELM` (CI installs one with
-//! `.ci/install-helm` and exports it). Without `$HELM` (a developer's
-//! `cargo test`), `.ci/install-helm` installs one under the cargo target
-//! directory first; the tests never skip for want of helm.
+//! The helm binary is `test_cluster::helm::helm`: `$HELM`, else one
+//! `.ci/install-helm` installs under the cargo target directory; the tests
+//! never skip for want of helm.
 
 #![allow(dead_code)] // Each test binary uses its own part of this module.
 
-use std::fs::{self, File};
+use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 
 use serde_json::Value;
+pub use test_cluster::helm::helm;
 
 /// The release name and namespace every render uses.
 pub const RELEASE: &str = "genswap";
@@ -49,56 +48,6 @@ pub fn ci_values_files() -> Vec<PathBuf> {
         "expected the chart's ci/ values files, found {files:?}"
     );
     files
-}
-
-/// The helm binary: `$HELM`, else one `.ci/install-helm` puts under the
-/// cargo target directory (installed once, under a file lock, so parallel
-/// test processes do not race on it).
-pub fn helm() -> PathBuf {
-    static HELM: OnceLock<PathBuf> = OnceLock::new();
-    HELM.get_or_init(|| {
-        if let Some(path) = std::env::var_os("HELM").filter(|p| !p.is_empty()) {
-            let path = PathBuf::from(path);
-            assert!(
-                path.is_file(),
-                "HELM={} is not a file; unset it to let the tests install helm",
-                path.display()
-            );
-            return path;
-        }
-        install_helm()
-    })
-    .clone()
-}
-
-fn install_helm() -> PathBuf {
-    // target/<profile>/deps/<test binary>
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let target = exe
-        .ancestors()
-        .nth(3)
-        .expect("the test binary lies in <target>/<profile>/deps")
-        .to_path_buf();
-    let dest = target.join("helm");
-    fs::create_dir_all(&dest).expect("create the helm dir under the target dir");
-    let lock = File::create(target.join("helm.lock")).expect("create the helm install lock");
-    lock.lock().expect("take the helm install lock");
-    let output = Command::new(workspace().join(".ci/install-helm"))
-        .arg(&dest)
-        .output()
-        .expect("run .ci/install-helm (needs npm and python3)");
-    assert!(
-        output.status.success(),
-        ".ci/install-helm failed ({}): {}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let path = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
-    assert!(
-        path.is_file(),
-        ".ci/install-helm printed {path:?}, which is not a file"
-    );
-    path
 }
 
 /// `helm template` of the chart with these values files and `--set`
