@@ -19,8 +19,9 @@
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 
+pub mod chart;
 mod control_plane;
 pub mod helm;
 pub mod process;
 
-pub use control_plane::{ControlPlane, SKIP_LINE, workspace};
+pub use control_plane::{ControlPlane, SKIP_LINE, client_for, workspace};

@@ -142,8 +142,15 @@ fn matched_resource(policy: &ValidatingAdmissionPolicy) -> (String, String, Stri
             other => panic!("the policy must match one {what}, it matches {other:?}"),
         }
     };
-    let resource = one(&rule.resources, "resource");
-    let resource = resource.split('/').next().unwrap_or_default().to_string();
+    // A resource and its subresources: one kind to type-check against.
+    let mut kinds: Vec<String> = rule
+        .resources
+        .iter()
+        .flatten()
+        .map(|r| r.split('/').next().unwrap_or_default().to_string())
+        .collect();
+    kinds.dedup();
+    let resource = one(&Some(kinds), "resource");
     (
         one(&rule.api_groups, "API group"),
         one(&rule.api_versions, "API version"),
@@ -308,8 +315,13 @@ fn the_admission_policy_names_the_version_so_the_server_type_checks_it() {
         .expect("resource rules");
     assert_eq!(
         rules[0].resources.as_deref(),
-        Some(&["swapattempts/status".to_string()][..]),
-        "the status subresource stays matched"
+        Some(
+            &[
+                "swapattempts".to_string(),
+                "swapattempts/status".to_string()
+            ][..]
+        ),
+        "the status subresource stays matched, and the main resource is named for the server to type-check the policy"
     );
 }
 
