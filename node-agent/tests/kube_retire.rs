@@ -1,10 +1,12 @@
-//! Kubernetes mode: an instance whose InstanceGeneration is deleted, or
-//! whose selector this node no longer matches, is stopped on the node, with
-//! proof of exit; one whose attempts are gone but whose object still exists
-//! and selects the node (someone deleted the attempts) keeps serving; one
-//! deleted while no agent ran is stopped by the next agent; an agent
-//! watching one namespace leaves the others' instances alone. Real engine,
-//! cgroup v2 and testapp processes against a mocked API server.
+//! Kubernetes mode: an instance whose InstanceGeneration is deleted, whose
+//! selector this node no longer matches, or whose namespace is being
+//! deleted, is stopped on the node, with proof of exit; one whose attempts
+//! are gone but whose object still exists and selects the node (someone
+//! deleted the attempts) keeps serving, and is looked at again until
+//! either changes; one deleted while no agent ran is stopped by the next
+//! agent; an agent watching one namespace leaves the others' instances
+//! alone. Real engine, cgroup v2 and testapp processes against a mocked API
+//! server; e2e/tests/cluster.rs deletes a real namespace on a real one.
 
 #[path = "support/cgroup_guard.rs"]
 mod cgroup_guard;
@@ -63,6 +65,31 @@ async fn expect_node_read(server: &mut ApiServerVerifier) -> Pending {
             r.method == Method::GET && r.path == path
         })
         .await
+}
+
+/// The read of the namespace the instances live in.
+async fn expect_namespace_read(server: &mut ApiServerVerifier) -> Pending {
+    let path = format!("/api/v1/namespaces/{NAMESPACE}");
+    server
+        .next_where(&format!("GET {path}"), |r| {
+            r.method == Method::GET && r.path == path
+        })
+        .await
+}
+
+/// [`NAMESPACE`], and whether it is being deleted.
+fn namespace_object(terminating: bool) -> Value {
+    let mut namespace = json!({
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": { "name": NAMESPACE },
+        "status": { "phase": "Active" },
+    });
+    if terminating {
+        namespace["metadata"]["deletionTimestamp"] = json!("2026-12-02T12:00:00Z");
+        namespace["status"]["phase"] = json!("Terminating");
+    }
+    namespace
 }
 
 /// `web`'s attempt `install` is deleted, and the fresh reads that follow
@@ -231,6 +258,9 @@ async fn an_instance_whose_object_still_exists_keeps_serving() {
         json!({ "pool": "edge", "zone": "a" }),
     )
     .await;
+    expect_namespace_read(&mut server)
+        .await
+        .respond_json(StatusCode::OK, &namespace_object(false));
     eventually("the lookup concluded", || retirements(&agent, "kept")).await;
     assert_eq!(node.who_serves("web").await, Some(serving.clone()));
 
@@ -249,6 +279,58 @@ async fn an_instance_whose_object_still_exists_keeps_serving() {
     })
     .await;
     assert_eq!(node.who_serves("web").await, Some(serving));
+
+    finish(&node, agent, server).await;
+}
+
+#[tokio::test]
+async fn an_instance_whose_namespace_is_being_deleted_is_stopped_though_its_object_remains() {
+    let Serving {
+        node,
+        mut server,
+        agent,
+        feed,
+        install,
+        serving,
+    } = serving_web("kube-retire-namespace", 1).await;
+
+    // A namespace's deletion took the attempts first: the object is still
+    // there, with no deletion mark of its own yet, and selects this node.
+    attempt_deleted_on_node_labelled(&mut server, &feed, &install, json!({ "pool": "edge" })).await;
+    expect_namespace_read(&mut server)
+        .await
+        .respond_json(StatusCode::OK, &namespace_object(true));
+    eventually("the instance stopped", || retirements(&agent, "stopped")).await;
+    assert!(!alive(serving.pid), "process {} exited", serving.pid);
+    assert_eq!(node.who_serves("web").await, None, "nothing answers");
+
+    finish(&node, agent, server).await;
+}
+
+#[tokio::test]
+async fn an_instance_kept_without_attempts_is_looked_at_again_and_stopped_once_its_object_is_gone()
+{
+    let node = TestNode::new("kube-retire-again");
+    let (client, mut server) = mock_client();
+    let agent = node.start_agent_with(client, |config| {
+        config.look_again = std::time::Duration::from_millis(200);
+    });
+    let (feed, install) = installed(&node, &mut server, 1).await;
+    let serving = node.who_serves("web").await.expect("b1 serves");
+
+    // Kept: the object exists and selects this node.
+    attempt_deleted_on_node_labelled(&mut server, &feed, &install, json!({ "pool": "edge" })).await;
+    expect_namespace_read(&mut server)
+        .await
+        .respond_json(StatusCode::OK, &namespace_object(false));
+    eventually("the lookup concluded", || retirements(&agent, "kept")).await;
+    assert_eq!(node.who_serves("web").await, Some(serving.clone()));
+
+    // The object is deleted afterwards, which no watch of the agent's
+    // shows: the next look finds it gone.
+    answer_gone(&mut server, "web").await;
+    eventually("the instance stopped", || retirements(&agent, "stopped")).await;
+    assert!(!alive(serving.pid), "process {} exited", serving.pid);
 
     finish(&node, agent, server).await;
 }

@@ -90,6 +90,7 @@ fn agent_allowed(watch: Option<&str>) -> BTreeSet<Right> {
         &["get"],
     ));
     allowed.extend(rights(CLUSTER, "", "nodes", &["get"]));
+    allowed.extend(rights(CLUSTER, "", "namespaces", &["get"]));
     allowed.into_iter().collect()
 }
 

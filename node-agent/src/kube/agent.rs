@@ -7,7 +7,6 @@
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures::StreamExt;
 use genswap_controller::watch_backoff::watch_backoff;
@@ -91,17 +90,13 @@ struct InFlight {
     cancel: Cancel,
 }
 
-/// How soon an instance whose InstanceGeneration could not be read is
-/// looked at again.
-const RETIRE_RETRY: Duration = Duration::from_secs(30);
-
 /// Which serving instances without attempts [`Running::retire_unowned`]
 /// looks up.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Candidates {
     All,
-    /// Only those whose last lookup or stop failed.
-    FailedBefore,
+    /// Only those in [`Running::look_again`].
+    LookAgain,
 }
 
 /// The loop's state.
@@ -116,8 +111,13 @@ struct Running {
     reports: JoinSet<()>,
     /// Instances whose InstanceGeneration is being looked up or stopped.
     retiring: HashSet<InstanceKey>,
-    /// Instances whose last lookup or stop failed: retried on a timer.
-    retire_failed: HashSet<InstanceKey>,
+    /// Instances without attempts whose last lookup or stop failed, or
+    /// found them still wanted: looked at again on a timer. Nothing else
+    /// would bring them up again: the deletions that made them candidates
+    /// are over, and an InstanceGeneration deleted after the lookup (as a
+    /// namespace's deletion may do, its attempts first) sends this agent no
+    /// event.
+    look_again: HashSet<InstanceKey>,
     retirements: JoinSet<(InstanceKey, Retirement)>,
     /// Supervisor states that came before the watch's first full list.
     serving_before_sync: Vec<ServingChange>,
@@ -195,12 +195,12 @@ impl KubeAgent {
             runners: JoinSet::new(),
             reports: JoinSet::new(),
             retiring: HashSet::new(),
-            retire_failed: HashSet::new(),
+            look_again: HashSet::new(),
             retirements: JoinSet::new(),
             serving_before_sync: Vec::new(),
             serving_writes: HashMap::new(),
         };
-        let mut retire_retry = tokio::time::interval(RETIRE_RETRY);
+        let mut retire_retry = tokio::time::interval(config.look_again);
         retire_retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
         let lock_path = config.lock_path.clone();
@@ -250,7 +250,7 @@ impl KubeAgent {
                 Some(done) = state.retirements.join_next(), if !state.retirements.is_empty() => {
                     state.on_retired(done);
                 }
-                _ = retire_retry.tick() => state.retire_unowned(Candidates::FailedBefore),
+                _ = retire_retry.tick() => state.retire_unowned(Candidates::LookAgain),
             }
         };
 
@@ -423,11 +423,15 @@ impl Running {
             .filter(|key| scope.is_none_or(|namespace| key.namespace() == namespace))
             .collect();
         let cached = self.store.state();
-        let candidates = retire::unowned(&serving, cached.iter().map(|a| a.as_ref()), |key| {
-            self.in_flight.contains_key(key)
-                || self.retiring.contains(key)
-                || (which == Candidates::FailedBefore && !self.retire_failed.contains(key))
+        let mut candidates = retire::unowned(&serving, cached.iter().map(|a| a.as_ref()), |key| {
+            self.in_flight.contains_key(key) || self.retiring.contains(key)
         });
+        // One that has an attempt again needs no second look.
+        self.look_again
+            .retain(|key| candidates.contains(key) || self.retiring.contains(key));
+        if which == Candidates::LookAgain {
+            candidates.retain(|key| self.look_again.contains(key));
+        }
         for instance in candidates {
             self.retiring.insert(instance.clone());
             let shared = self.shared.clone();
@@ -444,10 +448,10 @@ impl Running {
         };
         self.retiring.remove(&instance);
         self.shared.metrics.record_retirement(retirement);
-        if retirement == Retirement::Failed {
-            self.retire_failed.insert(instance.clone());
+        if retirement == Retirement::Stopped {
+            self.look_again.remove(&instance);
         } else {
-            self.retire_failed.remove(&instance);
+            self.look_again.insert(instance.clone());
         }
         self.shared
             .metrics
@@ -627,11 +631,10 @@ async fn retire_instance(shared: Arc<Shared>, instance: InstanceKey) -> (Instanc
             tracing::warn!(%instance, %error, "cannot tell whether the instance is still wanted on this node; it keeps serving");
             Retirement::Failed
         }
-        owner @ (Owner::Gone | Owner::Unselected) => {
-            let why = if owner == Owner::Gone {
-                "its InstanceGeneration is deleted"
-            } else {
-                "this node no longer matches its InstanceGeneration's nodeSelector"
+        owner @ (Owner::Gone(_) | Owner::Unselected) => {
+            let why = match owner {
+                Owner::Gone(why) => why,
+                _ => "this node no longer matches its InstanceGeneration's nodeSelector",
             };
             tracing::info!(%instance, "{why}; stopping the instance");
             // As the attempt that started it said: journaled with the

@@ -156,11 +156,15 @@ impl KubeArgs {
             },
             report_flush: Duration::from_secs(self.report_flush_seconds),
             shutdown_timeout: Duration::from_secs(self.shutdown_timeout_seconds),
+            look_again: LOOK_AGAIN,
         };
         config.validate()?;
         Ok(config)
     }
 }
+
+/// How soon an instance left without attempts is looked up again.
+const LOOK_AGAIN: Duration = Duration::from_secs(30);
 
 /// The settings of Kubernetes mode.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -181,6 +185,9 @@ pub struct KubeAgentConfig {
     pub report_flush: Duration,
     /// How long shutdown waits for cancelled attempts.
     pub shutdown_timeout: Duration,
+    /// How soon an instance left without attempts is looked up again when
+    /// its last lookup failed or found it still wanted.
+    pub look_again: Duration,
 }
 
 impl KubeAgentConfig {
@@ -195,6 +202,7 @@ impl KubeAgentConfig {
             report_backoff: ReportBackoff::default(),
             report_flush: Duration::from_secs(5),
             shutdown_timeout: Duration::from_secs(60),
+            look_again: LOOK_AGAIN,
         }
     }
 

@@ -11,16 +11,22 @@
 //! re-created already, or the node's labels changed back. So each
 //! candidate's InstanceGeneration, and then this node's Node, are read from
 //! the API server ([`look_up`]). Only a 404, an object already being
-//! deleted, or a selector this node's labels no longer match stops the
-//! instance, with the stop settings it was started with. Anything else (the
-//! object exists and selects this node, a read failed) leaves it serving.
+//! deleted, a selector this node's labels no longer match, or a namespace
+//! being deleted stops the instance, with the stop settings it was started
+//! with. Anything else (the object exists and selects this node, a read
+//! failed) leaves it serving, and the agent looks again later.
+//!
+//! The namespace matters because its deletion takes the namespace's
+//! objects kind by kind: the attempts may go first, while their
+//! InstanceGeneration still exists and has no deletion mark yet, and the
+//! InstanceGeneration's own deletion then sends the agent no event.
 
 use std::collections::HashSet;
 use std::time::Duration;
 
 use genswap_controller::scheduler::selects;
 use genswap_crds::{InstanceGeneration, SwapAttempt};
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Namespace, Node};
 use kube::api::Api;
 use kube::{Client, ResourceExt};
 
@@ -29,8 +35,9 @@ use crate::gate::InstanceKey;
 /// Whether an instance is still wanted on this node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Owner {
-    /// 404, or being deleted: the instance is not wanted anywhere.
-    Gone,
+    /// 404, being deleted, or in a namespace being deleted: the instance is
+    /// not wanted anywhere. Says which, for the log.
+    Gone(&'static str),
     /// It exists, but its `nodeSelector` does not match this node's labels.
     Unselected,
     /// It exists and selects this node: keep serving.
@@ -62,27 +69,39 @@ pub fn unowned<'a>(
         .collect()
 }
 
-/// Reads `instance`'s InstanceGeneration and then `node_name`'s Node from
-/// the API server (never from a cache: a stale one could stop an instance
-/// that is wanted).
+/// Reads `instance`'s InstanceGeneration, then `node_name`'s Node, then
+/// the instance's Namespace from the API server (never from a cache: a
+/// stale one could stop an instance that is wanted).
 pub async fn look_up(client: &Client, instance: &InstanceKey, node_name: &str) -> Owner {
+    const DELETED: &str = "its InstanceGeneration is deleted";
     let igs: Api<InstanceGeneration> = Api::namespaced(client.clone(), instance.namespace());
     let ig = match read(igs.get_opt(instance.name()), "the InstanceGeneration").await {
         Err(why) => return Owner::Unknown(why),
-        Ok(None) => return Owner::Gone,
-        Ok(Some(ig)) if ig.metadata.deletion_timestamp.is_some() => return Owner::Gone,
+        Ok(None) => return Owner::Gone(DELETED),
+        Ok(Some(ig)) if ig.metadata.deletion_timestamp.is_some() => return Owner::Gone(DELETED),
         Ok(Some(ig)) => ig,
     };
     let nodes: Api<Node> = Api::all(client.clone());
     match read(nodes.get_opt(node_name), "this node's Node").await {
-        Err(why) => Owner::Unknown(why),
+        Err(why) => return Owner::Unknown(why),
         // A node whose object is gone is leaving the cluster; its instances
         // go with the machine, not by a guess made here.
-        Ok(None) => Owner::Unknown(format!("the Node {node_name} is not found")),
-        Ok(Some(node)) if selects(&ig.spec.node_selector, node.metadata.labels.as_ref()) => {
+        Ok(None) => return Owner::Unknown(format!("the Node {node_name} is not found")),
+        Ok(Some(node)) if selects(&ig.spec.node_selector, node.metadata.labels.as_ref()) => {}
+        Ok(Some(_)) => return Owner::Unselected,
+    }
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    match read(namespaces.get_opt(instance.namespace()), "its Namespace").await {
+        Ok(Some(namespace)) if namespace.metadata.deletion_timestamp.is_some() => {
+            Owner::Gone("its namespace is being deleted")
+        }
+        // An agent whose RBAC predates the Namespace read still keeps what
+        // its InstanceGeneration wants; it looks again on its timer.
+        Err(why) => {
+            tracing::debug!(%instance, %why, "its Namespace could not be read");
             Owner::Present
         }
-        Ok(Some(_)) => Owner::Unselected,
+        Ok(_) => Owner::Present,
     }
 }
 

@@ -112,12 +112,18 @@ impl TestNode {
     /// A Kubernetes-mode agent for this node over `client`, with the test
     /// settings.
     pub fn start_agent(&self, client: kube::Client) -> crate::kube_support::RunningAgent {
-        crate::kube_support::start_agent(
-            client,
-            self.engine.clone(),
-            self.gate.clone(),
-            crate::kube_support::test_config(&self.lock_path),
-        )
+        self.start_agent_with(client, |_| {})
+    }
+
+    /// [`TestNode::start_agent`], with `edit` applied to the test settings.
+    pub fn start_agent_with(
+        &self,
+        client: kube::Client,
+        edit: impl FnOnce(&mut node_agent::kube::KubeAgentConfig),
+    ) -> crate::kube_support::RunningAgent {
+        let mut config = crate::kube_support::test_config(&self.lock_path);
+        edit(&mut config);
+        crate::kube_support::start_agent(client, self.engine.clone(), self.gate.clone(), config)
     }
 
     /// Starts an agent over a mocked API server whose list holds one
