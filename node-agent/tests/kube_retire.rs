@@ -222,6 +222,7 @@ async fn deleting_the_instance_generation_stops_its_instance_with_proof_of_exit(
     assert_eq!(node.who_serves("web").await, None, "nothing answers");
     assert!(!alive(serving.pid), "process {} exited", serving.pid);
     assert!(!cgroup.exists(), "its cgroup is removed");
+    assert_eq!(node.leftovers("web"), Vec::<std::path::PathBuf>::new());
     assert!(
         agent
             .metrics
@@ -303,6 +304,7 @@ async fn an_instance_whose_namespace_is_being_deleted_is_stopped_though_its_obje
     eventually("the instance stopped", || retirements(&agent, "stopped")).await;
     assert!(!alive(serving.pid), "process {} exited", serving.pid);
     assert_eq!(node.who_serves("web").await, None, "nothing answers");
+    assert_eq!(node.leftovers("web"), Vec::<std::path::PathBuf>::new());
 
     finish(&node, agent, server).await;
 }

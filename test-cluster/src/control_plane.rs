@@ -82,7 +82,7 @@ impl ControlPlane {
             return Err(format!("absent: {why}"));
         }
         let dir = tempfile::Builder::new()
-            .prefix("genswap-kube-")
+            .prefix("genswap-apiserver-")
             .tempdir()
             .map_err(|e| format!("a temp dir: {e}"))?
             .keep();

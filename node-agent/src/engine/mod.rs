@@ -324,8 +324,9 @@ impl Engine {
 
     /// Stops `instance`'s serving generation with proof of exit (its
     /// InstanceGeneration was deleted, or the agent tears it down), removes
-    /// its cgroup, socket and `current.sock`, and journals that nothing
-    /// serves. Returns the drain time; `None` when nothing served.
+    /// its cgroup, socket and `current.sock`, then the instance's cgroup and
+    /// run dir, and journals that nothing serves. Returns the drain time;
+    /// `None` when nothing served.
     pub async fn stop_instance(
         &self,
         instance: &InstanceKey,
@@ -339,6 +340,7 @@ impl Engine {
             // restarted either from now on.
             self.listeners.release(instance).await;
             self.journal_stopped(instance).await?;
+            parts::remove_empty_instance(self, instance);
             return Ok(None);
         };
         let drain = match parts::stop_generation(running, stop).await {
@@ -354,6 +356,7 @@ impl Engine {
         parts::remove_current_link(&self.layout, instance);
         self.listeners.release(instance).await;
         self.journal_stopped(instance).await?;
+        parts::remove_empty_instance(self, instance);
         Ok(Some(drain))
     }
 

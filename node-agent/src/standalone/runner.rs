@@ -819,8 +819,8 @@ impl Runner {
         }
     }
 
-    /// Removes everything of a stopped instance: its cgroup and run
-    /// directories, journal, state and status files, and the gate's memory.
+    /// Removes what the stop left of an instance: its journal, state and
+    /// status files, and the gate's memory.
     async fn forget(&mut self, key: &InstanceKey) {
         let Some(instance) = self.instances.remove(key) else {
             return;
@@ -829,17 +829,8 @@ impl Runner {
         let engine = self.engine.clone();
         let store = self.store.clone();
         let owned = key.clone();
+        // The stop removed its cgroup and run dir already.
         blocking(move || {
-            let cgroup = engine.cgroups().instance_handle(&owned);
-            if cgroup.path().exists()
-                && let Err(error) = cgroup.remove()
-            {
-                tracing::warn!(instance = %owned, %error, "the instance cgroup could not be removed");
-            }
-            let run_dir = engine.layout().instance_dir(&owned);
-            if let Err(error) = engine.layout().remove_instance_dir(&owned) {
-                tracing::warn!(instance = %owned, dir = %run_dir.display(), %error, "the instance run dir could not be removed");
-            }
             if let Err(error) = engine.journal().remove_instance(&owned) {
                 tracing::warn!(instance = %owned, %error, "the instance's journal file could not be removed");
             }

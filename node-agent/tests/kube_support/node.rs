@@ -168,6 +168,19 @@ impl TestNode {
             .join(format!("gen-{n}"))
     }
 
+    /// What is left of `instance` on the node but its logs and its journal:
+    /// its cgroup and its run dir, where they exist.
+    pub fn leftovers(&self, instance: &str) -> Vec<PathBuf> {
+        let key = self.key(instance);
+        [
+            self.tree.path().join("genswap").join(key.to_string()),
+            self.engine.layout().instance_dir(&key),
+        ]
+        .into_iter()
+        .filter(|path| path.exists())
+        .collect()
+    }
+
     /// Revisions whose outcomes the journal still holds.
     pub fn pending(&self) -> Vec<(String, i64)> {
         self.engine
