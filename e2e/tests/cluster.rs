@@ -1,15 +1,17 @@
-//! genswap end to end against the cluster `KUBECONFIG` names.
+//! genswap end to end on a real API server: the suite's own control
+//! plane (`../shared/kube`) with the chart installed, or the cluster
+//! `KUBECONFIG` names (support/mod.rs says which, and under what
+//! credentials the processes run).
 //!
-//! Without a reachable cluster the suite prints one line,
-//! `e2e: skipped: no reachable cluster in KUBECONFIG (<why>)`, and passes.
-//! With one it needs, on the machine running it: root, a cgroup v2 mount and
-//! kubectl (docs/INSTALL.md, "End-to-end tests"). It then:
+//! Without either the suite prints one line, `support::SKIP_LINE` and why, and
+//! passes. With one it needs, on the machine running it: root, a cgroup v2
+//! mount and kubectl (docs/INSTALL.md, "End-to-end tests"). It then:
 //!
 //! 1. applies the CRDs (`kubectl apply --server-side -f crds/`);
 //! 2. builds and starts `genswap-controller` and one `node-agent run` as
 //!    local processes, both limited to a fresh namespace; the agent acts as
-//!    a real Node of the cluster (`--node-name`), runs its instances here in
-//!    a fresh cgroup subtree, and stages test-app builds from a temp dir;
+//!    a Node of the cluster (`--node-name`), runs its instances here in a
+//!    fresh cgroup subtree, and stages test-app builds from a temp dir;
 //! 3. walks one InstanceGeneration through install, an overlap release, a
 //!    failing build held down (Stalled=True), a retry that succeeds, a bad
 //!    digest abandoned without running anything, and a release waited for
@@ -18,27 +20,24 @@
 //!    who answers on the instance's `current.sock`; then moves its
 //!    `nodeSelector` off the node (the instance stops) and back (it is
 //!    installed again), and finally deletes it and waits for the instance
-//!    to stop.
+//!    to stop and leave nothing behind;
+//! 4. deletes a namespace with instances in it, as a user would, and waits
+//!    for every instance to stop and leave nothing behind, whatever order
+//!    the namespace controller deletes the objects in.
 //!
-//! Do not point it at a cluster where the genswap chart runs agents: they
-//! would take the suite's attempts for their node too.
+//! On a cluster of one's own, do not run it where the genswap chart runs
+//! agents: they would take the suite's attempts for their node too.
 
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use genswap_crds::{InstanceGeneration, Mode, Outcome, SwapAttempt};
-use k8s_openapi::api::core::v1::{Namespace, Node};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
-use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
-use support::{
-    CgroupGuard, ChildGuard, NamespaceGuard, SKIP_LINE, build_binaries, get_over, host_dir,
-    host_requirements, kubectl, reachable_cluster, single_kubeconfig, tail, workspace,
-};
+use support::{Cluster, Stack, get_over, workspace};
 use testapp::Build;
 
 const IG: &str = "hello";
@@ -49,107 +48,20 @@ const STEP_DEADLINE: Duration = Duration::from_secs(180);
 const INSTANCE_ID: i64 = 65534;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn genswap_end_to_end_on_the_cluster_in_kubeconfig() {
-    let client = match reachable_cluster().await {
-        Ok(client) => client,
-        Err(why) => {
-            println!("{SKIP_LINE} ({why})");
-            return;
-        }
+async fn genswap_end_to_end_on_a_real_api_server() {
+    let Some(cluster) = Cluster::find().await else {
+        return;
     };
-    let cgroup_mount = host_requirements();
-    let node = pick_node(&client).await;
-    let hostname = node
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|labels| labels.get("kubernetes.io/hostname"))
-        .cloned()
-        .expect("the node has a kubernetes.io/hostname label");
-    let node_name = node.metadata.name.clone().expect("a node name");
-
     // 1. The API.
-    apply_crds();
-
-    // 2. Host dirs, a cgroup subtree, a namespace, the two processes. Drops
-    // run in reverse order: agent, controller, namespace, cgroups, dirs.
-    let binaries = build_binaries();
-    let unique = format!(
-        "{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or_default()
-    );
-    let dir = host_dir();
-    let run_dir = dir.path().join("run");
-    let state_dir = dir.path().join("state");
-    let staging = dir.path().join("staging");
-    std::fs::create_dir_all(&staging).expect("create the staging root");
-    let cgroups = CgroupGuard::create(&cgroup_mount, &format!("genswap-e2e-{unique}"));
-    let namespace = NamespaceGuard {
-        name: format!("genswap-e2e-{unique}"),
-    };
-    create_namespace(&client, &namespace.name).await;
-
-    let mut controller_cmd = Command::new(&binaries.controller);
-    controller_cmd.args([
-        "--namespace",
-        &namespace.name,
-        "--lease-namespace",
-        &namespace.name,
-        "--identity",
-        "genswap-e2e-controller",
-        "--metrics-addr",
-        "127.0.0.1:0",
-    ]);
-    let mut agent_cmd = Command::new(&binaries.agent);
-    agent_cmd.args([
-        "run",
-        "--node-name",
-        &node_name,
-        "--namespace",
-        &namespace.name,
-        "--no-host-namespaces",
-        "--metrics-addr",
-        "127.0.0.1:0",
-        "--shutdown-timeout-seconds",
-        "20",
-    ]);
-    if let Some(kubeconfig) = single_kubeconfig() {
-        controller_cmd.arg("--kubeconfig").arg(&kubeconfig);
-        agent_cmd.arg("--kubeconfig").arg(&kubeconfig);
-    }
-    agent_cmd
-        .arg("--cgroup-root")
-        .arg(&cgroups.root)
-        .arg("--run-dir")
-        .arg(&run_dir)
-        .arg("--state-dir")
-        .arg(&state_dir)
-        .arg("--staging-root")
-        .arg(&staging)
-        .arg("--log-dir")
-        .arg(dir.path().join("logs"));
-    let controller = ChildGuard::spawn(
-        "genswap-controller",
-        controller_cmd,
-        dir.path().join("controller.log"),
-    );
-    let agent = ChildGuard::spawn("node-agent", agent_cmd, dir.path().join("agent.log"));
-
+    apply_crds(&cluster);
+    // 2. The controller and the agent, for a namespace and a Node of their own.
+    let stack = Stack::start(&cluster, "story").await;
+    let client = cluster.client().await;
     let mut e2e = E2e {
-        igs: Api::namespaced(client.clone(), &namespace.name),
-        attempts: Api::namespaced(client.clone(), &namespace.name),
-        namespace: namespace.name.clone(),
-        hostname,
-        staging: staging.clone(),
-        current_sock: run_dir
-            .join(format!("{}.{IG}", namespace.name))
-            .join("current.sock"),
-        controller,
-        agent,
+        igs: Api::namespaced(client.clone(), &stack.namespace.name),
+        attempts: Api::namespaced(client.clone(), &stack.namespace.name),
+        cluster,
+        stack,
     };
 
     // 3a. Install: the first generation, Ready, serving.
@@ -257,13 +169,15 @@ async fn genswap_end_to_end_on_the_cluster_in_kubeconfig() {
     // 3f. kubectl wait on the object: a good release after the bad one.
     let v5 = e2e.build("hello-5");
     e2e.apply(&v5, json!({})).await;
-    let waited = Command::new("kubectl")
+    let waited = e2e
+        .cluster
+        .kubectl_command()
         .args([
             "wait",
             "--for=condition=Ready",
             &format!("ig/{IG}"),
             "-n",
-            &e2e.namespace,
+            &e2e.stack.namespace.name,
             &format!("--timeout={}s", STEP_DEADLINE.as_secs()),
         ])
         .output()
@@ -280,10 +194,10 @@ async fn genswap_end_to_end_on_the_cluster_in_kubeconfig() {
 
     // 3f'. The kubectl plugin: `get` shows the node serving hello-5, and
     // `undo` releases the previous good build (hello-3) from the history.
-    let tree = e2e.plugin(&binaries, &["get", IG]);
+    let tree = e2e.plugin(&["get", IG]);
     assert!(tree.contains("build hello-5"), "{tree}");
     assert!(tree.contains("serving hello-5"), "{tree}");
-    let said = e2e.plugin(&binaries, &["undo", IG]);
+    let said = e2e.plugin(&["undo", IG]);
     assert!(said.contains("spec.build is hello-3 again"), "{said}");
     let undone = e2e
         .wait_ig("the undo to Ready on hello-3", |ig| {
@@ -303,7 +217,7 @@ async fn genswap_end_to_end_on_the_cluster_in_kubeconfig() {
     // 3g. A selector that no longer matches the node stops its instance:
     // the controller deletes the node's attempts, the agent reads the
     // object and its Node fresh. Selecting the node again installs it.
-    let elsewhere = format!("{}-elsewhere", e2e.hostname);
+    let elsewhere = format!("{}-elsewhere", e2e.stack.hostname);
     e2e.apply(
         &v5,
         json!({"nodeSelector": {"kubernetes.io/hostname": elsewhere}}),
@@ -322,31 +236,25 @@ async fn genswap_end_to_end_on_the_cluster_in_kubeconfig() {
         .expect("delete the IG");
     e2e.expect_stopped("its InstanceGeneration was deleted")
         .await;
+    expect_nothing_left(&e2e.stack, &[IG]).await;
 
-    e2e.controller.assert_running();
-    e2e.agent.assert_running();
-    // Guards stop the agent and the controller, delete the namespace, kill
-    // and remove the instances' cgroups, and remove the temp dir.
-    drop(e2e);
-    drop(namespace);
-    drop(cgroups);
+    e2e.stack.assert_running();
+    // The stack's guards stop the agent and the controller, delete the
+    // namespace, kill and remove the instances' cgroups, and remove the
+    // temp dir.
 }
 
 struct E2e {
     igs: Api<InstanceGeneration>,
     attempts: Api<SwapAttempt>,
-    namespace: String,
-    hostname: String,
-    staging: PathBuf,
-    current_sock: PathBuf,
-    controller: ChildGuard,
-    agent: ChildGuard,
+    cluster: Cluster,
+    stack: Stack,
 }
 
 impl E2e {
     /// A test-app build with distinct bytes, staged under the staging root.
     fn build(&self, id: &str) -> Build {
-        testapp::make_build(&self.staging, id)
+        testapp::make_build(&self.stack.staging, id)
             .unwrap_or_else(|e| panic!("stage the test-app build {id}: {e}"))
     }
 
@@ -360,7 +268,7 @@ impl E2e {
             process["env"] = env.clone();
         }
         let mut spec = json!({
-            "nodeSelector": {"kubernetes.io/hostname": self.hostname},
+            "nodeSelector": {"kubernetes.io/hostname": self.stack.hostname},
             "build": {
                 "id": build.path.file_name().and_then(|n| n.to_str()).unwrap_or_default(),
                 "artifact": {"path": path_str(&build.path)},
@@ -380,7 +288,7 @@ impl E2e {
         let object = json!({
             "apiVersion": "genswap.dev/v1alpha1",
             "kind": "InstanceGeneration",
-            "metadata": {"name": IG, "namespace": self.namespace},
+            "metadata": {"name": IG, "namespace": self.stack.namespace.name},
             "spec": spec,
         });
         self.igs
@@ -395,15 +303,18 @@ impl E2e {
 
     /// Runs `kubectl genswap ARGS -n <namespace>` (kubectl finds the plugin
     /// on PATH) and returns what it printed; panics when it fails.
-    fn plugin(&self, binaries: &support::Binaries, args: &[&str]) -> String {
+    fn plugin(&self, args: &[&str]) -> String {
+        let binaries = support::build_binaries();
         let path = std::env::join_paths(std::iter::once(binaries.bin_dir.clone()).chain(
             std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()),
         ))
         .expect("a PATH");
-        let output = Command::new("kubectl")
+        let output = self
+            .cluster
+            .kubectl_command()
             .arg("genswap")
             .args(args)
-            .args(["-n", &self.namespace])
+            .args(["-n", &self.stack.namespace.name])
             .env("PATH", path)
             .output()
             .expect("run kubectl genswap");
@@ -425,8 +336,7 @@ impl E2e {
         let deadline = Instant::now() + STEP_DEADLINE;
         let mut last = None;
         while Instant::now() < deadline {
-            self.controller.assert_running();
-            self.agent.assert_running();
+            self.stack.assert_running();
             if let Ok(ig) = self.igs.get(IG).await {
                 if done(&ig) {
                     return ig;
@@ -453,8 +363,7 @@ impl E2e {
     ) -> SwapAttempt {
         let deadline = Instant::now() + STEP_DEADLINE;
         while Instant::now() < deadline {
-            self.controller.assert_running();
-            self.agent.assert_running();
+            self.stack.assert_running();
             if let Ok(list) = self.attempts.list(&ListParams::default()).await {
                 let found = list.items.into_iter().find(|attempt| {
                     attempt.spec.build.id == build
@@ -478,7 +387,7 @@ impl E2e {
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut last = String::new();
         while Instant::now() < deadline {
-            match get_over(&self.current_sock) {
+            match get_over(&self.stack.current_sock(IG)) {
                 Ok(body) if body.contains(&format!("build={build} ")) => return,
                 Ok(body) => last = body,
                 Err(error) => last = error,
@@ -487,7 +396,7 @@ impl E2e {
         }
         panic!(
             "{} does not answer as {build}: {last}{}",
-            self.current_sock.display(),
+            self.stack.current_sock(IG).display(),
             self.diagnosis()
         );
     }
@@ -497,7 +406,7 @@ impl E2e {
     async fn expect_stopped(&self, why: &str) {
         let deadline = Instant::now() + STEP_DEADLINE;
         while Instant::now() < deadline {
-            if let Err(gone) = get_over(&self.current_sock) {
+            if let Err(gone) = get_over(&self.stack.current_sock(IG)) {
                 println!("e2e: the instance stopped: {why} ({gone})");
                 return;
             }
@@ -505,18 +414,14 @@ impl E2e {
         }
         panic!(
             "{} still answers {STEP_DEADLINE:?} after {why}{}",
-            self.current_sock.display(),
+            self.stack.current_sock(IG).display(),
             self.diagnosis()
         );
     }
 
     /// The processes' last log lines, for a failure message.
     fn diagnosis(&self) -> String {
-        format!(
-            "\n--- controller log (tail) ---\n{}\n--- agent log (tail) ---\n{}",
-            tail(&self.controller.log, 40),
-            tail(&self.agent.log, 40)
-        )
+        self.stack.diagnosis()
     }
 }
 
@@ -543,34 +448,6 @@ fn serves(ig: &InstanceGeneration, build: &str) -> bool {
     })
 }
 
-/// `GENSWAP_E2E_NODE`, else the first Ready node.
-async fn pick_node(client: &Client) -> Node {
-    let nodes: Api<Node> = Api::all(client.clone());
-    if let Ok(name) = std::env::var("GENSWAP_E2E_NODE") {
-        return nodes
-            .get(&name)
-            .await
-            .unwrap_or_else(|e| panic!("GENSWAP_E2E_NODE={name}: {e}"));
-    }
-    let list = nodes
-        .list(&ListParams::default())
-        .await
-        .expect("list the cluster's nodes");
-    list.items
-        .into_iter()
-        .find(|node| {
-            node.status
-                .as_ref()
-                .and_then(|s| s.conditions.as_ref())
-                .is_some_and(|conditions| {
-                    conditions
-                        .iter()
-                        .any(|c| c.type_ == "Ready" && c.status == "True")
-                })
-        })
-        .expect("the cluster has a Ready node (or set GENSWAP_E2E_NODE to a Node's name)")
-}
-
 /// The agent writes a SwapAttempt's status with two field managers: the
 /// outcome's apply states every field but `serving`, the supervisor's
 /// states `serving` alone (SPEC 5.10). The mocked API server of the agent's
@@ -579,20 +456,13 @@ async fn pick_node(client: &Client) -> Node {
 #[tokio::test]
 async fn the_outcome_and_serving_applies_keep_each_others_fields() {
     use node_agent::kube::report::{FIELD_MANAGER, SERVING_FIELD_MANAGER};
-    let client = match reachable_cluster().await {
-        Ok(client) => client,
-        Err(why) => {
-            println!("{SKIP_LINE} ({why})");
-            return;
-        }
+    let Some(cluster) = Cluster::find().await else {
+        return;
     };
-    apply_crds();
-    let namespace = format!("genswap-e2e-managers-{}", std::process::id());
-    create_namespace(&client, &namespace).await;
-    let _namespace = NamespaceGuard {
-        name: namespace.clone(),
-    };
-    let attempts: Api<SwapAttempt> = Api::namespaced(client.clone(), &namespace);
+    apply_crds(&cluster);
+    let namespace = cluster.namespace("managers").await;
+    let client = cluster.client().await;
+    let attempts: Api<SwapAttempt> = Api::namespaced(client.clone(), &namespace.name);
     let attempt: SwapAttempt = serde_json::from_value(json!({
         "apiVersion": "genswap.dev/v1alpha1",
         "kind": "SwapAttempt",
@@ -652,18 +522,6 @@ async fn the_outcome_and_serving_applies_keep_each_others_fields() {
     );
 }
 
-async fn create_namespace(client: &Client, name: &str) {
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    let namespace: Namespace = serde_json::from_value(json!({
-        "metadata": {"name": name, "labels": {"genswap.dev/e2e": "true"}}
-    }))
-    .expect("a Namespace");
-    namespaces
-        .create(&PostParams::default(), &namespace)
-        .await
-        .unwrap_or_else(|e| panic!("create the namespace {name}: {e}"));
-}
-
 fn path_str(path: &Path) -> String {
     path.to_str()
         .unwrap_or_else(|| panic!("{} is not UTF-8", path.display()))
@@ -672,20 +530,110 @@ fn path_str(path: &Path) -> String {
 
 /// Applies the committed CRDs server-side and waits until both are
 /// established.
-fn apply_crds() {
+fn apply_crds(cluster: &Cluster) {
     let crds = workspace().join("crds");
-    kubectl(&[
+    cluster.kubectl(&[
         "apply",
         "--server-side",
         "--force-conflicts",
         "-f",
         &path_str(&crds),
     ]);
-    kubectl(&[
+    cluster.kubectl(&[
         "wait",
         "--for=condition=Established",
         "crd/instancegenerations.genswap.dev",
         "crd/swapattempts.genswap.dev",
         "--timeout=60s",
     ]);
+}
+
+/// Waits until nothing of `igs` is left on the node but their logs: no
+/// instance cgroup, no run dir.
+async fn expect_nothing_left(stack: &Stack, igs: &[&str]) {
+    let deadline = Instant::now() + STEP_DEADLINE;
+    loop {
+        let left: Vec<PathBuf> = igs
+            .iter()
+            .flat_map(|ig| [stack.instance_cgroup(ig), stack.instance_run_dir(ig)])
+            .filter(|path| path.exists())
+            .collect();
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "left on the node after the instances stopped: {left:?}{}",
+            stack.diagnosis()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A namespace's deletion stops every instance in it. The namespace
+/// controller (the control plane's controller-manager runs it) deletes the
+/// namespace's objects kind by kind, SwapAttempts and InstanceGenerations
+/// in no promised order: an agent that looks an instance up after its
+/// attempts went may still find the object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_namespace_stops_its_instances_and_leaves_nothing() {
+    let Some(cluster) = Cluster::find().await else {
+        return;
+    };
+    apply_crds(&cluster);
+    let mut stack = Stack::start(&cluster, "nsdelete").await;
+    let client = cluster.client().await;
+    let igs: Api<InstanceGeneration> = Api::namespaced(client.clone(), &stack.namespace.name);
+    let names = ["web-a", "web-b", "web-c"];
+    for name in names {
+        let build = testapp::make_build(&stack.staging, &format!("{name}-1"))
+            .unwrap_or_else(|e| panic!("stage {name}: {e}"));
+        let object = json!({
+            "apiVersion": "genswap.dev/v1alpha1",
+            "kind": "InstanceGeneration",
+            "metadata": {"name": name, "namespace": stack.namespace.name},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": stack.hostname},
+                "build": {"id": format!("{name}-1"), "artifact": {"path": path_str(&build.path)}, "sha256": build.sha256},
+                "process": {"user": INSTANCE_ID, "group": INSTANCE_ID},
+                "health": {"path": "/", "timeoutSeconds": 5},
+                "settle": {"seconds": 0},
+                "stop": {"timeoutSeconds": 5},
+            },
+        });
+        igs.patch(
+            name,
+            &PatchParams::apply(FIELD_MANAGER),
+            &Patch::Apply(&object),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("apply {name}: {e}"));
+    }
+    let deadline = Instant::now() + STEP_DEADLINE;
+    for name in names {
+        while get_over(&stack.current_sock(name)).is_err() {
+            stack.assert_running();
+            assert!(
+                Instant::now() < deadline,
+                "{name} never served{}",
+                stack.diagnosis()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    cluster.kubectl(&["delete", "namespace", &stack.namespace.name, "--wait=false"]);
+    for name in names {
+        while get_over(&stack.current_sock(name)).is_ok() {
+            stack.assert_running();
+            assert!(
+                Instant::now() < deadline,
+                "{name} still serves after its namespace was deleted{}",
+                stack.diagnosis()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    expect_nothing_left(&stack, &names).await;
+    stack.assert_running();
 }

@@ -76,6 +76,12 @@ impl ControlPlane {
         }
     }
 
+    /// Whether a control plane can be started here (`up` and the tools it
+    /// needs are there), without starting one.
+    pub fn can_start() -> bool {
+        why_absent().is_none()
+    }
+
     fn start() -> Result<ControlPlane, String> {
         let scripts = scripts_dir();
         if let Some(why) = why_absent() {

@@ -1,29 +1,204 @@
-//! The e2e harness: finding the cluster, the host requirements, building and
-//! running the binaries, and cleaning up after them whatever happens (Drop
-//! guards: processes by PID, the cgroup subtree by path, the namespace by
-//! name, the temp dir).
+//! The e2e harness: which cluster, the host requirements, building and
+//! running the binaries under the right credentials, and cleaning up after
+//! them whatever happens (Drop guards: processes by PID, the cgroup subtree
+//! by path, the namespace by name, the temp dir).
+//!
+//! The cluster is, in this order: a real control plane of the suite's own
+//! (`test_cluster`, from `../shared/kube`), with the chart installed by
+//! helm and the controller and the agents run under its ServiceAccounts'
+//! tokens (the agents' bound to their Node), so RBAC and the admission
+//! policy are the chart's; else the cluster `KUBECONFIG` names, with its
+//! credentials; else none, and the tests print [`SKIP_LINE`] and pass.
 
+#![allow(dead_code)] // Each test binary uses its own part of this module.
+
+use std::ffi::OsString;
 use std::fs;
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::core::v1::{Namespace, Node};
 use kube::Client;
+use kube::api::{Api, ListParams, PostParams};
 use kube::config::{Config, KubeConfigOptions};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
+use serde_json::json;
+pub use test_cluster::process::ChildGuard;
+use test_cluster::{ControlPlane, chart::ChartRelease};
 
 /// The line printed, and the only output, when there is no cluster.
-pub const SKIP_LINE: &str = "e2e: skipped: no reachable cluster in KUBECONFIG";
+pub const SKIP_LINE: &str =
+    "e2e: skipped: no real control plane (../shared/kube) and no reachable cluster in KUBECONFIG";
 
 /// How long a single API request or reachability probe may take.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A client for the cluster `KUBECONFIG` names, or why there is none.
-pub async fn reachable_cluster() -> Result<Client, String> {
+/// The release namespace of the chart the suite installs.
+const CHART_NAMESPACE: &str = "genswap-system";
+
+/// Where the suite runs.
+pub struct Cluster {
+    /// The suite's own control plane, with the chart installed.
+    own: Option<(&'static ControlPlane, &'static ChartRelease<'static>)>,
+    /// The admin kubeconfig, for kubectl; `None`: the environment's.
+    kubeconfig: Option<PathBuf>,
+}
+
+impl Cluster {
+    /// The suite's control plane, else the cluster in `KUBECONFIG`; `None`
+    /// (having printed [`SKIP_LINE`] and why) when there is neither.
+    pub async fn find() -> Option<Cluster> {
+        if ControlPlane::can_start() || std::env::var("GENSWAP_KUBE").as_deref() == Ok("required") {
+            let plane = ControlPlane::shared()?;
+            static CHART: OnceLock<ChartRelease<'static>> = OnceLock::new();
+            let chart =
+                CHART.get_or_init(|| ChartRelease::install(plane, "genswap", CHART_NAMESPACE, &[]));
+            return Some(Cluster {
+                own: Some((plane, chart)),
+                kubeconfig: Some(plane.kubeconfig().to_path_buf()),
+            });
+        }
+        match reachable_kubeconfig().await {
+            Ok(()) => Some(Cluster {
+                own: None,
+                kubeconfig: None,
+            }),
+            Err(why) => {
+                println!("{SKIP_LINE} ({why})");
+                None
+            }
+        }
+    }
+
+    /// A client with the admin (or the user's) credentials.
+    pub async fn client(&self) -> Client {
+        match &self.kubeconfig {
+            Some(path) => test_cluster::client_for(path).await,
+            None => {
+                let config = Config::from_kubeconfig(&KubeConfigOptions::default())
+                    .await
+                    .expect("the kubeconfig in KUBECONFIG");
+                Client::try_from(config).expect("a client")
+            }
+        }
+    }
+
+    /// `kubectl` with the admin (or the user's) credentials.
+    pub fn kubectl_command(&self) -> Command {
+        let mut command = Command::new("kubectl");
+        if let Some(path) = &self.kubeconfig {
+            command.env("KUBECONFIG", path);
+        }
+        command
+    }
+
+    /// Runs kubectl, panicking with its output when it fails.
+    pub fn kubectl(&self, args: &[&str]) -> String {
+        let output = self
+            .kubectl_command()
+            .args(args)
+            .output()
+            .expect("run kubectl");
+        assert!(
+            output.status.success(),
+            "kubectl {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    /// Whether the suite runs on its own control plane.
+    pub fn own(&self) -> Option<&'static ControlPlane> {
+        self.own.map(|(plane, _)| plane)
+    }
+
+    /// The Node the suite's agent acts as. On its own control plane, a new
+    /// one (`e2e-<tag>-<unique>`); on a cluster, `GENSWAP_E2E_NODE` or the
+    /// first Ready one.
+    pub async fn node(&self, tag: &str) -> Node {
+        match self.own {
+            Some((plane, _)) => {
+                plane
+                    .create_node(&format!("e2e-{tag}-{}", unique()), &[])
+                    .await
+            }
+            None => pick_node(&self.client().await).await,
+        }
+    }
+
+    /// The controller's credentials and Lease: the chart's ServiceAccount
+    /// and release namespace, or the user's credentials and `namespace`.
+    pub fn controller_args(&self, namespace: &str, lease: &str) -> Vec<OsString> {
+        let mut args: Vec<OsString> = vec!["--lease-name".into(), lease.into()];
+        match self.own {
+            Some((_, chart)) => {
+                args.extend([
+                    "--kubeconfig".into(),
+                    chart.controller_kubeconfig().into(),
+                    "--lease-namespace".into(),
+                    CHART_NAMESPACE.into(),
+                ]);
+            }
+            None => {
+                args.extend(["--lease-namespace".into(), namespace.into()]);
+                if let Some(path) = single_kubeconfig() {
+                    args.extend(["--kubeconfig".into(), path.into()]);
+                }
+            }
+        }
+        args
+    }
+
+    /// The agent's credentials: a token of the chart's ServiceAccount
+    /// bound to `node`, or the user's.
+    pub fn agent_args(&self, node: &Node) -> Vec<OsString> {
+        let kubeconfig = match self.own {
+            Some((_, chart)) => Some(chart.agent_kubeconfig(node)),
+            None => single_kubeconfig(),
+        };
+        kubeconfig
+            .map(|path| vec!["--kubeconfig".into(), path.into()])
+            .unwrap_or_default()
+    }
+
+    /// Creates a namespace of the suite's own; deleted when the guard drops.
+    pub async fn namespace(&self, tag: &str) -> NamespaceGuard {
+        let name = format!("genswap-e2e-{tag}-{}", unique());
+        let namespaces: Api<Namespace> = Api::all(self.client().await);
+        let namespace: Namespace = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {"genswap.dev/e2e": "true"}}
+        }))
+        .expect("a Namespace");
+        namespaces
+            .create(&PostParams::default(), &namespace)
+            .await
+            .unwrap_or_else(|e| panic!("create the namespace {name}: {e}"));
+        NamespaceGuard {
+            name,
+            kubeconfig: self.kubeconfig.clone(),
+        }
+    }
+}
+
+/// A name part unique to this process and moment.
+pub fn unique() -> String {
+    format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or_default()
+    )
+}
+
+/// Whether the cluster `KUBECONFIG` names answers, or why not.
+async fn reachable_kubeconfig() -> Result<(), String> {
     let kubeconfig = std::env::var("KUBECONFIG").unwrap_or_default();
     if kubeconfig.trim().is_empty() {
         return Err("KUBECONFIG is not set".into());
@@ -40,13 +215,41 @@ pub async fn reachable_cluster() -> Result<Client, String> {
         .await
         .map_err(|_| format!("the API server did not answer within {PROBE_TIMEOUT:?}"))?
         .map_err(|e| format!("the API server: {e}"))?;
-    Ok(client)
+    Ok(())
 }
 
 /// The single kubeconfig file `KUBECONFIG` names, when it names one.
-pub fn single_kubeconfig() -> Option<PathBuf> {
+fn single_kubeconfig() -> Option<PathBuf> {
     let value = std::env::var("KUBECONFIG").ok()?;
     (!value.contains(':') && !value.is_empty()).then(|| PathBuf::from(value))
+}
+
+/// `GENSWAP_E2E_NODE`, else the first Ready node.
+async fn pick_node(client: &Client) -> Node {
+    let nodes: Api<Node> = Api::all(client.clone());
+    if let Ok(name) = std::env::var("GENSWAP_E2E_NODE") {
+        return nodes
+            .get(&name)
+            .await
+            .unwrap_or_else(|e| panic!("GENSWAP_E2E_NODE={name}: {e}"));
+    }
+    let list = nodes
+        .list(&ListParams::default())
+        .await
+        .expect("list the cluster's nodes");
+    list.items
+        .into_iter()
+        .find(|node| {
+            node.status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|conditions| {
+                    conditions
+                        .iter()
+                        .any(|c| c.type_ == "Ready" && c.status == "True")
+                })
+        })
+        .expect("the cluster has a Ready node (or set GENSWAP_E2E_NODE to a Node's name)")
 }
 
 /// What the agent needs from the machine running the suite: root, a
@@ -82,10 +285,7 @@ pub fn host_requirements() -> PathBuf {
 
 /// The workspace root.
 pub fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("e2e lies inside the workspace")
-        .to_path_buf()
+    test_cluster::workspace()
 }
 
 /// The built binaries the suite runs.
@@ -100,111 +300,178 @@ pub struct Binaries {
 
 /// Builds the controller, the agent and the test app into the cargo target
 /// directory and profile this test binary runs from (so
-/// `testapp::make_build` finds the test app beside it).
-pub fn build_binaries() -> Binaries {
-    let exe = std::env::current_exe().expect("the test binary's path");
-    // <target>/<profile>/deps/<test binary>
-    let profile_dir = exe
-        .ancestors()
-        .nth(2)
-        .expect("the test binary lies in <target>/<profile>/deps")
-        .to_path_buf();
-    let target = profile_dir.parent().expect("<target>").to_path_buf();
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut command = Command::new(cargo);
-    command
-        .args([
-            "build",
-            "--bins",
-            "-p",
-            "controller",
-            "-p",
-            "node-agent",
-            "-p",
-            "testapp",
-            "-p",
-            "kubectl-genswap",
-        ])
-        .arg("--manifest-path")
-        .arg(workspace().join("Cargo.toml"))
-        .env("CARGO_TARGET_DIR", &target);
-    if profile_dir
-        .file_name()
-        .is_some_and(|name| name == "release")
-    {
-        command.arg("--release");
-    }
-    let status = command.status().expect("run cargo build");
-    assert!(status.success(), "cargo build of the binaries failed");
-    Binaries {
-        controller: profile_dir.join("genswap-controller"),
-        agent: profile_dir.join("node-agent"),
-        bin_dir: profile_dir.clone(),
-    }
+/// `testapp::make_build` finds the test app beside it); once per binary.
+pub fn build_binaries() -> &'static Binaries {
+    static BINARIES: OnceLock<Binaries> = OnceLock::new();
+    BINARIES.get_or_init(|| {
+        let exe = std::env::current_exe().expect("the test binary's path");
+        // <target>/<profile>/deps/<test binary>
+        let profile_dir = exe
+            .ancestors()
+            .nth(2)
+            .expect("the test binary lies in <target>/<profile>/deps")
+            .to_path_buf();
+        let target = profile_dir.parent().expect("<target>").to_path_buf();
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let mut command = Command::new(cargo);
+        command
+            .args([
+                "build",
+                "--bins",
+                "-p",
+                "controller",
+                "-p",
+                "node-agent",
+                "-p",
+                "testapp",
+                "-p",
+                "kubectl-genswap",
+            ])
+            .arg("--manifest-path")
+            .arg(workspace().join("Cargo.toml"))
+            .env("CARGO_TARGET_DIR", &target);
+        if profile_dir
+            .file_name()
+            .is_some_and(|name| name == "release")
+        {
+            command.arg("--release");
+        }
+        let status = command.status().expect("run cargo build");
+        assert!(status.success(), "cargo build of the binaries failed");
+        Binaries {
+            controller: profile_dir.join("genswap-controller"),
+            agent: profile_dir.join("node-agent"),
+            bin_dir: profile_dir.clone(),
+        }
+    })
 }
 
-/// A process the suite started; stopped by PID on drop (SIGTERM, then
-/// SIGKILL after 30 s), its log kept for diagnosis.
-pub struct ChildGuard {
-    /// For messages.
-    pub name: &'static str,
-    child: Child,
-    /// Its stdout and stderr.
-    pub log: PathBuf,
+/// One node's worth of genswap, run here: a controller and an agent as
+/// local processes under the cluster's credentials, both limited to a
+/// namespace of their own; the agent acts as a Node of the cluster, runs
+/// its instances in a cgroup subtree of its own and stages builds from a
+/// temp dir. Fields drop in order: agent, controller, namespace, cgroups,
+/// dirs.
+pub struct Stack {
+    pub agent: ChildGuard,
+    pub controller: ChildGuard,
+    pub namespace: NamespaceGuard,
+    pub cgroups: CgroupGuard,
+    /// The Node's `kubernetes.io/hostname` label.
+    pub hostname: String,
+    pub staging: PathBuf,
+    pub run_dir: PathBuf,
+    pub dir: tempfile::TempDir,
 }
 
-impl ChildGuard {
-    /// Starts `command` with its output in `log`.
-    pub fn spawn(name: &'static str, mut command: Command, log: PathBuf) -> Self {
-        let file = fs::File::create(&log).expect("create a log file");
-        let err = file.try_clone().expect("clone the log file");
-        let child = command
-            .stdin(Stdio::null())
-            .stdout(file)
-            .stderr(err)
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {name}: {e}"));
-        ChildGuard { name, child, log }
+impl Stack {
+    /// Starts the controller and the agent for a new namespace and Node,
+    /// both named after `tag`.
+    pub async fn start(cluster: &Cluster, tag: &str) -> Stack {
+        let cgroup_mount = host_requirements();
+        let binaries = build_binaries();
+        let node = cluster.node(tag).await;
+        let hostname = node
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|labels| labels.get("kubernetes.io/hostname"))
+            .cloned()
+            .expect("the node has a kubernetes.io/hostname label");
+        let node_name = node.metadata.name.clone().expect("a node name");
+        let dir = host_dir();
+        let run_dir = dir.path().join("run");
+        let staging = dir.path().join("staging");
+        fs::create_dir_all(&staging).expect("create the staging root");
+        let cgroups =
+            CgroupGuard::create(&cgroup_mount, &format!("genswap-e2e-{tag}-{}", unique()));
+        let namespace = cluster.namespace(tag).await;
+
+        let mut controller_cmd = Command::new(&binaries.controller);
+        controller_cmd
+            .args([
+                "--namespace",
+                &namespace.name,
+                "--identity",
+                &format!("genswap-e2e-controller-{tag}"),
+                "--metrics-addr",
+                "127.0.0.1:0",
+            ])
+            .args(cluster.controller_args(&namespace.name, &format!("genswap-e2e-{tag}")));
+        let mut agent_cmd = Command::new(&binaries.agent);
+        agent_cmd
+            .args([
+                "run",
+                "--node-name",
+                &node_name,
+                "--namespace",
+                &namespace.name,
+                "--no-host-namespaces",
+                "--metrics-addr",
+                "127.0.0.1:0",
+                "--shutdown-timeout-seconds",
+                "20",
+            ])
+            .args(cluster.agent_args(&node))
+            .arg("--cgroup-root")
+            .arg(&cgroups.root)
+            .arg("--run-dir")
+            .arg(&run_dir)
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .arg("--staging-root")
+            .arg(&staging)
+            .arg("--log-dir")
+            .arg(dir.path().join("logs"));
+        let controller = ChildGuard::spawn(
+            "genswap-controller",
+            controller_cmd,
+            dir.path().join("controller.log"),
+        );
+        let agent = ChildGuard::spawn("node-agent", agent_cmd, dir.path().join("agent.log"));
+        Stack {
+            agent,
+            controller,
+            namespace,
+            cgroups,
+            hostname,
+            staging,
+            run_dir,
+            dir,
+        }
     }
 
-    /// Panics when the process has exited.
+    /// `<run dir>/<namespace>.<ig>/current.sock`.
+    pub fn current_sock(&self, ig: &str) -> PathBuf {
+        self.instance_run_dir(ig).join("current.sock")
+    }
+
+    /// `<run dir>/<namespace>.<ig>`.
+    pub fn instance_run_dir(&self, ig: &str) -> PathBuf {
+        self.run_dir.join(format!("{}.{ig}", self.namespace.name))
+    }
+
+    /// `<cgroup root>/<namespace>.<ig>`.
+    pub fn instance_cgroup(&self, ig: &str) -> PathBuf {
+        self.cgroups
+            .root
+            .join(format!("{}.{ig}", self.namespace.name))
+    }
+
+    /// Panics, with its log, when the controller or the agent exited.
     pub fn assert_running(&mut self) {
-        if let Ok(Some(status)) = self.child.try_wait() {
-            panic!(
-                "{} exited ({status}); its log:\n{}",
-                self.name,
-                tail(&self.log, 60)
-            );
-        }
+        self.controller.assert_running();
+        self.agent.assert_running();
     }
-}
 
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(Some(_))) {
-            return;
-        }
-        let Ok(raw) = i32::try_from(self.child.id()) else {
-            return;
-        };
-        let _ = kill(Pid::from_raw(raw), Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if matches!(self.child.try_wait(), Ok(Some(_))) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    /// The processes' last log lines, for a failure message.
+    pub fn diagnosis(&self) -> String {
+        format!(
+            "\n--- controller log (tail) ---\n{}\n--- agent log (tail) ---\n{}",
+            self.controller.tail(40),
+            self.agent.tail(40)
+        )
     }
-}
-
-/// The last `lines` lines of a log file.
-pub fn tail(path: &Path, lines: usize) -> String {
-    let text = fs::read_to_string(path).unwrap_or_default();
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
 }
 
 /// A fresh cgroup subtree for the agent's instances; on drop every process
@@ -255,11 +522,16 @@ impl Drop for CgroupGuard {
 pub struct NamespaceGuard {
     /// Its name.
     pub name: String,
+    kubeconfig: Option<PathBuf>,
 }
 
 impl Drop for NamespaceGuard {
     fn drop(&mut self) {
-        let _ = Command::new("kubectl")
+        let mut command = Command::new("kubectl");
+        if let Some(path) = &self.kubeconfig {
+            command.env("KUBECONFIG", path);
+        }
+        let _: std::io::Result<Output> = command
             .args([
                 "delete",
                 "namespace",
@@ -267,25 +539,8 @@ impl Drop for NamespaceGuard {
                 "--wait=false",
                 "--ignore-not-found",
             ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
+            .output();
     }
-}
-
-/// Runs kubectl, panicking with its output when it fails.
-pub fn kubectl(args: &[&str]) -> String {
-    let output = Command::new("kubectl")
-        .args(args)
-        .output()
-        .expect("run kubectl");
-    assert!(
-        output.status.success(),
-        "kubectl {} failed: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 /// A temp dir instances (running as another uid) can traverse.
