@@ -53,12 +53,15 @@ impl Target {
             .map_err(|e| self.explain(e, "list", "swapattempts"))
     }
 
-    /// Applies `patch` (from [`crate::edits`]) to the spec, taking over the
-    /// fields it names from whoever set them last.
-    pub async fn apply(&self, patch: &Value) -> Result<InstanceGeneration, PluginError> {
-        let params = PatchParams::apply(FIELD_MANAGER).force();
+    /// Merges `patch` (from [`crate::edits`]) into the object: the fields
+    /// it names change, no other.
+    pub async fn patch(&self, patch: &Value) -> Result<InstanceGeneration, PluginError> {
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.to_string()),
+            ..PatchParams::default()
+        };
         self.igs
-            .patch(&self.name, &params, &Patch::Apply(patch))
+            .patch(&self.name, &params, &Patch::Merge(patch))
             .await
             .map_err(|e| self.explain(e, "patch", "instancegenerations"))
     }
@@ -79,6 +82,9 @@ impl Target {
                 verb,
                 resource,
                 namespace: self.namespace.clone(),
+            },
+            kube::Error::Api(status) if status.code == 409 => PluginError::Changed {
+                object: self.object(),
             },
             kube::Error::Api(status) => PluginError::Refused {
                 verb,

@@ -1,5 +1,13 @@
-//! What each verb writes: a server-side apply of the few fields it owns,
-//! under the plugin's own field manager, decided without a client.
+//! What each verb writes, decided without a client: a JSON merge patch of
+//! the one field the verb changes, so every other field stays as it is,
+//! whoever set it.
+//!
+//! A server-side apply would not do: an apply states every field its
+//! manager owns, so one field manager shared by the verbs would drop what
+//! the previous verb set (`pause` then `retry` removed `spec.rollout.paused`,
+//! and after `undo` every other verb removed `spec.build`, which the schema
+//! requires). A merge patch changes the fields it names and nothing else;
+//! the server records them under the plugin's field manager.
 
 use genswap_crds::{HistoryEntry, InstanceGeneration};
 use serde_json::{Value, json};
@@ -9,28 +17,22 @@ use crate::error::PluginError;
 /// The field manager of every write the plugin makes.
 pub const FIELD_MANAGER: &str = "kubectl-genswap";
 
-/// An apply patch of `spec` fields of InstanceGeneration `namespace/name`.
-pub fn apply_spec(namespace: &str, name: &str, spec: Value) -> Value {
-    json!({
-        "apiVersion": "genswap.dev/v1alpha1",
-        "kind": "InstanceGeneration",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": spec,
-    })
+/// `spec.retry` set to `token`, which must differ from the current one.
+pub fn retry(token: &str) -> Value {
+    json!({"spec": {"retry": token}})
 }
 
-/// `spec.retry` set to `token`, which must differ from the current one.
-pub fn retry(ig: &InstanceGeneration, token: &str) -> Value {
-    apply_spec(namespace(ig), name(ig), json!({"retry": token}))
+/// Whether `ig`'s current build is held down on some node: what a retry
+/// can arm.
+pub fn retryable(ig: &InstanceGeneration) -> bool {
+    ig.status
+        .as_ref()
+        .is_some_and(|s| s.held_down.iter().any(|h| h.build == ig.spec.build.id))
 }
 
 /// `spec.rollout.paused`.
-pub fn pause(ig: &InstanceGeneration, paused: bool) -> Value {
-    apply_spec(
-        namespace(ig),
-        name(ig),
-        json!({"rollout": {"paused": paused}}),
-    )
+pub fn pause(paused: bool) -> Value {
+    json!({"spec": {"rollout": {"paused": paused}}})
 }
 
 /// The history entry `undo` goes back to: the one for `to_build`, or the
@@ -59,13 +61,18 @@ pub fn undo_target<'a>(
     })
 }
 
-/// `spec.build` set back to `entry`'s build, as it was released.
+/// `spec.build` set back to `entry`'s build, as it was released. It carries
+/// the object's `resourceVersion`: the target was chosen from the object
+/// as read, so a change since then fails the write (409) instead of being
+/// undone by it.
 pub fn undo(ig: &InstanceGeneration, entry: &HistoryEntry) -> Value {
-    apply_spec(
-        namespace(ig),
-        name(ig),
-        json!({"build": {"id": entry.build, "artifact": entry.artifact, "sha256": entry.sha256}}),
-    )
+    // Exactly one of path and url: the other is removed, not left over
+    // from the build being replaced.
+    let artifact = json!({"path": entry.artifact.path, "url": entry.artifact.url});
+    json!({
+        "metadata": {"resourceVersion": ig.metadata.resource_version},
+        "spec": {"build": {"id": entry.build, "artifact": artifact, "sha256": entry.sha256}},
+    })
 }
 
 fn name(ig: &InstanceGeneration) -> &str {

@@ -23,6 +23,15 @@ pub enum PluginError {
         current: String,
         history: Vec<String>,
     },
+    #[error("{object} changed since it was read; nothing was written: run the command again")]
+    Changed { object: String },
+    #[error("{object}: nothing to retry: build {build} is not held down ({held})")]
+    NothingToRetry {
+        object: String,
+        build: String,
+        /// What `status.heldDown` holds, in words.
+        held: String,
+    },
     #[error("the API server refused to {verb} {object}: {message}")]
     Refused {
         verb: &'static str,

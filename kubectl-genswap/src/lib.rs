@@ -3,8 +3,8 @@
 //!
 //! The tree ([`tree`]) and the writes ([`edits`]) are decided without a
 //! client; [`api`] makes the requests and [`run`] ties them to the command
-//! line. Every write is a server-side apply under the field manager
-//! `kubectl-genswap`, naming only the fields the verb changes.
+//! line. Every write is a JSON merge patch of the one field the verb
+//! changes, under the field manager `kubectl-genswap`.
 
 pub mod api;
 pub mod edits;
@@ -110,11 +110,14 @@ pub async fn run(
         Command::Retry { name } => {
             let target = Target::new(client, namespace, &name);
             let ig = target.get().await?;
+            if !edits::retryable(&ig) {
+                return Err(nothing_to_retry(&target, &ig));
+            }
             let mut token = (terminal.token)();
             if ig.spec.retry == token {
                 token.push_str("-again");
             }
-            target.apply(&edits::retry(&ig, &token)).await?;
+            target.patch(&edits::retry(&token)).await?;
             say(
                 terminal,
                 &format!(
@@ -127,7 +130,7 @@ pub async fn run(
             let target = Target::new(client, namespace, &name);
             let ig = target.get().await?;
             let entry = edits::undo_target(&ig, to_build.as_deref())?;
-            target.apply(&edits::undo(&ig, entry)).await?;
+            target.patch(&edits::undo(&ig, entry)).await?;
             say(
                 terminal,
                 &format!(
@@ -151,14 +154,31 @@ async fn set_paused(
     terminal: &mut Terminal<'_>,
 ) -> Result<(), PluginError> {
     let target = Target::new(client, namespace, name);
-    let ig = target.get().await?;
-    target.apply(&edits::pause(&ig, paused)).await?;
+    target.patch(&edits::pause(paused)).await?;
     let what = if paused {
         "paused: no new attempts; attempts in flight finish"
     } else {
         "resumed"
     };
     say(terminal, &format!("{}: {what}", target.object()))
+}
+
+fn nothing_to_retry(target: &Target, ig: &genswap_crds::InstanceGeneration) -> PluginError {
+    let held: Vec<String> = ig
+        .status
+        .iter()
+        .flat_map(|s| &s.held_down)
+        .map(|h| format!("{} on {}", h.build, h.node))
+        .collect();
+    PluginError::NothingToRetry {
+        object: target.object(),
+        build: ig.spec.build.id.clone(),
+        held: if held.is_empty() {
+            "status.heldDown is empty".into()
+        } else {
+            format!("status.heldDown has {}", held.join(", "))
+        },
+    }
 }
 
 fn print_tree(

@@ -2,9 +2,9 @@
 //! pattern): the tree of a mid-rollout object (golden text), each verb's
 //! exact request, and the refusals a human must be able to act on.
 //!
-//! What the mock cannot catch: whether a real API server accepts the
-//! server-side apply (the schema, managed fields, conflicts). `e2e/` runs
-//! `get` and `undo` against a real cluster.
+//! What the mock cannot catch: what a real API server makes of each write
+//! (the schema, managed fields, what other fields keep). `apiserver.rs`
+//! runs every verb after every other against a real one.
 
 use std::sync::{Arc, Mutex};
 
@@ -302,7 +302,7 @@ fn the_write(seen: &[Seen]) -> (&str, &Value) {
     assert_eq!(write.method, Method::PATCH);
     assert_eq!(
         write.content_type.as_deref(),
-        Some("application/apply-patch+yaml")
+        Some("application/merge-patch+json")
     );
     (
         write.uri.as_str(),
@@ -310,7 +310,7 @@ fn the_write(seen: &[Seen]) -> (&str, &Value) {
     )
 }
 
-const APPLY_QUERY: &str = "?&force=true&fieldManager=kubectl-genswap";
+const PATCH_QUERY: &str = "?&fieldManager=kubectl-genswap";
 
 #[tokio::test]
 async fn get_draws_the_mid_rollout_tree() {
@@ -386,21 +386,45 @@ async fn get_as_json_carries_the_same_facts() {
 }
 
 #[tokio::test]
-async fn retry_applies_a_fresh_token_under_its_own_field_manager() {
-    let (printed, seen) = plugin(Command::Retry { name: "web".into() }, serving()).await;
+async fn retry_writes_a_fresh_token_when_the_build_is_held_down() {
+    let mut ig = mid_rollout();
+    ig["status"]["heldDown"] = json!([{"build": "b2", "mode": "overlap", "node": "a", "reason": "unhealthy", "since": at(30)}]);
+    let script = Script {
+        ig: Some(ig),
+        forbid_writes: false,
+        forbid_attempts: false,
+    };
+    let (printed, seen) = plugin(Command::Retry { name: "web".into() }, script).await;
     assert_eq!(
         printed.expect("retry succeeds"),
         "prod/web: spec.retry is token-2: one more attempt of a held-down build is armed\n"
     );
     let (uri, body) = the_write(&seen);
-    assert_eq!(uri, format!("{IG_PATH}{APPLY_QUERY}"));
+    assert_eq!(uri, format!("{IG_PATH}{PATCH_QUERY}"));
+    assert_eq!(body, &json!({"spec": {"retry": "token-2"}}));
+}
+
+#[tokio::test]
+async fn retry_says_there_is_nothing_to_retry_and_writes_nothing() {
+    let (result, seen) = plugin(Command::Retry { name: "web".into() }, serving()).await;
     assert_eq!(
-        body,
-        &json!({
-            "apiVersion": "genswap.dev/v1alpha1", "kind": "InstanceGeneration",
-            "metadata": {"name": "web", "namespace": "prod"},
-            "spec": {"retry": "token-2"}
-        })
+        result.expect_err("nothing is held down"),
+        "prod/web: nothing to retry: build b2 is not held down (status.heldDown is empty)"
+    );
+    assert!(seen.iter().all(|s| s.method == Method::GET), "no write");
+
+    // Held down is another build, not the one the spec asks for.
+    let mut ig = mid_rollout();
+    ig["status"]["heldDown"] = json!([{"build": "b0", "mode": "overlap", "node": "c", "reason": "unhealthy", "since": at(900)}]);
+    let script = Script {
+        ig: Some(ig),
+        forbid_writes: false,
+        forbid_attempts: false,
+    };
+    let (result, _) = plugin(Command::Retry { name: "web".into() }, script).await;
+    assert_eq!(
+        result.expect_err("b2 is not held down"),
+        "prod/web: nothing to retry: build b2 is not held down (status.heldDown has b0 on c)"
     );
 }
 
@@ -416,10 +440,13 @@ async fn undo_writes_the_previous_good_build_back_as_it_was_released() {
         "prod/web: spec.build is b1 again (sha256 623100000000); it rolls out as a release\n"
     );
     let (uri, body) = the_write(&seen);
-    assert_eq!(uri, format!("{IG_PATH}{APPLY_QUERY}"));
+    assert_eq!(uri, format!("{IG_PATH}{PATCH_QUERY}"));
     assert_eq!(
-        body["spec"],
-        json!({"build": {"id": "b1", "artifact": {"url": "https://builds.example/b1"}, "sha256": sha("b1")}})
+        body,
+        &json!({
+            "metadata": {"resourceVersion": "10"},
+            "spec": {"build": {"id": "b1", "artifact": {"path": null, "url": "https://builds.example/b1"}, "sha256": sha("b1")}},
+        })
     );
 }
 
@@ -455,7 +482,7 @@ async fn undo_refuses_when_the_history_has_nothing_to_go_back_to() {
 }
 
 #[tokio::test]
-async fn pause_and_resume_apply_rollout_paused() {
+async fn pause_and_resume_patch_rollout_paused_alone() {
     for (command, paused, said) in [
         (
             Command::Pause { name: "web".into() },
@@ -471,8 +498,8 @@ async fn pause_and_resume_apply_rollout_paused() {
         let (printed, seen) = plugin(command, serving()).await;
         assert_eq!(printed.expect("the verb succeeds"), said);
         let (uri, body) = the_write(&seen);
-        assert_eq!(uri, format!("{IG_PATH}{APPLY_QUERY}"));
-        assert_eq!(body["spec"], json!({"rollout": {"paused": paused}}));
+        assert_eq!(uri, format!("{IG_PATH}{PATCH_QUERY}"));
+        assert_eq!(body, &json!({"spec": {"rollout": {"paused": paused}}}));
     }
 }
 
