@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Api, Client};
 use kube_lease_manager::{LeaseCreateMode, LeaseManager, LeaseManagerError, LeaseParams};
 use thiserror::Error;
@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use crate::metrics::Metrics;
-use crate::watch_backoff::watch_backoff;
+use crate::watch_backoff::reconnecting;
 
 /// Whether this replica may write, shared by the lease task and the reconciler.
 #[derive(Clone, Debug)]
@@ -120,7 +120,9 @@ pub fn validate_timing(duration_seconds: u64, grace_seconds: u64) -> Result<(), 
 /// holds the Lease, so it must stop writing. A fresh manager re-reads the
 /// Lease and reports leadership again if it is still ours. `client` should
 /// time out requests well inside the grace period, so a renewal that hangs
-/// surfaces as an error before the claim expires.
+/// surfaces as an error before the claim expires; `watch_client` must not
+/// (a watch is one long request: under `client`'s timeout it would end
+/// every few seconds and be opened again, for nothing).
 ///
 /// On shutdown it steps down first and releases the Lease after, so no write
 /// can follow the release.
@@ -131,13 +133,14 @@ pub fn validate_timing(duration_seconds: u64, grace_seconds: u64) -> Result<(), 
 /// follower reads it again and takes it at once.
 pub async fn hold_lease(
     client: Client,
+    watch_client: Client,
     settings: LeaseSettings,
     leadership: Leadership,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), LeaseError> {
     settings.validate()?;
     tokio::pin!(shutdown);
-    let mut released = Box::pin(releases(&client, &settings));
+    let mut released = Box::pin(releases(&watch_client, &settings));
     loop {
         let manager = tokio::select! {
             () = &mut shutdown => return Ok(()),
@@ -191,21 +194,19 @@ pub async fn hold_lease(
 fn releases(client: &Client, settings: &LeaseSettings) -> impl Stream<Item = ()> + Send + 'static {
     let api: Api<Lease> = Api::namespaced(client.clone(), &settings.namespace);
     let config = watcher::Config::default().fields(&format!("metadata.name={}", settings.name));
-    watcher(api, config)
-        .backoff(watch_backoff())
-        .filter_map(|event| async move {
-            match event {
-                Ok(watcher::Event::Apply(lease) | watcher::Event::InitApply(lease)) => {
-                    is_free(&lease).then_some(())
-                }
-                Ok(watcher::Event::Delete(_)) => Some(()),
-                Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
-                Err(error) => {
-                    debug!(%error, "watching the leader Lease failed; retrying with backoff");
-                    None
-                }
+    reconnecting(watcher(api, config)).filter_map(|event| async move {
+        match event {
+            Ok(watcher::Event::Apply(lease) | watcher::Event::InitApply(lease)) => {
+                is_free(&lease).then_some(())
             }
-        })
+            Ok(watcher::Event::Delete(_)) => Some(()),
+            Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
+            Err(error) => {
+                debug!(%error, "watching the leader Lease failed; retrying with backoff");
+                None
+            }
+        }
+    })
 }
 
 fn is_free(lease: &Lease) -> bool {

@@ -84,6 +84,7 @@ async fn run(args: Args) -> Result<(), MainError> {
     let (stop_lease, lease_stopped) = shutdown::channel();
     let lease = tokio::spawn(leader::hold_lease(
         lease_client,
+        watch_client.clone(),
         lease_settings.clone(),
         leadership.clone(),
         lease_stopped.wait(),

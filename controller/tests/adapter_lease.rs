@@ -214,6 +214,7 @@ impl LeaseTask {
         let leadership = Leadership::follower(Arc::new(Metrics::new()));
         let (stop, stopped) = shutdown::channel();
         let task = tokio::spawn(hold_lease(
+            client.clone(),
             client,
             settings,
             leadership.clone(),

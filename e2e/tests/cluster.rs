@@ -37,15 +37,13 @@ use genswap_crds::{InstanceGeneration, Mode, Outcome, SwapAttempt};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
-use support::{Cluster, Stack, get_over, workspace};
+use support::{Cluster, INSTANCE_ID, Stack, get_over, workspace};
 use testapp::Build;
 
 const IG: &str = "hello";
 const FIELD_MANAGER: &str = "genswap-e2e";
 /// Longest wait for one step of the story.
 const STEP_DEADLINE: Duration = Duration::from_secs(180);
-/// The uid/gid instances run as (nobody).
-const INSTANCE_ID: i64 = 65534;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn genswap_end_to_end_on_a_real_api_server() {
@@ -588,19 +586,7 @@ async fn deleting_a_namespace_stops_its_instances_and_leaves_nothing() {
     for name in names {
         let build = testapp::make_build(&stack.staging, &format!("{name}-1"))
             .unwrap_or_else(|e| panic!("stage {name}: {e}"));
-        let object = json!({
-            "apiVersion": "genswap.dev/v1alpha1",
-            "kind": "InstanceGeneration",
-            "metadata": {"name": name, "namespace": stack.namespace.name},
-            "spec": {
-                "nodeSelector": {"kubernetes.io/hostname": stack.hostname},
-                "build": {"id": format!("{name}-1"), "artifact": {"path": path_str(&build.path)}, "sha256": build.sha256},
-                "process": {"user": INSTANCE_ID, "group": INSTANCE_ID},
-                "health": {"path": "/", "timeoutSeconds": 5},
-                "settle": {"seconds": 0},
-                "stop": {"timeoutSeconds": 5},
-            },
-        });
+        let object = stack.instance_generation(name, &build, 0);
         igs.patch(
             name,
             &PatchParams::apply(FIELD_MANAGER),

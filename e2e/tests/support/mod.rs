@@ -37,6 +37,9 @@ pub const SKIP_LINE: &str =
 /// How long a single API request or reachability probe may take.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The uid/gid instances run as (nobody).
+pub const INSTANCE_ID: i64 = 65534;
+
 /// The release namespace of the chart the suite installs.
 const CHART_NAMESPACE: &str = "genswap-system";
 
@@ -112,9 +115,17 @@ impl Cluster {
         String::from_utf8_lossy(&output.stdout).into_owned()
     }
 
-    /// Whether the suite runs on its own control plane.
+    /// The suite's own control plane, when it runs on one.
     pub fn own(&self) -> Option<&'static ControlPlane> {
         self.own.map(|(plane, _)| plane)
+    }
+
+    /// The namespace the controller's Lease lives in.
+    pub fn lease_namespace<'a>(&self, namespace: &'a str) -> &'a str {
+        match self.own {
+            Some(_) => CHART_NAMESPACE,
+            None => namespace,
+        }
     }
 
     /// The Node the suite's agent acts as. On its own control plane, a new
@@ -131,9 +142,26 @@ impl Cluster {
         }
     }
 
+    /// `genswap-controller` for `namespace`, as replica `identity` of the
+    /// Lease `lease`.
+    pub fn controller_command(&self, namespace: &str, lease: &str, identity: &str) -> Command {
+        let mut command = Command::new(&build_binaries().controller);
+        command
+            .args([
+                "--namespace",
+                namespace,
+                "--identity",
+                identity,
+                "--metrics-addr",
+                "127.0.0.1:0",
+            ])
+            .args(self.controller_args(namespace, lease));
+        command
+    }
+
     /// The controller's credentials and Lease: the chart's ServiceAccount
     /// and release namespace, or the user's credentials and `namespace`.
-    pub fn controller_args(&self, namespace: &str, lease: &str) -> Vec<OsString> {
+    fn controller_args(&self, namespace: &str, lease: &str) -> Vec<OsString> {
         let mut args: Vec<OsString> = vec!["--lease-name".into(), lease.into()];
         match self.own {
             Some((_, chart)) => {
@@ -387,17 +415,11 @@ impl Stack {
             CgroupGuard::create(&cgroup_mount, &format!("genswap-e2e-{tag}-{}", unique()));
         let namespace = cluster.namespace(tag).await;
 
-        let mut controller_cmd = Command::new(&binaries.controller);
-        controller_cmd
-            .args([
-                "--namespace",
-                &namespace.name,
-                "--identity",
-                &format!("genswap-e2e-controller-{tag}"),
-                "--metrics-addr",
-                "127.0.0.1:0",
-            ])
-            .args(cluster.controller_args(&namespace.name, &format!("genswap-e2e-{tag}")));
+        let controller_cmd = cluster.controller_command(
+            &namespace.name,
+            &format!("genswap-e2e-{tag}"),
+            &format!("genswap-e2e-controller-{tag}"),
+        );
         let mut agent_cmd = Command::new(&binaries.agent);
         agent_cmd
             .args([
@@ -439,6 +461,35 @@ impl Stack {
             run_dir,
             dir,
         }
+    }
+
+    /// An InstanceGeneration `name` of `build` for this stack's node and
+    /// namespace, run as nobody, with short health, settle and stop
+    /// windows.
+    pub fn instance_generation(
+        &self,
+        name: &str,
+        build: &testapp::Build,
+        settle_seconds: i32,
+    ) -> serde_json::Value {
+        let id = build
+            .path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        json!({
+            "apiVersion": "genswap.dev/v1alpha1",
+            "kind": "InstanceGeneration",
+            "metadata": {"name": name, "namespace": self.namespace.name},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": self.hostname},
+                "build": {"id": id, "artifact": {"path": build.path.to_string_lossy()}, "sha256": build.sha256},
+                "process": {"user": INSTANCE_ID, "group": INSTANCE_ID},
+                "health": {"path": "/", "timeoutSeconds": 5},
+                "settle": {"seconds": settle_seconds},
+                "stop": {"timeoutSeconds": 5},
+            },
+        })
     }
 
     /// `<run dir>/<namespace>.<ig>/current.sock`.
