@@ -37,7 +37,7 @@ use crate::node_index::{NodeLabelIndex, affected};
 use crate::observe::trim_node;
 use crate::reconciler::{Context, WatchedIg, error_policy, reconcile};
 use crate::scheduler::LABEL_INSTANCE;
-use crate::watch_backoff::watch_backoff;
+use crate::watch_backoff::{reconnecting, watch_backoff};
 
 /// The name this controller records Events under.
 pub const CONTROLLER_NAME: &str = "genswap-controller";
@@ -75,9 +75,7 @@ pub async fn run_controller(
     let caches = CacheSync::new();
 
     let (ig_store, ig_writer) = reflector::store();
-    let ig_events = watcher(igs, watcher::Config::default())
-        .backoff(watch_backoff())
-        .reflect(ig_writer);
+    let ig_events = reconnecting(watcher(igs, watcher::Config::default())).reflect(ig_writer);
     let ig_events = without_errors(
         "InstanceGeneration",
         caches
@@ -89,9 +87,11 @@ pub async fn run_controller(
     // event before the reconcile it triggers is queued.
     let attempt_index = AttemptIndex::new();
     let indexed = attempt_index.clone();
-    let attempt_events = watcher(attempts, watcher::Config::default().labels(LABEL_INSTANCE))
-        .backoff(watch_backoff())
-        .inspect_ok(move |event| indexed.observe(event));
+    let attempt_events = reconnecting(watcher(
+        attempts,
+        watcher::Config::default().labels(LABEL_INSTANCE),
+    ))
+    .inspect_ok(move |event| indexed.observe(event));
     let attempt_events = without_errors(
         "SwapAttempt",
         caches
@@ -100,8 +100,7 @@ pub async fn run_controller(
     );
 
     let (node_store, node_writer) = reflector::store();
-    let node_events = watcher(nodes, watcher::Config::default())
-        .backoff(watch_backoff())
+    let node_events = reconnecting(watcher(nodes, watcher::Config::default()))
         .modify(trim_node)
         .reflect(node_writer);
     let node_events = caches.track(Cache::Nodes, node_events);

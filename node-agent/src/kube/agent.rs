@@ -9,12 +9,12 @@ use std::future::Future;
 use std::sync::Arc;
 
 use futures::StreamExt;
-use genswap_controller::watch_backoff::watch_backoff;
+use genswap_controller::watch_backoff::reconnecting;
 use genswap_crds::{Outcome, ServingState, ServingStatus, SwapAttempt};
 use kube::Client;
 use kube::api::Api;
 use kube::runtime::reflector::{self, ObjectRef, Store, reflector};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -164,11 +164,10 @@ impl KubeAgent {
         };
         let selector = format!("spec.nodeName={}", config.node_name);
         let (store, writer) = reflector::store();
-        let mut events = reflector(
+        let mut events = reconnecting(reflector(
             writer,
             watcher(api, watcher::Config::default().fields(&selector)),
-        )
-        .backoff(watch_backoff())
+        ))
         .boxed();
 
         let (ended_tx, mut ended_rx) = mpsc::unbounded_channel();
