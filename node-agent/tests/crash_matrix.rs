@@ -264,6 +264,17 @@ async fn cut_at(point: &'static str, abort: bool, listener: bool) {
         agent.log_text()
     );
     assert_recovered_once(&agent, &release.name, point, expect);
+    // The reason names the phase the journal proves, not an earlier one.
+    if matches!(
+        point,
+        "overlap.after_health" | "overlap.after_settle" | "overlap.before_switch"
+    ) {
+        let reason = release.status.reason.clone().unwrap_or_default();
+        assert!(
+            reason.contains("restarted in phase healthy (generation 2 had passed its health check), before the switch"),
+            "cut at {point}: {reason}"
+        );
+    }
     node.assert_clean(expect.serving).await;
     if let Some(client) = client {
         let (sent, failures) = client.finish().await;

@@ -487,13 +487,11 @@ impl<'a> Run<'a> {
                 return Err(ended);
             }
         }
-        if self.mode == Mode::Hold {
-            // Recovery keeps a hold's successor only once this is on file.
-            self.advance_after_exec(Phase::Healthy).await;
-        } else {
-            // An overlap's recovery goes by where `current.sock` points.
-            self.record.advance(Phase::Healthy);
-        }
+        // Recovery keeps a hold's successor only once this is on file; an
+        // overlap's recovery goes by where `current.sock` points, and its
+        // reason names the phase on file: a kill in the settle window is
+        // then told as after the health check, not as right after the exec.
+        self.advance_after_exec(Phase::Healthy).await;
         crate::failpoint!(self.crash_scope(), "after_health");
 
         if self.attempt.settles() {

@@ -278,7 +278,13 @@ fn decide(record: &Record, host: &HostView) -> Decision {
     let (incumbent_alive, successor_alive) = (alive(incumbent), alive(successor));
     let n_of =
         |g: Option<&GenerationRecord>| g.map_or_else(|| "?".to_string(), |g| g.n.to_string());
-    let restart = format!("the agent restarted in phase {phase}");
+    let restart = match (&record.phase, successor) {
+        (Phase::Healthy, Some(s)) => format!(
+            "the agent restarted in phase {phase} (generation {} had passed its health check)",
+            s.n
+        ),
+        _ => format!("the agent restarted in phase {phase}"),
+    };
     let still_serves = |kept: &Option<GenerationRecord>| match (kept, incumbent) {
         (Some(kept), _) => format!("generation {} keeps serving", kept.n),
         (None, Some(gone)) => format!("nothing serves: generation {} is no longer running", gone.n),
