@@ -420,7 +420,10 @@ pub fn init_tracing(format: LogFormat, default_level: &str) -> Result<(), HostEr
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // Escape codes only for a person at a terminal, never into a file
+        // or a pipe (the DaemonSet pod's log, journald, a shell's `2>`).
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match format {
         LogFormat::Json => builder.json().try_init(),
         LogFormat::Text => builder.try_init(),
