@@ -19,7 +19,8 @@ use genswap_crds::{ConditionType, Outcome};
 use node_agent::standalone::StatusDocument;
 use standalone_support::{Manifest, StandaloneHost, key};
 
-/// A small tmpfs, unmounted on drop.
+/// A small tmpfs, unmounted on drop. The host holds it and drops it before
+/// its temp dir, which cannot be removed while the tmpfs is mounted in it.
 struct SmallDisk(PathBuf);
 
 impl SmallDisk {
@@ -33,16 +34,16 @@ impl SmallDisk {
         assert!(status.success(), "mounting a tmpfs (the tests run as root)");
         SmallDisk(at.to_path_buf())
     }
+}
 
-    /// Writes a file until the disk is full; returns its path.
-    fn fill(&self) -> PathBuf {
-        let path = self.0.join("filler");
-        let mut file = std::fs::File::create(&path).expect("the filler");
-        let chunk = vec![0u8; 4096];
-        while file.write_all(&chunk).is_ok() {}
-        let _ = file.sync_all();
-        path
-    }
+/// Writes a file into `dir` until its disk is full; returns its path.
+fn fill(dir: &Path) -> PathBuf {
+    let path = dir.join("filler");
+    let mut file = std::fs::File::create(&path).expect("the filler");
+    let chunk = vec![0u8; 4096];
+    while file.write_all(&chunk).is_ok() {}
+    let _ = file.sync_all();
+    path
 }
 
 impl Drop for SmallDisk {
@@ -75,11 +76,9 @@ fn stalled_reason(doc: &StatusDocument) -> Option<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_state_disk_runs_nothing_unreserved_and_never_gives_a_revision_two_outcomes() {
-    let mut mounted = None;
     let mut host = StandaloneHost::start_prepared("full-state", false, BTreeMap::new(), |state| {
-        mounted = Some(SmallDisk::mount(state));
+        Some(Box::new(SmallDisk::mount(state)))
     });
-    let disk = mounted.expect("the state disk");
     let mut seen = BTreeMap::new();
     let one = host.build("build-1");
     let two = host.build("build-2");
@@ -93,7 +92,7 @@ async fn a_full_state_disk_runs_nothing_unreserved_and_never_gives_a_revision_tw
     outcomes(&doc, &mut seen);
     let before = host.who_serves(&web).await.expect("build-1 serves");
 
-    let filler = disk.fill();
+    let filler = fill(host.state_dir());
     host.write("web.yaml", &Manifest::new("web", "build-2", &two).yaml());
     let doc = host
         .status("web.yaml", "Stalled=True StateUnwritable", |doc| {
@@ -161,5 +160,4 @@ async fn a_full_state_disk_runs_nothing_unreserved_and_never_gives_a_revision_tw
         doc.attempts
     );
     host.stop().await;
-    drop(disk);
 }

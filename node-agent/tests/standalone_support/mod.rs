@@ -47,6 +47,10 @@ pub struct StandaloneHost {
     runner: Option<Runner>,
     labels: BTreeMap<String, String>,
     tree: TestCgroupTree,
+    /// What `start_prepared`'s preparation holds over the state dir (a
+    /// mount): released before the temp dir is removed, which it would
+    /// otherwise keep from going.
+    prepared: Option<Box<dyn Send>>,
     // Dropped after the tree: nothing runs from them by then.
     temp: tempfile::TempDir,
     run: tempfile::TempDir,
@@ -72,7 +76,7 @@ impl StandaloneHost {
         stop_on_exit: bool,
         labels: BTreeMap<String, String>,
     ) -> StandaloneHost {
-        StandaloneHost::start_prepared(tag, stop_on_exit, labels, |_| {})
+        StandaloneHost::start_prepared(tag, stop_on_exit, labels, |_| None)
     }
 
     /// [`StandaloneHost::start_labelled`], calling `prepare` with the state
@@ -82,7 +86,7 @@ impl StandaloneHost {
         tag: &str,
         stop_on_exit: bool,
         labels: BTreeMap<String, String>,
-        prepare: impl FnOnce(&Path),
+        prepare: impl FnOnce(&Path) -> Option<Box<dyn Send>>,
     ) -> StandaloneHost {
         let temp = tempfile::Builder::new()
             .prefix(&format!("genswap-standalone-{tag}-"))
@@ -98,7 +102,7 @@ impl StandaloneHost {
         let tree = TestCgroupTree::new(tag);
         // A run dir must be short for its sockets; the temp dir's name is not.
         let run = node_agent::sandbox::short_dir("gs-").expect("run dir");
-        prepare(&temp.path().join("state"));
+        let prepared = prepare(&temp.path().join("state"));
         let settings = HostSettings {
             cgroup_root: Some(tree.path().join("genswap")),
             run_dir: run.path().to_path_buf(),
@@ -117,6 +121,7 @@ impl StandaloneHost {
             runner: Some(runner),
             labels,
             tree,
+            prepared,
             temp,
             run,
         }
