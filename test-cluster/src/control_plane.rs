@@ -14,6 +14,7 @@ use std::fs;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -222,7 +223,11 @@ impl ControlPlane {
         let token = self.kubectl_ok(&args).trim().to_string();
         let dir = self.dir.join("credentials");
         fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
-        let path = dir.join(format!("{file}.kubeconfig"));
+        // A file of its own per call: tests running at once may ask for
+        // the same account, and kubectl config locks the file it writes.
+        static CALLS: AtomicUsize = AtomicUsize::new(0);
+        let call = CALLS.fetch_add(1, Ordering::Relaxed);
+        let path = dir.join(format!("{file}.{call}.kubeconfig"));
         let path_text = path.to_string_lossy().into_owned();
         let ca = self.dir.join("pki/ca.crt").to_string_lossy().into_owned();
         let server = self.server();
