@@ -47,11 +47,11 @@ fn config() -> Config {
 /// A journal written through the real API once: for each instance a
 /// counter, a serving generation, an unacknowledged outcome moved to
 /// `unreported` and an attempt in flight with a pid. The file bytes are
-/// copied into each case's fresh dir.
+/// copied into each case's fresh dir; the dir they were written in is
+/// removed at once (a static is never dropped, so it could not hold it).
 struct Template {
     files: Vec<(String, Vec<u8>)>,
     entries: Vec<InstanceEntry>,
-    _dir: tempfile::TempDir,
 }
 
 impl Template {
@@ -115,11 +115,9 @@ fn template() -> &'static Template {
         let (entries, corrupt) = journal.load_all().expect("load");
         assert!(corrupt.is_empty(), "{corrupt:?}");
         assert_eq!(entries.len(), INSTANCES.len());
-        Template {
-            files,
-            entries,
-            _dir: dir,
-        }
+        drop(journal);
+        drop(dir);
+        Template { files, entries }
     })
 }
 
