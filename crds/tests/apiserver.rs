@@ -147,16 +147,11 @@ async fn a_swap_attempt_starts_at_revision_one_and_its_spec_never_changes() {
     };
     let attempts: Api<SwapAttempt> = Api::namespaced(client, "default");
     let attempt = |rev: i64| -> SwapAttempt {
-        serde_json::from_value(json!({
-            "apiVersion": "genswap.dev/v1alpha1",
-            "kind": "SwapAttempt",
-            "metadata": {"name": "web-node-a-1", "namespace": "default"},
-            "spec": {
-                "instance": "web", "nodeName": "node-a", "schedRev": rev, "cause": "install",
-                "build": {"id": "b1", "artifact": {"path": "/opt/b1"}, "sha256": "a".repeat(64)},
-                "mode": "overlap",
-            },
-        }))
+        serde_json::from_value(test_cluster::objects::swap_attempt(
+            "web-node-a-1",
+            "node-a",
+            rev,
+        ))
         .expect("a SwapAttempt")
     };
     let error = attempts

@@ -461,17 +461,9 @@ async fn the_outcome_and_serving_applies_keep_each_others_fields() {
     let namespace = cluster.namespace("managers").await;
     let client = cluster.client().await;
     let attempts: Api<SwapAttempt> = Api::namespaced(client.clone(), &namespace.name);
-    let attempt: SwapAttempt = serde_json::from_value(json!({
-        "apiVersion": "genswap.dev/v1alpha1",
-        "kind": "SwapAttempt",
-        "metadata": {"name": "web-node-1"},
-        "spec": {
-            "instance": "web", "nodeName": "node", "schedRev": 1, "cause": "install",
-            "build": {"id": "b1", "artifact": {"path": "/opt/b1"}, "sha256": "a".repeat(64)},
-            "mode": "overlap",
-        },
-    }))
-    .expect("a SwapAttempt");
+    let attempt: SwapAttempt =
+        serde_json::from_value(test_cluster::objects::swap_attempt("web-node-1", "node", 1))
+            .expect("a SwapAttempt");
     attempts
         .create(&PostParams::default(), &attempt)
         .await

@@ -114,6 +114,26 @@ async fn attempt_deleted_on_node_labelled(
         .respond_json(StatusCode::OK, &node);
 }
 
+/// `web`'s attempt `install` is deleted while its object still exists and
+/// selects this node, in a namespace that is being deleted or not.
+async fn attempt_deleted_while_wanted(
+    server: &mut ApiServerVerifier,
+    feed: &WatchFeed,
+    install: &Value,
+    namespace_terminating: bool,
+) {
+    attempt_deleted_on_node_labelled(
+        server,
+        feed,
+        install,
+        json!({ "pool": "edge", "zone": "a" }),
+    )
+    .await;
+    expect_namespace_read(server)
+        .await
+        .respond_json(StatusCode::OK, &namespace_object(namespace_terminating));
+}
+
 fn retirements(agent: &RunningAgent, result: &str) -> bool {
     agent
         .metrics
@@ -252,16 +272,7 @@ async fn an_instance_whose_object_still_exists_keeps_serving() {
 
     // The attempts are gone but the InstanceGeneration is not, and it still
     // selects this node (someone deleted the attempts by hand).
-    attempt_deleted_on_node_labelled(
-        &mut server,
-        &feed,
-        &install,
-        json!({ "pool": "edge", "zone": "a" }),
-    )
-    .await;
-    expect_namespace_read(&mut server)
-        .await
-        .respond_json(StatusCode::OK, &namespace_object(false));
+    attempt_deleted_while_wanted(&mut server, &feed, &install, false).await;
     eventually("the lookup concluded", || retirements(&agent, "kept")).await;
     assert_eq!(node.who_serves("web").await, Some(serving.clone()));
 
@@ -297,10 +308,7 @@ async fn an_instance_whose_namespace_is_being_deleted_is_stopped_though_its_obje
 
     // A namespace's deletion took the attempts first: the object is still
     // there, with no deletion mark of its own yet, and selects this node.
-    attempt_deleted_on_node_labelled(&mut server, &feed, &install, json!({ "pool": "edge" })).await;
-    expect_namespace_read(&mut server)
-        .await
-        .respond_json(StatusCode::OK, &namespace_object(true));
+    attempt_deleted_while_wanted(&mut server, &feed, &install, true).await;
     eventually("the instance stopped", || retirements(&agent, "stopped")).await;
     assert!(!alive(serving.pid), "process {} exited", serving.pid);
     assert_eq!(node.who_serves("web").await, None, "nothing answers");
@@ -321,10 +329,7 @@ async fn an_instance_kept_without_attempts_is_looked_at_again_and_stopped_once_i
     let serving = node.who_serves("web").await.expect("b1 serves");
 
     // Kept: the object exists and selects this node.
-    attempt_deleted_on_node_labelled(&mut server, &feed, &install, json!({ "pool": "edge" })).await;
-    expect_namespace_read(&mut server)
-        .await
-        .respond_json(StatusCode::OK, &namespace_object(false));
+    attempt_deleted_while_wanted(&mut server, &feed, &install, false).await;
     eventually("the lookup concluded", || retirements(&agent, "kept")).await;
     assert_eq!(node.who_serves("web").await, Some(serving.clone()));
 

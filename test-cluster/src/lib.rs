@@ -22,6 +22,7 @@
 pub mod chart;
 mod control_plane;
 pub mod helm;
+pub mod objects;
 pub mod process;
 
 pub use control_plane::{ControlPlane, SKIP_LINE, client_for, workspace};

@@ -196,16 +196,9 @@ async fn an_agent_writes_the_status_of_its_own_nodes_attempts_only() {
     // The controller's token creates the attempt: its RBAC allows it.
     let controller = test_cluster::client_for(&release.controller_kubeconfig()).await;
     let attempts: Api<genswap_crds::SwapAttempt> = Api::namespaced(controller, namespace);
-    let attempt: genswap_crds::SwapAttempt = serde_json::from_value(json!({
-        "apiVersion": "genswap.dev/v1alpha1",
-        "kind": "SwapAttempt",
-        "metadata": {"name": "web-policy-node-b-1"},
-        "spec": {
-            "instance": "web", "nodeName": "policy-node-b", "schedRev": 1, "cause": "install",
-            "build": {"id": "b1", "artifact": {"path": "/opt/b1"}, "sha256": "a".repeat(64)},
-            "mode": "overlap",
-        },
-    }))
+    let attempt: genswap_crds::SwapAttempt = serde_json::from_value(
+        test_cluster::objects::swap_attempt("web-policy-node-b-1", "policy-node-b", 1),
+    )
     .expect("a SwapAttempt");
     attempts
         .create(&PostParams::default(), &attempt)
