@@ -138,8 +138,9 @@ fn plugin(kubeconfig: &Path, namespace: &str, args: &[&str]) -> Output {
         .unwrap_or_else(|e| panic!("run kubectl-genswap: {e}"))
 }
 
-/// The CRDs, installed server-side, and a namespace of the test's own.
-fn installed(plane: &ControlPlane, namespace: &str) {
+/// The CRDs, installed server-side, and a namespace of the test's own:
+/// its InstanceGenerations.
+async fn installed(plane: &ControlPlane, namespace: &str) -> Api<InstanceGeneration> {
     let crds = test_cluster::workspace().join("crds");
     plane.kubectl_ok(&["apply", "--server-side", "-f", &crds.to_string_lossy()]);
     plane.kubectl_ok(&[
@@ -149,6 +150,27 @@ fn installed(plane: &ControlPlane, namespace: &str) {
         "--timeout=60s",
     ]);
     plane.kubectl_ok(&["create", "namespace", namespace]);
+    Api::namespaced(plane.client().await, namespace)
+}
+
+/// `name` as the user applies it (build b2), with the status of
+/// [`status`], read back.
+async fn applied_with_status(
+    igs: &Api<InstanceGeneration>,
+    namespace: &str,
+    name: &str,
+) -> InstanceGeneration {
+    let manifest = manifest(namespace, name, "b2");
+    igs.patch(name, &PatchParams::apply(USER), &Patch::Apply(&manifest))
+        .await
+        .unwrap_or_else(|e| panic!("{name}: the user's apply: {e}"));
+    igs.patch_status(
+        name,
+        &PatchParams::apply("controller"),
+        &Patch::Apply(&status()),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{name}: the status: {e}"))
 }
 
 #[tokio::test]
@@ -157,29 +179,13 @@ async fn every_verb_after_every_other_changes_its_own_field_and_keeps_the_rest()
         return;
     };
     let namespace = "verbs";
-    installed(plane, namespace);
-    let igs: Api<InstanceGeneration> = Api::namespaced(plane.client().await, namespace);
-    let user = PatchParams::apply(USER);
+    let igs = installed(plane, namespace).await;
 
     let mut wrong = Vec::new();
     for first in Verb::ALL {
         for second in Verb::ALL {
             let name = format!("web-{}-{}", first.arg(), second.arg());
-            igs.patch(
-                &name,
-                &user,
-                &Patch::Apply(&manifest(namespace, &name, "b2")),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("{name}: the user's apply: {e}"));
-            igs.patch_status(
-                &name,
-                &PatchParams::apply("controller"),
-                &Patch::Apply(&status()),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("{name}: the status: {e}"));
-            let before = igs.get(&name).await.expect("read it back");
+            let before = applied_with_status(&igs, namespace, &name).await;
             let mut model = Model::of(&before);
             for verb in [first, second] {
                 let output = plugin(plane.kubeconfig(), namespace, &[verb.arg(), &name]);
@@ -236,20 +242,10 @@ async fn a_release_the_user_applies_after_pause_keeps_the_rollout_paused() {
         return;
     };
     let namespace = "verbs-release";
-    installed(plane, namespace);
-    let igs: Api<InstanceGeneration> = Api::namespaced(plane.client().await, namespace);
+    let igs = installed(plane, namespace).await;
     let user = PatchParams::apply(USER);
     let name = "paused-release";
-    igs.patch(name, &user, &Patch::Apply(&manifest(namespace, name, "b2")))
-        .await
-        .expect("the user's apply");
-    igs.patch_status(
-        name,
-        &PatchParams::apply("controller"),
-        &Patch::Apply(&status()),
-    )
-    .await
-    .expect("the status");
+    applied_with_status(&igs, namespace, name).await;
     for verb in ["pause", "retry"] {
         let output = plugin(plane.kubeconfig(), namespace, &[verb, name]);
         assert!(
