@@ -87,12 +87,39 @@ impl<'a> ChartRelease<'a> {
 
     /// The controller's ServiceAccount.
     pub fn controller_account(&self) -> String {
-        format!("{}-controller", self.fullname())
+        self.service_account("controller")
     }
 
     /// The node agent's ServiceAccount.
     pub fn agent_account(&self) -> String {
-        format!("{}-node-agent", self.fullname())
+        self.service_account("node-agent")
+    }
+
+    /// The name of the release's ServiceAccount of `component`, as the
+    /// server has it (the chart decides names; the test does not repeat
+    /// how).
+    fn service_account(&self, component: &str) -> String {
+        let selector = format!(
+            "app.kubernetes.io/instance={},app.kubernetes.io/component={component}",
+            self.name
+        );
+        let names = self.plane.kubectl_ok(&[
+            "get",
+            "serviceaccounts",
+            "-n",
+            &self.namespace,
+            "-l",
+            &selector,
+            "-o",
+            "jsonpath={.items[*].metadata.name}",
+        ]);
+        match names.split_whitespace().collect::<Vec<_>>().as_slice() {
+            [name] => (*name).to_string(),
+            other => panic!(
+                "release {}: {component} ServiceAccounts {other:?}",
+                self.name
+            ),
+        }
     }
 
     /// A kubeconfig with a token of the controller's ServiceAccount.
@@ -106,14 +133,5 @@ impl<'a> ChartRelease<'a> {
     pub fn agent_kubeconfig(&self, node: &Node) -> PathBuf {
         self.plane
             .service_account_kubeconfig(&self.namespace, &self.agent_account(), Some(node))
-    }
-
-    /// The chart's fullname: the release name, or `<release>-genswap`.
-    fn fullname(&self) -> String {
-        if self.name.contains("genswap") {
-            self.name.clone()
-        } else {
-            format!("{}-genswap", self.name)
-        }
     }
 }

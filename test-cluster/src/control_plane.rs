@@ -14,8 +14,8 @@ use std::fs;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Node;
@@ -40,8 +40,8 @@ pub struct ControlPlane {
     dir: PathBuf,
     kubeconfig: PathBuf,
     scripts: PathBuf,
-    /// The write end the watchdog reads; dropping it tears down.
-    watchdog: Mutex<Option<(Child, ChildStdin)>>,
+    /// The watchdog and the write end it reads; dropping it tears down.
+    watchdog: Option<(Child, ChildStdin)>,
 }
 
 impl ControlPlane {
@@ -53,13 +53,12 @@ impl ControlPlane {
     /// Tests that share it must not stop its API server, and should keep
     /// to namespaces of their own.
     pub fn shared() -> Option<&'static ControlPlane> {
-        static SHARED: OnceLock<Result<Option<ControlPlane>, String>> = OnceLock::new();
-        match SHARED.get_or_init(|| Self::start().map(Some).or_else(absent)) {
-            Ok(Some(plane)) => Some(plane),
-            Ok(None) => {
-                println!("{SKIP_LINE} ({})", why_absent().unwrap_or_default());
-                None
-            }
+        static SHARED: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
+        if !Self::startable() {
+            return None;
+        }
+        match SHARED.get_or_init(Self::start) {
+            Ok(plane) => Some(plane),
             Err(error) => panic!("the shared control plane did not start: {error}"),
         }
     }
@@ -67,14 +66,10 @@ impl ControlPlane {
     /// A control plane of the caller's own, torn down when dropped. As
     /// [`ControlPlane::shared`] where there is none.
     pub fn own() -> Option<ControlPlane> {
-        match Self::start().map(Some).or_else(absent) {
-            Ok(Some(plane)) => Some(plane),
-            Ok(None) => {
-                println!("{SKIP_LINE} ({})", why_absent().unwrap_or_default());
-                None
-            }
-            Err(error) => panic!("the control plane did not start: {error}"),
+        if !Self::startable() {
+            return None;
         }
+        Some(Self::start().unwrap_or_else(|e| panic!("the control plane did not start: {e}")))
     }
 
     /// Whether a control plane can be started here (`up` and the tools it
@@ -83,11 +78,21 @@ impl ControlPlane {
         why_absent().is_none()
     }
 
+    /// [`ControlPlane::can_start`]; where not, prints [`SKIP_LINE`] and
+    /// why, or panics under `GENSWAP_KUBE=required`.
+    fn startable() -> bool {
+        let Some(why) = why_absent() else {
+            return true;
+        };
+        if std::env::var("GENSWAP_KUBE").as_deref() == Ok("required") {
+            panic!("GENSWAP_KUBE=required, but there is no control plane to start: {why}");
+        }
+        println!("{SKIP_LINE} ({why})");
+        false
+    }
+
     fn start() -> Result<ControlPlane, String> {
         let scripts = scripts_dir();
-        if let Some(why) = why_absent() {
-            return Err(format!("absent: {why}"));
-        }
         let dir = tempfile::Builder::new()
             .prefix("genswap-apiserver-")
             .tempdir()
@@ -98,7 +103,7 @@ impl ControlPlane {
             kubeconfig: dir.join("kubeconfig"),
             dir,
             scripts,
-            watchdog: Mutex::new(Some(watchdog)),
+            watchdog: Some(watchdog),
         };
         let began = Instant::now();
         let up = plane.run_up()?;
@@ -348,8 +353,7 @@ impl ControlPlane {
 
 impl Drop for ControlPlane {
     fn drop(&mut self) {
-        let taken = self.watchdog.lock().map(|mut w| w.take()).unwrap_or(None);
-        if let Some((mut watchdog, stdin)) = taken {
+        if let Some((mut watchdog, stdin)) = self.watchdog.take() {
             drop(stdin);
             let _ = watchdog.wait();
         }
@@ -370,17 +374,6 @@ fn http_get(path: &str) -> http::Request<Vec<u8>> {
     http::Request::get(path)
         .body(Vec::new())
         .unwrap_or_else(|e| panic!("a request for {path}: {e}"))
-}
-
-/// `Ok(None)` for a control plane that is absent, unless one is required.
-fn absent(error: String) -> Result<Option<ControlPlane>, String> {
-    match why_absent() {
-        Some(why) if std::env::var("GENSWAP_KUBE").as_deref() == Ok("required") => {
-            panic!("GENSWAP_KUBE=required, but there is no control plane to start: {why}")
-        }
-        Some(_) => Ok(None),
-        None => Err(error),
-    }
 }
 
 /// Why no control plane can be started here, or `None` when one can.

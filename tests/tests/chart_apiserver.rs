@@ -105,19 +105,17 @@ fn the_admission_policy_type_checks_on_the_server_without_a_warning() {
     // first, as docs/INSTALL.md says.
     install_crds_first(plane);
     let release = ChartRelease::install(plane, "genswap", "genswap-typecheck", &[]);
-    let name = "genswap-typecheck-genswap-agent-own-node";
-    let warnings = type_checking_warnings(plane, name);
+    let policy = parse_docs(&release.manifest())
+        .into_iter()
+        .find(|doc| doc.kind == "ValidatingAdmissionPolicy")
+        .expect("the chart renders the policy");
+    let warnings = type_checking_warnings(plane, &policy.name);
     assert!(warnings.is_empty(), "type-checking warnings: {warnings:?}");
 
     // The checker checks this policy at all: the server skips a policy
     // whose kinds it cannot resolve (a subresource alone, a version "*")
     // and leaves typeChecking empty. The same policy with one field
     // misspelt must be warned about.
-    let manifest = release.manifest();
-    let policy = parse_docs(&manifest)
-        .into_iter()
-        .find(|doc| doc.kind == "ValidatingAdmissionPolicy")
-        .expect("the chart renders the policy");
     let mut probe = policy.value.clone();
     probe["metadata"] = json!({"name": "genswap-typecheck-probe"});
     let misspelt = serde_json::to_string(&probe)
