@@ -398,17 +398,25 @@ impl Agent {
         child.wait().expect("reap the killed agent")
     }
 
-    /// Waits for the agent to exit by itself (a crash point's abort).
+    /// Waits for the agent to exit by itself (a crash point's abort); one
+    /// that does not is killed, and the panic carries its log.
     pub async fn exited(&mut self) -> ExitStatus {
-        let mut status = None;
-        let child = self.child.as_mut().expect("an agent");
-        poll_until(DEADLINE, || {
-            status = child.try_wait().ok().flatten();
-            status.is_some()
-        })
-        .await;
-        self.child = None;
-        status.expect("the agent exited within the deadline")
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        loop {
+            let child = self.child.as_mut().expect("an agent");
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                return status;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                self.kill();
+                panic!(
+                    "the agent did not exit within {DEADLINE:?}; its log:\n{}",
+                    self.log_text()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// SIGTERM, and waits for the agent to end (serving generations keep
