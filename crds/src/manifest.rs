@@ -163,6 +163,16 @@ fn unknown_fields(value: &Value, schema: &Value, path: &str, out: &mut Vec<Strin
 /// list-map entry whose key an earlier entry has.
 fn structural_errors(value: &Value, schema: &Value, path: &str, out: &mut Vec<String>) {
     let limit = |key: &str| schema.get(key).and_then(Value::as_u64);
+    // A list's maxItems and a map's maxProperties, in the same words.
+    let too_many = |key: &str, count: usize, out: &mut Vec<String>| {
+        if let Some(max) = limit(key)
+            && count as u64 > max
+        {
+            out.push(format!(
+                "{path}: Too many: {count}: must have at most {max} items"
+            ));
+        }
+    };
     match value {
         Value::String(text) => {
             if let Some(max) = limit("maxLength")
@@ -174,14 +184,7 @@ fn structural_errors(value: &Value, schema: &Value, path: &str, out: &mut Vec<St
             }
         }
         Value::Array(items) => {
-            if let Some(max) = limit("maxItems")
-                && items.len() as u64 > max
-            {
-                out.push(format!(
-                    "{path}: Too many: {}: must have at most {max} items",
-                    items.len()
-                ));
-            }
+            too_many("maxItems", items.len(), out);
             duplicate_keys(items, schema, path, out);
             if let Some(item_schema) = schema.get("items") {
                 for (i, item) in items.iter().enumerate() {
@@ -190,14 +193,7 @@ fn structural_errors(value: &Value, schema: &Value, path: &str, out: &mut Vec<St
             }
         }
         Value::Object(map) => {
-            if let Some(max) = limit("maxProperties")
-                && map.len() as u64 > max
-            {
-                out.push(format!(
-                    "{path}: Too many: {}: must have at most {max} items",
-                    map.len()
-                ));
-            }
+            too_many("maxProperties", map.len(), out);
             let properties = schema.get("properties");
             let additional = schema.get("additionalProperties").filter(|a| a.is_object());
             for (key, child) in map {
