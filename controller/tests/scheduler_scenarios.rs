@@ -428,7 +428,7 @@ fn attempts_of_another_instance_are_neither_counted_nor_deleted() {
 fn an_attempt_is_a_complete_object_with_a_snapshot_of_the_spec() {
     let mut s = spec("b1");
     s.process.args = vec!["--port=0".into()];
-    s.health.path = "/healthz".into();
+    s.health.path = Some("/healthz".into());
     s.settle.seconds = 30;
     s.stop.timeout_seconds = 5;
     s.resources.pids_max = Some(64);

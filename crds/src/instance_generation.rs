@@ -5,9 +5,10 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::probes::{HealthSpec, LivenessSpec};
 use crate::settings::{
-    Artifact, BuildSpec, Cause, Demand, HealthSpec, InstanceKind, Listeners, Mode, NodeSelector,
-    Outcome, ProcessSpec, ResourcesSpec, RestartPolicy, SettleSpec, SocketSpec, StopSpec,
+    Artifact, BuildSpec, Cause, Demand, InstanceKind, Listeners, Mode, NodeSelector, Outcome,
+    ProcessSpec, ResourcesSpec, RestartPolicy, SettleSpec, SocketSpec, StopSpec,
 };
 use crate::swap_attempt::LastExit;
 
@@ -31,6 +32,8 @@ use crate::swap_attempt::LastExit;
     printcolumn = r#"{"name":"Listeners","type":"string","description":"name=address of each listener the agents hold","jsonPath":".status.listeners"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
+#[x_kube(validation = Rule::new(PROBE_LISTENERS_RULE).message("a probe's listener must name one of spec.listeners"))]
+#[x_kube(validation = Rule::new(OVERLAP_PROBE_RULE).message(OVERLAP_PROBE_MESSAGE))]
 #[serde(rename_all = "camelCase")]
 pub struct InstanceGenerationSpec {
     /// Node labels; one instance runs on each matching node. Empty selects every node.
@@ -62,6 +65,10 @@ pub struct InstanceGenerationSpec {
     pub process: ProcessSpec,
     #[serde(default)]
     pub health: HealthSpec,
+    /// Probing of the serving generation between attempts; none: only its
+    /// exit is noticed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub liveness: Option<LivenessSpec>,
     #[serde(default)]
     pub settle: SettleSpec,
     #[serde(default)]
@@ -82,6 +89,28 @@ pub struct InstanceGenerationSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_policy: Option<RestartPolicy>,
 }
+
+/// Every probe that names a listener names one of `spec.listeners`.
+const PROBE_LISTENERS_RULE: &str = concat!(
+    "(!has(self.health) || !has(self.health.httpGet) || !has(self.health.httpGet.listener) || (has(self.listeners) && self.listeners.exists(l, l.name == self.health.httpGet.listener)))",
+    " && (!has(self.health) || !has(self.health.grpc) || !has(self.health.grpc.listener) || (has(self.listeners) && self.listeners.exists(l, l.name == self.health.grpc.listener)))",
+    " && (!has(self.liveness) || !has(self.liveness.httpGet) || !has(self.liveness.httpGet.listener) || (has(self.listeners) && self.listeners.exists(l, l.name == self.liveness.httpGet.listener)))",
+    " && (!has(self.liveness) || !has(self.liveness.grpc) || !has(self.liveness.grpc.listener) || (has(self.listeners) && self.listeners.exists(l, l.name == self.liveness.grpc.listener)))",
+);
+
+/// A health probe through a listener judges whichever generation the
+/// kernel hands the connection to: during an overlap that may be the
+/// incumbent. Attempts that always run as a hold (a worker, `demand: hold`,
+/// a fixed socket) have one generation at a time.
+const OVERLAP_PROBE_RULE: &str = concat!(
+    "!((!has(self.mode) || self.mode == 'overlap')",
+    " && (!has(self.kind) || self.kind == 'instance')",
+    " && (!has(self.demand) || self.demand != 'hold')",
+    " && (!has(self.socket) || !has(self.socket.layout) || self.socket.layout != 'fixed')",
+    " && has(self.health)",
+    " && ((has(self.health.httpGet) && has(self.health.httpGet.listener)) || (has(self.health.grpc) && has(self.health.grpc.listener))))",
+);
+const OVERLAP_PROBE_MESSAGE: &str = "a health probe through a listener may reach the old generation during an overlap, so it cannot judge the new one: with mode overlap use exec, notify, the generation socket (path, or httpGet or grpc with neither port nor listener) or a port only the new generation binds; or set mode: hold";
 
 /// How a new desired state rolls across the selected nodes.
 #[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]

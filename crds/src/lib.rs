@@ -15,6 +15,7 @@ pub mod conditions;
 pub mod crdgen;
 pub mod instance_generation;
 pub mod manifest;
+pub mod probes;
 pub mod settings;
 pub mod swap_attempt;
 
@@ -23,6 +24,7 @@ pub use instance_generation::{
     DesiredState, HeldDown, HistoryArtifact, HistoryEntry, InstanceGeneration,
     InstanceGenerationSpec, InstanceGenerationStatus, LastAttempt, NodeGeneration, RolloutSpec,
 };
+pub use probes::*;
 pub use settings::*;
 pub use swap_attempt::{
     HeldListener, LastExit, ServingState, ServingStatus, StepTiming, SwapAttempt, SwapAttemptSpec,

@@ -269,30 +269,6 @@ pub struct ProcessSpec {
     pub group: Option<i64>,
 }
 
-/// The health check: HTTP GET over the generation's own socket.
-#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]
-#[serde(rename_all = "camelCase")]
-pub struct HealthSpec {
-    /// Request path; a status below 500 is healthy.
-    #[serde(default = "default_health_path")]
-    #[schemars(length(max = 2048))]
-    #[x_kube(validation = Rule::new("self.startsWith('/')").message("health.path must start with /"))]
-    pub path: String,
-    /// How long a successor has to become healthy.
-    #[serde(default = "thirty")]
-    #[x_kube(validation = Rule::new("self > 0").message("health.timeoutSeconds must be greater than 0"))]
-    pub timeout_seconds: i32,
-}
-
-impl Default for HealthSpec {
-    fn default() -> Self {
-        Self {
-            path: default_health_path(),
-            timeout_seconds: thirty(),
-        }
-    }
-}
-
 /// The settle window after a successor is healthy.
 #[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
@@ -436,9 +412,6 @@ pub type Listeners = Vec<ListenerSpec>;
 /// Node labels that select nodes; empty selects every node.
 pub type NodeSelector = BTreeMap<String, String>;
 
-fn default_health_path() -> String {
-    "/".into()
-}
 fn thirty() -> i32 {
     30
 }

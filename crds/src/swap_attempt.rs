@@ -5,9 +5,10 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::probes::{HealthSpec, LivenessSpec};
 use crate::settings::{
-    BuildSpec, Cause, Demand, HealthSpec, InstanceKind, Listeners, Mode, Outcome, ProcessSpec,
-    ResourcesSpec, RestartPolicy, SettleSpec, SocketSpec, StopSpec,
+    BuildSpec, Cause, Demand, InstanceKind, Listeners, Mode, Outcome, ProcessSpec, ResourcesSpec,
+    RestartPolicy, SettleSpec, SocketSpec, StopSpec,
 };
 
 /// An attempt as the controller issued it. It never changes after creation.
@@ -61,6 +62,10 @@ pub struct SwapAttemptSpec {
     pub process: ProcessSpec,
     #[serde(default)]
     pub health: HealthSpec,
+    /// Probing of the serving generation between attempts; none: only its
+    /// exit is noticed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub liveness: Option<LivenessSpec>,
     #[serde(default)]
     pub settle: SettleSpec,
     #[serde(default)]

@@ -67,6 +67,7 @@ fn attempt() -> SwapAttempt {
         canary: true,
         process: ig.spec.process.clone(),
         health: ig.spec.health.clone(),
+        liveness: None,
         settle: ig.spec.settle.clone(),
         stop: ig.spec.stop.clone(),
         resources: ig.spec.resources.clone(),

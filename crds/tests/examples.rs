@@ -60,7 +60,11 @@ spec:
     assert_eq!(spec.kind, InstanceKind::Instance);
     assert_eq!(spec.cause, Cause::Release);
     assert_eq!(spec.mode, Mode::Overlap);
-    assert_eq!(spec.health.path, "/");
+    assert_eq!(
+        spec.health.action(),
+        genswap_crds::ProbeAction::HttpGet(genswap_crds::HttpGetProbe::default()),
+        "no probe at all is GET / over the generation socket"
+    );
     assert_eq!(spec.health.timeout_seconds, 30);
     assert_eq!(spec.settle.seconds, 10);
     assert!(!spec.settle.all_nodes);

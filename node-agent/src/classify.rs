@@ -232,7 +232,7 @@ pub fn classify<T>(result: &Result<T, StepError>, lifetime_ended: bool) -> StepO
             SpawnError::Wait { .. } => StepOutcome::Stale,
         },
         // An unusable health path says nothing about the build.
-        StepError::Unhealthy(HealthError::InvalidPath { .. }) => StepOutcome::Stale,
+        StepError::Unhealthy(HealthError::Invalid(_)) => StepOutcome::Stale,
         StepError::Unhealthy(HealthError::Timeout { .. } | HealthError::Request { .. }) => {
             StepOutcome::Failed
         }
@@ -269,8 +269,7 @@ mod tests {
     #[test]
     fn an_ended_lifetime_makes_any_error_a_cancellation() {
         let timeout = StepError::Unhealthy(HealthError::Timeout {
-            socket: "/run/a/gen-2.sock".into(),
-            path: "/".into(),
+            probe: "/run/a/gen-2.sock (GET /)".into(),
             timeout: Duration::from_secs(1),
             attempts: 3,
             last: Observation::Refused,
@@ -284,7 +283,7 @@ mod tests {
             StepOutcome::Cancelled
         );
         let cancelled_health = StepError::Unhealthy(HealthError::Cancelled {
-            socket: "/run/a/gen-2.sock".into(),
+            probe: "/run/a/gen-2.sock (GET /)".into(),
             attempts: 1,
             elapsed: Duration::ZERO,
         });
@@ -342,7 +341,9 @@ mod tests {
                 waited: Duration::from_secs(30),
                 pids: vec![42],
             }),
-            StepError::Unhealthy(HealthError::InvalidPath { path: "x".into() }),
+            StepError::Unhealthy(HealthError::Invalid(
+                crate::probe::ProbeError::InvalidPath { path: "x".into() },
+            )),
         ];
         for error in stale {
             let text = error.to_string();
@@ -359,8 +360,7 @@ mod tests {
                 source: io_error(),
             }),
             StepError::Unhealthy(HealthError::Timeout {
-                socket: "/run/a.b/gen-2.sock".into(),
-                path: "/".into(),
+                probe: "/run/a.b/gen-2.sock (GET /)".into(),
                 timeout: Duration::from_secs(30),
                 attempts: 100,
                 last: Observation::Status(500),

@@ -16,6 +16,7 @@
 
 pub mod cgroup;
 pub mod classify;
+pub mod command;
 pub mod demo;
 pub mod disk_name;
 pub mod engine;
@@ -31,8 +32,10 @@ pub mod listener_keeper;
 pub mod listeners;
 pub mod logs;
 pub mod metrics;
+pub mod notify;
 pub mod ownership;
 pub mod paths;
+pub mod probe;
 pub mod sandbox;
 pub mod spawn;
 pub mod stage;

@@ -214,6 +214,26 @@ pub enum SwitchError {
 /// On any error the temporary link is removed and `current.sock` is
 /// untouched: nothing switched.
 pub fn point_current(instance_run_dir: &Path, target_socket: &Path) -> Result<(), SwitchError> {
+    point(instance_run_dir, target_socket, true)
+}
+
+/// [`point_current`] for a generation that need not bind its own socket (a
+/// program judged by another probe, serving the instance's listeners or
+/// its own port): a missing target is linked all the same, so that
+/// `current.sock` still names the serving generation, for recovery and
+/// for anyone who reads the link; a connect through it finds no socket.
+pub fn point_current_allowing_unbound(
+    instance_run_dir: &Path,
+    target_socket: &Path,
+) -> Result<(), SwitchError> {
+    point(instance_run_dir, target_socket, false)
+}
+
+fn point(
+    instance_run_dir: &Path,
+    target_socket: &Path,
+    must_be_bound: bool,
+) -> Result<(), SwitchError> {
     let outside = || SwitchError::TargetOutsideRunDir {
         target: target_socket.to_path_buf(),
         run_dir: instance_run_dir.to_path_buf(),
@@ -229,6 +249,7 @@ pub fn point_current(instance_run_dir: &Path, target_socket: &Path) -> Result<()
                 target: target_socket.to_path_buf(),
             });
         }
+        Err(e) if e.kind() == io::ErrorKind::NotFound && !must_be_bound => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             return Err(SwitchError::TargetMissing {
                 target: target_socket.to_path_buf(),

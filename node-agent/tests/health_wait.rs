@@ -6,6 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use node_agent::health::{HealthError, Observation, get, wait_healthy};
+use node_agent::probe::ProbeError;
 
 /// A running `genswap-testapp`, killed by its PID and reaped on drop.
 struct TestApp {
@@ -52,7 +53,7 @@ async fn a_serving_app_is_healthy_and_get_reads_its_body() {
     let report = wait_healthy(&socket, "/", PATIENCE, std::future::pending())
         .await
         .expect("healthy");
-    assert_eq!(report.status, 200);
+    assert_eq!(report.healthy.status(), Some(200));
     assert!(report.attempts >= 1);
 
     let (status, body) = get(&socket, "/anything").await.expect("get");
@@ -65,14 +66,32 @@ async fn a_serving_app_is_healthy_and_get_reads_its_body() {
 }
 
 #[tokio::test]
-async fn any_status_below_500_is_healthy() {
+async fn a_redirect_is_healthy_as_the_kubelet_says() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = socket_in(&dir);
+    let _app = TestApp::start(&socket, &[(testapp::knob::STATUS, "302")]);
+    let report = wait_healthy(&socket, "/healthz", PATIENCE, std::future::pending())
+        .await
+        .expect("302 is from 200 to 399");
+    assert_eq!(report.healthy.status(), Some(302));
+}
+
+#[tokio::test]
+async fn a_client_error_is_unhealthy_as_the_kubelet_says() {
     let dir = tempfile::tempdir().expect("temp dir");
     let socket = socket_in(&dir);
     let _app = TestApp::start(&socket, &[(testapp::knob::STATUS, "404")]);
-    let report = wait_healthy(&socket, "/healthz", PATIENCE, std::future::pending())
-        .await
-        .expect("404 is not a server error");
-    assert_eq!(report.status, 404);
+    let result = wait_healthy(
+        &socket,
+        "/healthz",
+        Duration::from_millis(800),
+        std::future::pending(),
+    )
+    .await;
+    match result {
+        Err(HealthError::Timeout { last, .. }) => assert_eq!(last, Observation::Status(404)),
+        other => panic!("404 is not healthy: {other:?}"),
+    }
 }
 
 #[tokio::test]
@@ -86,7 +105,7 @@ async fn a_socket_that_appears_late_is_waited_for() {
 
     let _app = TestApp::start(&socket, &[(testapp::knob::BOOT_DELAY_MS, "300")]);
     let report = wait.await.expect("healthy once bound");
-    assert_eq!(report.status, 200);
+    assert_eq!(report.healthy.status(), Some(200));
     assert!(
         report.attempts >= 2,
         "the missing socket was retried: {report:?}"
@@ -272,7 +291,10 @@ async fn a_relative_health_path_is_refused_before_any_try() {
     )
     .await;
     assert!(
-        matches!(result, Err(HealthError::InvalidPath { .. })),
+        matches!(
+            result,
+            Err(HealthError::Invalid(ProbeError::InvalidPath { .. }))
+        ),
         "{result:?}"
     );
 }

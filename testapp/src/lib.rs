@@ -45,6 +45,8 @@
 //! | `TESTAPP_ALLOC_MB=N` | allocate N MiB, write every page and keep it: before binding, or `TESTAPP_ALLOC_AFTER_MS` after the start (a memory limit's test) |
 //! | `TESTAPP_ALLOC_AFTER_MS=N` | allocate `TESTAPP_ALLOC_MB` N ms after the process started, while serving |
 //! | `TESTAPP_ALLOC_ONCE=path` | `TESTAPP_ALLOC_MB` applies only to the process that creates `path` first |
+//! | `TESTAPP_PORT=N` | also bind 127.0.0.1:N itself and serve it (with `TESTAPP_NEVER_BIND`, a program that knows nothing of genswap) |
+//! | `TESTAPP_NOTIFY=ready` | systemd's notify protocol: `STATUS=starting` at start, `READY=1` once bound (`never`: only the status) |
 //!
 //! The forked children are created before the socket is bound, so they never
 //! hold it, and their stdin/stdout/stderr point at `/dev/null`, so they keep
@@ -134,9 +136,16 @@ pub mod knob {
     pub const ALLOC_AFTER_MS: &str = "TESTAPP_ALLOC_AFTER_MS";
     /// With [`ALLOC_MB`]: allocate only if this path can be created.
     pub const ALLOC_ONCE: &str = "TESTAPP_ALLOC_ONCE";
+    /// Also bind and serve 127.0.0.1 on this port itself, as a program
+    /// that knows nothing of genswap does.
+    pub const PORT: &str = "TESTAPP_PORT";
+    /// systemd's notify protocol on `NOTIFY_SOCKET`: `ready` says
+    /// `STATUS=starting` at start and `READY=1` once bound; `never` says
+    /// only `STATUS=starting`.
+    pub const NOTIFY: &str = "TESTAPP_NOTIFY";
 
     /// Every knob, for flag parsing.
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 17] = [
         BOOT_DELAY_MS,
         STATUS,
         EXIT_AFTER_MS,
@@ -152,6 +161,8 @@ pub mod knob {
         ALLOC_MB,
         ALLOC_AFTER_MS,
         ALLOC_ONCE,
+        PORT,
+        NOTIFY,
     ];
 }
 

@@ -183,6 +183,16 @@ struct Config {
     alloc_mib: u32,
     alloc_after: Option<Duration>,
     alloc_once: Option<PathBuf>,
+    port: Option<u16>,
+    notify: Notify,
+}
+
+/// What the process says on `NOTIFY_SOCKET`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Notify {
+    Off,
+    Ready,
+    Never,
 }
 
 impl Config {
@@ -223,6 +233,19 @@ impl Config {
                 .unwrap_or(0),
             alloc_after: knobs.millis(knob::ALLOC_AFTER_MS)?,
             alloc_once: knobs.raw(knob::ALLOC_ONCE).map(PathBuf::from),
+            port: knobs.parsed(knob::PORT, "a TCP port")?,
+            notify: match knobs.raw(knob::NOTIFY).as_deref() {
+                None | Some("") => Notify::Off,
+                Some("ready") => Notify::Ready,
+                Some("never") => Notify::Never,
+                Some(other) => {
+                    return Err(ConfigError::Invalid {
+                        name: knob::NOTIFY,
+                        value: other.to_string(),
+                        expected: "ready or never",
+                    });
+                }
+            },
         })
     }
 }
@@ -423,6 +446,9 @@ async fn run(config: Config, responder: Responder, started: Instant) -> Result<(
             std::process::exit(code);
         });
     }
+    if config.notify != Notify::Off {
+        notify("STATUS=starting");
+    }
     if let Some(delay) = config.boot_delay {
         tokio::select! {
             () = sleep(delay) => {}
@@ -430,6 +456,17 @@ async fn run(config: Config, responder: Responder, started: Instant) -> Result<(
         }
     }
     let mut listeners = activated_listeners()?;
+    if let Some(port) = config.port {
+        let address = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        let listener = TcpListener::bind(address)
+            .await
+            .map_err(|source| RunError::Bind {
+                path: PathBuf::from(address.to_string()),
+                source,
+            })?;
+        event!("bound port={port}");
+        listeners.push(Listener::Tcp(listener));
+    }
     if config.never_bind {
         event!("not binding ({})", knob::NEVER_BIND);
         if listeners.is_empty() {
@@ -439,6 +476,9 @@ async fn run(config: Config, responder: Responder, started: Instant) -> Result<(
     } else {
         listeners.push(Listener::Unix(bind(&config.socket)?));
         event!("bound socket={}", config.socket.display());
+    }
+    if config.notify == Notify::Ready {
+        notify("READY=1\nSTATUS=serving");
     }
     if config.stop_after_bind {
         event!("stopping itself ({})", knob::STOP_AFTER_BIND);
@@ -608,6 +648,21 @@ fn activated_listeners() -> Result<Vec<Listener>, RunError> {
         listeners.push(listener);
     }
     Ok(listeners)
+}
+
+/// One `sd_notify(3)` message to `NOTIFY_SOCKET`, from this process; a
+/// missing socket is logged, as libsystemd's callers ignore it.
+fn notify(message: &str) {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        event!("error no NOTIFY_SOCKET for {message:?}");
+        return;
+    };
+    let sent = std::os::unix::net::UnixDatagram::unbound()
+        .and_then(|socket| socket.send_to(message.as_bytes(), &path));
+    match sent {
+        Ok(_) => event!("notified {}", message.replace('\n', " ")),
+        Err(error) => event!("error notify {message:?}: {error}"),
+    }
 }
 
 fn bind(path: &Path) -> Result<UnixListener, RunError> {

@@ -131,6 +131,7 @@ pub(super) fn build_attempt(
             canary,
             process: spec.process.clone(),
             health: spec.health.clone(),
+            liveness: spec.liveness.clone(),
             settle: spec.settle.clone(),
             stop: spec.stop.clone(),
             resources: spec.resources.clone(),

@@ -16,10 +16,12 @@ use super::{Cancel, Engine, Process, Running, hold, overlap};
 use crate::cgroup::Tier;
 use crate::classify::{AdmissionRefusal, StepError, StepOutcome, classify};
 use crate::gate::{AttemptGate, GatePoint};
+use crate::health::HealthError;
 use crate::journal::{
     AttemptRef, AttemptWrite, Durability, GenerationRecord, OutcomeRecord, Phase, Record,
     unix_millis_now,
 };
+use crate::probe::{Probe, ProbeError};
 
 /// An attempt that ended before its mode's last step: what the classifier
 /// made of the error, and the error.
@@ -403,6 +405,7 @@ impl<'a> Run<'a> {
         let instance = self.engine.cgroups.instance(&self.attempt.instance)?;
         instance.check_generation_limits(n, &tier)?;
         parts::check_user(&self.attempt.spec.process, self.engine.config.allow_root)?;
+        parts::check_probes(self.attempt)?;
         let socket = self
             .engine
             .layout
@@ -467,13 +470,16 @@ impl<'a> Run<'a> {
 
         let health = &self.attempt.spec.health;
         let timeout = Duration::from_secs(u64::try_from(health.timeout_seconds).unwrap_or(0));
-        let socket = running.record.socket.clone();
+        let probe = Probe::new(
+            &health.action(),
+            &parts::probe_generation(self.engine, self.attempt, &running),
+        );
         let worker = self.attempt.spec.kind == InstanceKind::Worker;
         let healthy = self
             .step(
                 Step::Health,
                 true,
-                healthy_or_exit(&mut running, &socket, &health.path, timeout, worker),
+                healthy_or_exit(&mut running, probe, timeout, worker),
             )
             .await;
         match healthy {
@@ -699,6 +705,13 @@ async fn spawn_successor(
         .engine
         .listeners
         .activated(key, &ctx.attempt.spec.listeners);
+    let notify = match parts::bind_notify(ctx.engine, ctx.attempt, successor, &cgroup) {
+        Ok(notify) => notify,
+        Err(error) => {
+            parts::remove_cgroup(&cgroup);
+            return Err(error);
+        }
+    };
     let child = match parts::spawn(
         &ctx.attempt.spec,
         successor,
@@ -706,7 +719,11 @@ async fn spawn_successor(
         &cgroup,
         &run_dir,
         ctx.engine.config.allow_root,
-        parts::Handed { output, listeners },
+        parts::Handed {
+            output,
+            listeners,
+            notify_socket: notify.as_ref().map(|n| n.path().to_path_buf()),
+        },
     )
     .await
     {
@@ -724,6 +741,7 @@ async fn spawn_successor(
         tier: *tier,
         kind: ctx.attempt.spec.kind,
         process: Process::Spawned(Box::new(child)),
+        notify,
     };
     if let Err(error) = parts::verify_identity(&mut running, staged).await {
         if let Err((_, stop_error)) = parts::stop_generation(running, &ctx.attempt.spec.stop).await
@@ -755,18 +773,18 @@ enum HealthEnd {
     CleanExit,
 }
 
-/// Health over the successor's own socket, racing its exit: a successor
-/// that exits is not waited for until the deadline.
+/// The successor's health probe, racing its exit: a successor that exits
+/// is not waited for until the deadline.
 async fn healthy_or_exit(
     running: &mut Running,
-    socket: &std::path::Path,
-    path: &str,
+    probe: Result<Probe, ProbeError>,
     timeout: Duration,
     worker: bool,
 ) -> Result<HealthEnd, StepError> {
+    let probe = probe.map_err(|e| StepError::Unhealthy(HealthError::Invalid(e)))?;
     let (n, cgroup) = (running.record.n, running.cgroup.clone());
     tokio::select! {
-        result = parts::wait_healthy(socket, path, timeout) => result.map(|()| HealthEnd::Healthy),
+        result = parts::wait_healthy(&probe, timeout) => result.map(|()| HealthEnd::Healthy),
         status = parts::exited(running) => exit_verdict(n, &cgroup, status, worker, "before it was healthy")
             .map(|()| HealthEnd::CleanExit),
     }

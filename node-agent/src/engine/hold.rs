@@ -13,7 +13,6 @@ use super::types::Step;
 use crate::cgroup::Tier;
 use crate::classify::StepError;
 use crate::journal::{Durability, Phase, unix_millis_now};
-use crate::switch::point_current;
 
 /// Runs a hold (or a worker's stop-then-start) from staging to the switch.
 pub(super) async fn run(run: &mut Run<'_>, claim: &mut Claim<'_>) -> Result<Finished, Ended> {
@@ -140,7 +139,8 @@ async fn after_stop(
             run.record.advance(Phase::Switched);
             crate::failpoint!(run.crash_scope(), "before_switch");
             let instance_dir = run.engine.layout.instance_dir(&run.attempt.instance);
-            let switched = point_current(&instance_dir, &successor.record.socket);
+            let switched =
+                parts::switch_current(run.attempt, &instance_dir, &successor.record.socket);
             if let Err(error) = switched {
                 let ended = run.note(Step::Switch, started, Err::<(), _>(StepError::from(error)));
                 run.clean_up(successor).await;

@@ -178,6 +178,8 @@ pub(crate) struct Running {
     pub(crate) tier: Tier,
     pub(crate) kind: InstanceKind,
     pub(crate) process: Process,
+    /// Its `NOTIFY_SOCKET`, while this agent watches it (a `notify` probe).
+    pub(crate) notify: Option<crate::notify::NotifyWatch>,
 }
 
 /// A generation's main process.

@@ -13,7 +13,6 @@ use crate::cgroup::{ParentRaise, Tier};
 use crate::classify::{StepError, StepOutcome};
 use crate::gate::GatePoint;
 use crate::journal::{Durability, Phase, unix_millis_now};
-use crate::switch::point_current;
 
 /// Runs an overlap from staging to the retirement. With no serving
 /// generation (an install) there is nothing to raise or retire.
@@ -214,7 +213,7 @@ async fn switch(run: &mut Run<'_>, successor: &mut Running) -> Result<(), StepEr
     run.record.advance(Phase::Switched);
     crate::failpoint!(run.crash_scope(), "before_switch");
     let instance_dir = run.engine.layout.instance_dir(&run.attempt.instance);
-    point_current(&instance_dir, &successor.record.socket)?;
+    parts::switch_current(run.attempt, &instance_dir, &successor.record.socket)?;
     crate::failpoint!(run.crash_scope(), "after_switch");
     successor.record.serving_since_ms = Some(unix_millis_now());
     run.serving_now = Some(Some(successor.record.clone()));

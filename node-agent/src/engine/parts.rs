@@ -12,14 +12,19 @@ use std::time::Duration;
 use genswap_crds::{BuildSpec, ProcessSpec, StopSpec};
 
 use super::flow::reason_of;
+use super::types::Attempt;
 use super::{Engine, Process, Running};
 use crate::cgroup::{Cgroup, CgroupError, Controller, RaiseRecord, StopReport, stop_signal};
 use crate::classify::StepError;
+use crate::command::{CommandIdentity, GenerationCommands};
 use crate::gate::InstanceKey;
 use crate::journal::{GenerationRecord, SavedLimits};
 use crate::logs::GenerationOutput;
+use crate::notify::NotifyWatch;
+use crate::probe::{self, Probe};
 use crate::spawn::{Output, SpawnSpec, Spawned, VerifyError};
 use crate::switch::{CURRENT_SOCKET, RunLayout};
+use genswap_crds::ProbeAction;
 
 pub(super) use crate::stage::Staged;
 use crate::stage::Stager;
@@ -87,17 +92,101 @@ pub(super) fn prepare_run_dir(
     Ok(dir)
 }
 
-/// Health over the generation's own socket (SPEC 5.5 step 6). The caller
-/// races it with the attempt's lifetime and the process's exit.
-pub(super) async fn wait_healthy(
-    socket: &Path,
-    path: &str,
-    timeout: Duration,
-) -> Result<(), StepError> {
-    crate::health::wait_healthy(socket, path, timeout, std::future::pending())
+/// The generation's health probe for the readiness window (SPEC 5.5 step
+/// 6). The caller races it with the attempt's lifetime and the process's
+/// exit.
+pub(super) async fn wait_healthy(probe: &Probe, timeout: Duration) -> Result<(), StepError> {
+    let policy = crate::health::HealthPolicy::with_timeout(timeout);
+    crate::health::wait_for(probe, &policy, std::future::pending())
         .await
         .map(|_| ())
         .map_err(StepError::Unhealthy)
+}
+
+/// What a probe of `running` reaches it by: its socket, the instance's
+/// listeners, its commands' cgroup and its notify socket.
+pub(super) fn probe_generation(
+    engine: &Engine,
+    attempt: &Attempt,
+    running: &Running,
+) -> probe::Generation {
+    probe::Generation {
+        socket: running.record.socket.clone(),
+        listeners: probe::Generation::listener_endpoints(&attempt.spec.listeners),
+        commands: Some(generation_commands(engine, attempt, running)),
+        notify: running.notify.clone(),
+    }
+}
+
+/// How commands against `running` run: as its user, with its environment,
+/// in its working directory, below its cgroup (SPEC 5.12).
+pub(super) fn generation_commands(
+    engine: &Engine,
+    attempt: &Attempt,
+    running: &Running,
+) -> GenerationCommands {
+    let process = &attempt.spec.process;
+    let identity = CommandIdentity {
+        env: process
+            .env
+            .iter()
+            .map(|var| (var.name.clone(), var.value.clone()))
+            .collect(),
+        working_dir: Some(process.working_dir.as_deref().map_or_else(
+            || engine.layout.instance_dir(&attempt.instance),
+            PathBuf::from,
+        )),
+        uid: process.user.and_then(|uid| u32::try_from(uid).ok()),
+        gid: process.group.and_then(|gid| u32::try_from(gid).ok()),
+        allow_root: engine.config.allow_root,
+    };
+    GenerationCommands::new(
+        running.cgroup.clone(),
+        engine.cgroups.mount(),
+        &running.record.socket,
+        running.record.n,
+        &running.record.build,
+        identity,
+    )
+}
+
+/// Checks before anything changes that the attempt's probes can be made:
+/// paths, ports, listener names and commands (SPEC 5.12).
+pub(super) fn check_probes(attempt: &Attempt) -> Result<(), StepError> {
+    let listeners = probe::Generation::listener_endpoints(&attempt.spec.listeners);
+    probe::check(&attempt.spec.health.action(), &listeners)
+        .and_then(
+            |()| match attempt.spec.liveness.as_ref().and_then(|l| l.action()) {
+                Some(action) => probe::check(&action, &listeners),
+                None => Ok(()),
+            },
+        )
+        .map_err(|e| StepError::Unhealthy(crate::health::HealthError::Invalid(e)))
+}
+
+/// The successor's `NOTIFY_SOCKET`, bound before its exec, when its health
+/// probe is `notify`.
+pub(super) fn bind_notify(
+    engine: &Engine,
+    attempt: &Attempt,
+    successor: &GenerationRecord,
+    cgroup: &Cgroup,
+) -> Result<Option<NotifyWatch>, StepError> {
+    if attempt.spec.health.action() != ProbeAction::Notify {
+        return Ok(None);
+    }
+    let path = engine
+        .layout
+        .instance_dir(&attempt.instance)
+        .join(crate::notify::notify_socket_name(successor.n));
+    let process = &attempt.spec.process;
+    let owner = (
+        process.user.and_then(|uid| u32::try_from(uid).ok()),
+        process.group.and_then(|gid| u32::try_from(gid).ok()),
+    );
+    NotifyWatch::bind(&path, cgroup, owner)
+        .map(Some)
+        .map_err(|source| StepError::RunDir { path, source })
 }
 
 /// The journal's shape of a parent raise's previous values.
@@ -132,6 +221,11 @@ pub(super) async fn stop_generation(
     stop: &StopSpec,
 ) -> Result<StopReport, (Running, CgroupError)> {
     let timeout = Duration::from_secs(u64::try_from(stop.timeout_seconds).unwrap_or(0));
+    // The agent's own commands against it go first, with proof: none
+    // outlives its generation, and none holds its cgroup populated.
+    if let Err(error) = crate::command::kill_commands(&running.cgroup).await {
+        return Err((running, error));
+    }
     let report = match running.cgroup.stop(stop_signal(stop.signal), timeout).await {
         Ok(report) => report,
         Err(error) => return Err((running, error)),
@@ -143,6 +237,14 @@ pub(super) async fn stop_generation(
     }
     remove_cgroup(&running.cgroup);
     remove_socket(&running.record.socket);
+    // A watched one goes with its watch; an adopted one's is left on disk.
+    running.notify = None;
+    remove_socket(
+        &running
+            .record
+            .socket
+            .with_file_name(crate::notify::notify_socket_name(running.record.n)),
+    );
     Ok(report)
 }
 
@@ -173,6 +275,21 @@ pub(super) fn remove_socket(socket: &Path) {
         Err(error) => {
             tracing::warn!(socket = %socket.display(), %error, "cannot inspect a stopped generation's socket")
         }
+    }
+}
+
+/// SPEC 5.5 step 8's link: `current.sock` to the successor's socket. A
+/// successor judged by its own socket has bound it, and must have; one
+/// judged otherwise may serve only listeners or its own port.
+pub(super) fn switch_current(
+    attempt: &Attempt,
+    instance_dir: &Path,
+    socket: &Path,
+) -> Result<(), crate::switch::SwitchError> {
+    if attempt.spec.health.asks_generation_socket() {
+        crate::switch::point_current(instance_dir, socket)
+    } else {
+        crate::switch::point_current_allowing_unbound(instance_dir, socket)
     }
 }
 
@@ -258,6 +375,8 @@ const EXITING_GRACE: Duration = Duration::from_secs(1);
 pub(super) struct Handed {
     pub(super) output: Option<GenerationOutput>,
     pub(super) listeners: Vec<crate::spawn::ActivatedSocket>,
+    /// `NOTIFY_SOCKET`, for a `notify` probe.
+    pub(super) notify_socket: Option<PathBuf>,
 }
 
 /// SPEC 5.5 step 5: starts the successor inside its fresh cgroup, with its
@@ -272,7 +391,11 @@ pub(super) async fn spawn(
     allow_root: bool,
     handed: Handed,
 ) -> Result<Spawned, StepError> {
-    let Handed { output, listeners } = handed;
+    let Handed {
+        output,
+        listeners,
+        notify_socket,
+    } = handed;
     let mut request = SpawnSpec::new(
         &staged.path,
         cgroup.clone(),
@@ -286,7 +409,14 @@ pub(super) async fn spawn(
         .env
         .iter()
         .map(|var| (var.name.clone(), var.value.clone()))
+        .filter(|(name, _)| name != crate::notify::ENV_NOTIFY_SOCKET)
         .collect();
+    if let Some(path) = notify_socket {
+        request.env.push((
+            crate::notify::ENV_NOTIFY_SOCKET.to_string(),
+            path.display().to_string(),
+        ));
+    }
     request.working_dir = Some(
         spec.process
             .working_dir

@@ -71,7 +71,8 @@ use crate::journal::{
 };
 use crate::stage::ENTRY_PREFIX;
 use crate::switch::{
-    CURRENT_SOCKET, SwitchError, current_generation, point_current, remove_temp_links,
+    CURRENT_SOCKET, SwitchError, current_generation, point_current_allowing_unbound,
+    remove_temp_links,
 };
 
 /// How long an untracked cgroup is given after `cgroup.kill` to empty.
@@ -477,7 +478,7 @@ impl Engine {
             }
         };
 
-        let listings = match self.cgroups.list() {
+        let listings = match self.list_without_commands().await {
             Ok(listings) => listings,
             Err(error) => {
                 tracing::error!(error = %reason_of(&error), "recovery cannot read the cgroup tree; nothing is adopted");
@@ -836,7 +837,8 @@ impl Engine {
         // current.sock names the one generation that serves, or nothing.
         match &keep {
             Some(kept) if host.current != Some(kept.n) => {
-                match point_current(&run_dir, &kept.socket) {
+                // Proven healthy before the crash, by whichever probe.
+                match point_current_allowing_unbound(&run_dir, &kept.socket) {
                     Ok(()) => work.recovery.current_fixed = true,
                     Err(source) => work.errors.push(RecoveryError::Switch {
                         instance: key.clone(),
@@ -1047,6 +1049,34 @@ impl Engine {
         work
     }
 
+    /// The cgroup tree, after the commands an earlier agent ran against its
+    /// generations (exec probes, hooks) are killed with proof (SPEC 5.12):
+    /// they are never adopted, and no generation looks alive for them.
+    async fn list_without_commands(
+        &self,
+    ) -> Result<Vec<crate::cgroup::InstanceListing>, crate::cgroup::CgroupError> {
+        let listings = self.cgroups.list()?;
+        let mut killed = 0;
+        for generation in listings.iter().flat_map(|listing| &listing.generations) {
+            match crate::command::kill_commands(&generation.cgroup).await {
+                Ok(n) => killed += n,
+                Err(error) => tracing::error!(
+                    cgroup = %generation.cgroup.path().display(),
+                    error = %reason_of(&error),
+                    "a command an earlier agent left could not be proven gone"
+                ),
+            }
+        }
+        if killed == 0 {
+            return Ok(listings);
+        }
+        tracing::info!(
+            killed,
+            "recovery killed the commands an earlier agent left running"
+        );
+        self.cgroups.list()
+    }
+
     /// Makes `record` the instance's serving generation in the engine, with
     /// its main process found in its cgroup; returns that process's pid.
     fn adopt(
@@ -1064,6 +1094,7 @@ impl Engine {
             cgroup: listing.cgroup.clone(),
             kind,
             process: Process::Adopted { pid },
+            notify: None,
             record,
         };
         let info = running.serving();

@@ -342,9 +342,11 @@ pub fn spec(rev: i64, build: &testapp::Build, id: &str) -> SwapAttemptSpec {
             ..ProcessSpec::default()
         },
         health: HealthSpec {
-            path: "/".into(),
+            path: Some("/".into()),
             timeout_seconds: 20,
+            ..HealthSpec::default()
         },
+        liveness: None,
         settle: SettleSpec {
             seconds: 1,
             all_nodes: false,
