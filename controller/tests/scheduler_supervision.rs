@@ -21,6 +21,7 @@ fn killed(generation: i64, at: i64) -> LastExit {
         signal: Some(9),
         oom_killed: false,
         at: time(at),
+        liveness_failed: None,
     }
 }
 

@@ -186,6 +186,11 @@ pub struct LastExit {
     #[serde(default)]
     pub oom_killed: bool,
     pub at: Time,
+    /// Set when the agent stopped it because its liveness probe failed: the
+    /// probe, the failures in a row and what the last one saw.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    pub liveness_failed: Option<String>,
 }
 
 impl LastExit {
@@ -196,7 +201,11 @@ impl LastExit {
 
     /// `exit code 1`, `signal 9 (SIGKILL)`, with `, OOM-killed`.
     pub fn describe(&self) -> String {
-        describe_exit(self.exit_code, self.signal, self.oom_killed)
+        let how = describe_exit(self.exit_code, self.signal, self.oom_killed);
+        match &self.liveness_failed {
+            Some(failure) => format!("{how} after its {failure}"),
+            None => how,
+        }
     }
 }
 

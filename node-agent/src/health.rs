@@ -6,7 +6,7 @@
 //! unhealthy answer and a try that hangs are all retried, with a short
 //! backoff (1 ms doubling to 200 ms), each try bounded by its own timeout.
 //! The last observation is kept, so a timeout says what went wrong: "no
-//! healthy answer from /run/genswap/default.app/gen-3.sock (GET /) within
+//! healthy answer on /run/genswap/default.app/gen-3.sock (GET /) within
 //! 30s after 212 attempts: last attempt: connection refused".
 //!
 //! For the one classifier (SPEC 5.4): [`HealthError::Timeout`] is `failed`
@@ -73,7 +73,7 @@ pub struct HealthReport {
 pub enum HealthError {
     /// The deadline passed: the build's failure.
     #[error(
-        "no healthy answer from {probe} within {timeout:?} after {attempts} attempts: last attempt: {last}"
+        "no healthy answer on {probe} within {timeout:?} after {attempts} attempts: last attempt: {last}"
     )]
     Timeout {
         /// What was asked, and of whom.

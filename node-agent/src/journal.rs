@@ -169,6 +169,10 @@ pub struct ExitRecord {
     /// long it stayed up decides whether the restart backoff resets.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serving_since_ms: Option<i64>,
+    /// Why the agent stopped it, when a liveness probe failed: the probe,
+    /// the failures in a row and the last observation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub liveness_failed: Option<String>,
 }
 
 impl ExitRecord {

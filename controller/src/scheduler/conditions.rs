@@ -35,6 +35,9 @@ pub mod reasons {
     pub const REPEATED_REFUSAL: &str = "RepeatedRefusal";
     /// A node's generation keeps exiting; its next restart waits.
     pub const CRASH_LOOP_BACK_OFF: &str = "CrashLoopBackOff";
+    /// A node's generation failed its liveness probe and was stopped; it is
+    /// being restarted, or its restart policy leaves it down.
+    pub const LIVENESS_FAILED: &str = "LivenessFailed";
     /// `spec.rollout.paused`: nodes wait for the rollout to resume.
     pub const PAUSED: &str = "Paused";
 }
@@ -76,6 +79,8 @@ pub(super) fn write(
         Some(reasons::CRASH_LOOP_BACK_OFF)
     } else if progress.down_between.is_empty() {
         None
+    } else if !progress.liveness_failed.is_empty() {
+        Some(reasons::LIVENESS_FAILED)
     } else {
         Some(reasons::GENERATION_EXITED)
     };

@@ -107,6 +107,9 @@ pub(super) struct Progress<'a> {
     pub down: Vec<&'a str>,
     /// Nodes that run the desired state but are down between attempts.
     pub down_between: Vec<(&'a str, Down)>,
+    /// Of those, the nodes whose generation the agent stopped because its
+    /// liveness probe failed.
+    pub liveness_failed: Vec<&'a str>,
     /// Nodes whose last attempts were all refused for the same reason.
     pub refused: Vec<(&'a str, String)>,
     /// Attempts `rollout.paused` withheld from this plan.
@@ -199,6 +202,14 @@ pub(super) fn decide<'a>(
                 Some(down) => {
                     progress.not_ready.push(slot.name);
                     progress.down_between.push((slot.name, down.clone()));
+                    if slot
+                        .entry
+                        .last_exit
+                        .as_ref()
+                        .is_some_and(|exit| exit.liveness_failed.is_some())
+                    {
+                        progress.liveness_failed.push(slot.name);
+                    }
                 }
                 None => progress.ready += 1,
             }

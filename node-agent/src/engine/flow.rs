@@ -472,7 +472,12 @@ impl<'a> Run<'a> {
         let timeout = Duration::from_secs(u64::try_from(health.timeout_seconds).unwrap_or(0));
         let probe = Probe::new(
             &health.action(),
-            &parts::probe_generation(self.engine, self.attempt, &running),
+            &parts::probe_generation(
+                self.engine,
+                &self.attempt.instance,
+                &self.attempt.spec,
+                &running,
+            ),
         );
         let worker = self.attempt.spec.kind == InstanceKind::Worker;
         let healthy = self
@@ -519,6 +524,12 @@ impl<'a> Run<'a> {
             }
             crate::failpoint!(self.crash_scope(), "after_settle");
         }
+        running.liveness = parts::liveness_of(
+            self.engine,
+            &self.attempt.instance,
+            &self.attempt.spec,
+            &running,
+        );
         Ok(Started::Serving(Box::new(running)))
     }
 
@@ -742,6 +753,8 @@ async fn spawn_successor(
         kind: ctx.attempt.spec.kind,
         process: Process::Spawned(Box::new(child)),
         notify,
+        liveness: None,
+        liveness_task: None,
     };
     if let Err(error) = parts::verify_identity(&mut running, staged).await {
         if let Err((_, stop_error)) = parts::stop_generation(running, &ctx.attempt.spec.stop).await

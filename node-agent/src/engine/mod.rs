@@ -49,6 +49,7 @@
 mod cancel;
 mod flow;
 mod hold;
+mod liveness;
 mod overlap;
 mod parts;
 mod recover;
@@ -180,6 +181,10 @@ pub(crate) struct Running {
     pub(crate) process: Process,
     /// Its `NOTIFY_SOCKET`, while this agent watches it (a `notify` probe).
     pub(crate) notify: Option<crate::notify::NotifyWatch>,
+    /// Its liveness probe between attempts, when its spec has one.
+    pub(crate) liveness: Option<std::sync::Arc<liveness::Liveness>>,
+    /// The task probing it, while it runs.
+    pub(crate) liveness_task: Option<liveness::AbortOnDrop>,
 }
 
 /// A generation's main process.
@@ -394,11 +399,12 @@ impl Engine {
 
     /// Watches the exit of what `state` serves, unless that is watched.
     fn watch_serving(&self, instance: &InstanceKey, state: &mut InstanceState) {
-        if let Some(running) = &state.serving
-            && state.watched != Some(running.record.n)
-        {
-            self.notices.watch(instance, running);
-            state.watched = Some(running.record.n);
+        if let Some(running) = &mut state.serving {
+            self.notices.probe_liveness(instance, running);
+            if state.watched != Some(running.record.n) {
+                self.notices.watch(instance, running);
+                state.watched = Some(running.record.n);
+            }
         }
     }
 

@@ -12,6 +12,7 @@ use std::time::Duration;
 use genswap_crds::{BuildSpec, ProcessSpec, StopSpec};
 
 use super::flow::reason_of;
+use super::liveness::Liveness;
 use super::types::Attempt;
 use super::{Engine, Process, Running};
 use crate::cgroup::{Cgroup, CgroupError, Controller, RaiseRecord, StopReport, stop_signal};
@@ -25,6 +26,7 @@ use crate::probe::{self, Probe};
 use crate::spawn::{Output, SpawnSpec, Spawned, VerifyError};
 use crate::switch::{CURRENT_SOCKET, RunLayout};
 use genswap_crds::ProbeAction;
+use genswap_crds::SwapAttemptSpec;
 
 pub(super) use crate::stage::Staged;
 use crate::stage::Stager;
@@ -107,14 +109,34 @@ pub(super) async fn wait_healthy(probe: &Probe, timeout: Duration) -> Result<(),
 /// listeners, its commands' cgroup and its notify socket.
 pub(super) fn probe_generation(
     engine: &Engine,
-    attempt: &Attempt,
+    instance: &InstanceKey,
+    spec: &SwapAttemptSpec,
     running: &Running,
 ) -> probe::Generation {
     probe::Generation {
         socket: running.record.socket.clone(),
-        listeners: probe::Generation::listener_endpoints(&attempt.spec.listeners),
-        commands: Some(generation_commands(engine, attempt, running)),
+        listeners: probe::Generation::listener_endpoints(&spec.listeners),
+        commands: Some(generation_commands(engine, instance, spec, running)),
         notify: running.notify.clone(),
+    }
+}
+
+/// `running`'s liveness probe as `spec` asks for it; none without a
+/// `liveness` block, or for one the agent cannot make (logged).
+pub(super) fn liveness_of(
+    engine: &Engine,
+    instance: &InstanceKey,
+    spec: &SwapAttemptSpec,
+    running: &Running,
+) -> Option<Arc<Liveness>> {
+    let wanted = spec.liveness.as_ref()?;
+    let action = wanted.action()?;
+    match Probe::new(&action, &probe_generation(engine, instance, spec, running)) {
+        Ok(probe) => Some(Arc::new(Liveness::new(probe, wanted))),
+        Err(error) => {
+            tracing::error!(instance = %instance, generation = running.record.n, %error, "the liveness probe cannot be made; the generation is not probed");
+            None
+        }
     }
 }
 
@@ -122,20 +144,23 @@ pub(super) fn probe_generation(
 /// in its working directory, below its cgroup (SPEC 5.12).
 pub(super) fn generation_commands(
     engine: &Engine,
-    attempt: &Attempt,
+    instance: &InstanceKey,
+    spec: &SwapAttemptSpec,
     running: &Running,
 ) -> GenerationCommands {
-    let process = &attempt.spec.process;
+    let process = &spec.process;
     let identity = CommandIdentity {
         env: process
             .env
             .iter()
             .map(|var| (var.name.clone(), var.value.clone()))
             .collect(),
-        working_dir: Some(process.working_dir.as_deref().map_or_else(
-            || engine.layout.instance_dir(&attempt.instance),
-            PathBuf::from,
-        )),
+        working_dir: Some(
+            process
+                .working_dir
+                .as_deref()
+                .map_or_else(|| engine.layout.instance_dir(instance), PathBuf::from),
+        ),
         uid: process.user.and_then(|uid| u32::try_from(uid).ok()),
         gid: process.group.and_then(|gid| u32::try_from(gid).ok()),
         allow_root: engine.config.allow_root,
@@ -221,8 +246,10 @@ pub(super) async fn stop_generation(
     stop: &StopSpec,
 ) -> Result<StopReport, (Running, CgroupError)> {
     let timeout = Duration::from_secs(u64::try_from(stop.timeout_seconds).unwrap_or(0));
-    // The agent's own commands against it go first, with proof: none
+    // Its probing ends first, then the agent's own commands against it go,
+    // with proof: none
     // outlives its generation, and none holds its cgroup populated.
+    running.liveness_task = None;
     if let Err(error) = crate::command::kill_commands(&running.cgroup).await {
         return Err((running, error));
     }

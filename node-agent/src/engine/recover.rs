@@ -685,8 +685,11 @@ impl Engine {
                     &key,
                     record,
                     listing,
-                    InstanceKind::Instance,
-                    None,
+                    Adoption {
+                        kind: InstanceKind::Instance,
+                        preferred_pid: None,
+                        lineage: None,
+                    },
                     &mut work,
                 );
             }
@@ -917,6 +920,7 @@ impl Engine {
                 oom_killed: false,
                 at_ms: unix_millis_now(),
                 serving_since_ms: gone.serving_since_ms,
+                liveness_failed: None,
             }),
             _ => None,
         };
@@ -999,7 +1003,16 @@ impl Engine {
                         .map(|s| s.spec.listeners.clone())
                 })
                 .unwrap_or_default();
-            let pid = self.adopt(&key, kept, listing, kind, preferred, &mut work);
+            let lineage = entry
+                .as_ref()
+                .and_then(|e| e.supervised.as_ref())
+                .map(|s| &s.spec);
+            let found = Adoption {
+                kind,
+                preferred_pid: preferred,
+                lineage,
+            };
+            let pid = self.adopt(&key, kept, listing, found, &mut work);
             if let Some(pid) = pid {
                 for problem in self.listeners.take_back(&key, pid, &listeners) {
                     tracing::debug!(instance = %key, %problem, "a listener the serving generation does not hold");
@@ -1084,19 +1097,27 @@ impl Engine {
         key: &InstanceKey,
         record: GenerationRecord,
         listing: &GenerationListing,
-        kind: InstanceKind,
-        preferred_pid: Option<u32>,
+        found: Adoption<'_>,
         work: &mut InstanceWork,
     ) -> Option<u32> {
+        let Adoption {
+            kind,
+            preferred_pid,
+            lineage,
+        } = found;
         let pid = main_pid(&listing.pids, record.n, preferred_pid);
-        let running = Running {
+        let mut running = Running {
             tier: tier_of(listing.cgroup.path()),
             cgroup: listing.cgroup.clone(),
             kind,
             process: Process::Adopted { pid },
             notify: None,
+            liveness: None,
+            liveness_task: None,
             record,
         };
+        // Probed again as its lineage asks: an agent restart does not end it.
+        running.liveness = lineage.and_then(|spec| parts::liveness_of(self, key, spec, &running));
         let info = running.serving();
         let mut instances = self.lock_instances();
         let state = instances.entry(key.clone()).or_default();
@@ -1350,6 +1371,14 @@ fn remove_tree(dir: &Path) -> io::Result<()> {
         Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
         other => other,
     }
+}
+
+/// What recovery knows of a generation it adopts besides its record: its
+/// kind, the pid the journal names, and the spec of the lineage it serves.
+struct Adoption<'a> {
+    kind: InstanceKind,
+    preferred_pid: Option<u32>,
+    lineage: Option<&'a genswap_crds::SwapAttemptSpec>,
 }
 
 #[cfg(test)]

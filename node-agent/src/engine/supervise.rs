@@ -46,6 +46,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
+use super::liveness::LivenessFailure;
 use super::{Attempt, Cancel, Engine, Running, SwapResult, parts};
 use crate::gate::{AttemptGate, InstanceKey};
 use crate::journal::{AttemptRef, ExitRecord, InstanceEntry, Supervised, unix_millis_now};
@@ -205,10 +206,17 @@ impl GenerationExit {
 }
 
 fn describe(exit: &ExitRecord) -> String {
-    genswap_crds::describe_exit(exit.exit_code, exit.signal, exit.oom_killed)
+    let how = genswap_crds::describe_exit(exit.exit_code, exit.signal, exit.oom_killed);
+    match &exit.liveness_failed {
+        Some(failure) => format!("{how} after its {failure}"),
+        None => how,
+    }
 }
 
 fn reason_label(exit: &ExitRecord) -> &'static str {
+    if exit.liveness_failed.is_some() {
+        return "liveness_failed";
+    }
     match (exit.oom_killed, exit.exit_code, exit.signal) {
         (true, _, _) => "oom_killed",
         (false, _, Some(_)) => "signaled",
@@ -222,6 +230,9 @@ fn reason_label(exit: &ExitRecord) -> &'static str {
 pub(super) enum Notice {
     /// The main process of this generation exited.
     Exited(InstanceKey, u64),
+    /// This generation failed its liveness probe `failureThreshold` times
+    /// in a row; it still runs.
+    LivenessFailed(InstanceKey, u64, LivenessFailure),
     /// An attempt (or a stop) of the instance ended with nothing serving.
     Idle(InstanceKey),
 }
@@ -242,7 +253,8 @@ impl Notices {
         }
     }
 
-    /// Starts the watch of `running`'s main process.
+    /// Starts the watch of `running`'s main process, and of its liveness
+    /// probe when it has one. The watch ends with the first of the two.
     pub(super) fn watch(&self, instance: &InstanceKey, running: &Running) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
@@ -254,6 +266,34 @@ impl Notices {
                 let _ = sender.send(Notice::Exited(instance, generation));
             }
         });
+    }
+
+    /// Starts `running`'s liveness probing, unless it has none or it runs.
+    /// It lasts as long as `running` (stopping the generation ends it
+    /// first); a failure met while an attempt holds the generation is not
+    /// acted on, and probing goes on.
+    pub(super) fn probe_liveness(&self, instance: &InstanceKey, running: &mut Running) {
+        let Some(liveness) = running.liveness.clone() else {
+            return;
+        };
+        if running.liveness_task.is_some() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (sender, instance) = (self.sender.clone(), instance.clone());
+        let generation = running.record.n;
+        let task = runtime.spawn(async move {
+            loop {
+                let failure = liveness.failed().await;
+                let notice = Notice::LivenessFailed(instance.clone(), generation, failure);
+                if sender.send(notice).is_err() {
+                    return;
+                }
+            }
+        });
+        running.liveness_task = Some(super::liveness::AbortOnDrop(task));
     }
 
     /// Says that `instance` is idle with nothing serving.
@@ -345,7 +385,15 @@ impl Engine {
         }))
     }
 
-    async fn handle_exit(&self, instance: &InstanceKey, generation: u64) -> Option<GenerationExit> {
+    /// Meets the end of a serving generation between attempts: its exit,
+    /// or its liveness `failure` (it still runs, and is stopped here with
+    /// proof). Either way its cgroup and socket go and the end is journaled.
+    async fn handle_exit(
+        &self,
+        instance: &InstanceKey,
+        generation: u64,
+        failure: Option<LivenessFailure>,
+    ) -> Option<GenerationExit> {
         self.forget_watch(instance, generation);
         // A retired generation's watch, or an attempt running (which meets
         // the exit itself, and watches again after): nothing to claim.
@@ -369,7 +417,7 @@ impl Engine {
         }
         let mut running = claim.serving.take()?;
         let status = parts::has_exited(&mut running);
-        let exit = ExitRecord {
+        let mut exit = ExitRecord {
             generation,
             build: running.record.build.clone(),
             exit_code: status.and_then(|s| s.code()),
@@ -377,9 +425,21 @@ impl Engine {
             oom_killed: running.cgroup.oom_killed(),
             at_ms: unix_millis_now(),
             serving_since_ms: running.record.serving_since_ms,
+            liveness_failed: failure.as_ref().map(LivenessFailure::describe),
         };
         let stop = running.record.stop.clone().unwrap_or_default();
-        if let Err((running, error)) = parts::stop_generation(running, &stop).await {
+        let stopped = parts::stop_generation(running, &stop).await;
+        if let (Some(_), Ok(report)) = (&failure, &stopped) {
+            // Stopped by the agent: by the stop signal, or killed after it.
+            let signal = if report.killed {
+                nix::sys::signal::Signal::SIGKILL
+            } else {
+                crate::cgroup::stop_signal(stop.signal)
+            };
+            exit.signal = exit.signal.or(Some(signal as i32));
+            exit.oom_killed = false;
+        }
+        if let Err((running, error)) = stopped {
             tracing::error!(
                 instance = %instance,
                 generation,
@@ -429,7 +489,14 @@ impl Loop {
             tokio::select! {
                 notice = receiver.recv() => match notice {
                     Some(Notice::Exited(instance, generation)) => {
-                        if let Some(exit) = self.engine.handle_exit(&instance, generation).await {
+                        if let Some(exit) = self.engine.handle_exit(&instance, generation, None).await {
+                            (self.on_event)(SupervisorEvent::Exited(exit));
+                            self.reconcile(&instance).await;
+                        }
+                    }
+                    Some(Notice::LivenessFailed(instance, generation, failure)) => {
+                        tracing::warn!(instance = %instance, generation, reason = %failure.describe(), "the serving generation failed its liveness probe; stopping it");
+                        if let Some(exit) = self.engine.handle_exit(&instance, generation, Some(failure)).await {
                             (self.on_event)(SupervisorEvent::Exited(exit));
                             self.reconcile(&instance).await;
                         }

@@ -210,6 +210,7 @@ pub fn last_exit_of(exit: &ExitRecord) -> LastExit {
         signal: exit.signal,
         oom_killed: exit.oom_killed,
         at: time_of_millis(exit.at_ms),
+        liveness_failed: exit.liveness_failed.clone(),
     }
 }
 
