@@ -16,7 +16,7 @@
 //! | `genswap_agent_step_duration_seconds` | histogram | `step` | time spent in each swap step |
 //! | `genswap_agent_generations_running` | gauge | | instances with a serving generation on this node |
 //! | `genswap_agent_journal_backlog` | gauge | | outcomes not yet accepted by the API server (or the status file) |
-//! | `genswap_agent_generation_exits_total` | counter | `reason` | serving generations that exited between attempts: `exited` (by themselves, with a code), `signaled`, `oom_killed`, `unknown` (adopted after an agent restart: not this agent's child) |
+//! | `genswap_agent_generation_exits_total` | counter | `reason` | serving generations that exited between attempts: `exited` (by themselves, with a code), `signaled`, `oom_killed`, `unknown` (adopted after an agent restart: not this agent's child), `liveness_failed` (stopped by the agent after its liveness probe failed) |
 //! | `genswap_agent_generation_restarts_total` | counter | `reason` | restarts that served, by the `reason` of the exit that caused them (the labels above) |
 //! | `genswap_agent_log_records_dropped_total` | counter | `instance` | records of instances' output their log shims could not write (a full disk), read from the `<N>.dropped` files at each scrape |
 //! | `genswap_agent_retirements_total` | counter | `result` | serving instances no attempt named any more, looked up: `stopped` (the InstanceGeneration was deleted or no longer selects this node), `kept` (it exists and selects this node), `failed` (the lookup or the stop failed; tried again) |

@@ -84,9 +84,22 @@ fn controller_exposition() -> String {
     metrics.encode().expect("the controller's metrics encode")
 }
 
-/// The agent's exposition after one attempt with one step.
+/// The agent's exposition after one attempt with one step, a liveness
+/// failure, the restart that followed and a dropped log line.
 fn agent_exposition() -> String {
-    let metrics = node_agent::metrics::AgentMetrics::new();
+    let logs = tempfile::tempdir().expect("a log dir");
+    let instance = logs.path().join("default_app");
+    std::fs::create_dir(&instance).expect("an instance's log dir");
+    std::fs::write(instance.join("1.dropped"), "2\n").expect("a drop count");
+    let metrics = node_agent::metrics::AgentMetrics::new().with_log_dir(logs.path());
+    metrics.record_generation_exit("liveness_failed");
+    metrics.record_supervisor_event(&node_agent::engine::SupervisorEvent::Restarted {
+        instance: node_agent::gate::InstanceKey::new("default", "app").expect("a key"),
+        generation: 2,
+        restarts: 1,
+        after: "liveness_failed",
+        steps: Vec::new(),
+    });
     let now = SystemTime::now();
     metrics.record_result(&SwapResult {
         outcome: Outcome::Done,
