@@ -5,24 +5,21 @@
 
 #[path = "support/cgroup_guard.rs"]
 mod cgroup_guard;
+#[path = "support/supervisor_watch.rs"]
+mod supervisor_watch;
 #[path = "support/swap_host.rs"]
 mod swap_host;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use genswap_crds::{InstanceKind, Outcome, RestartPolicy, ServingState};
-use node_agent::engine::{
-    Engine, EngineConfig, GenerationExit, RestartBackoff, ServingChange, Supervisor,
-    SupervisorEvent,
-};
+use node_agent::engine::{Engine, EngineConfig, RestartBackoff};
 use node_agent::journal::InstanceEntry;
-use swap_host::{OpenGate, SwapHost, knob};
-use tokio::sync::mpsc;
+use swap_host::{SwapHost, knob};
 
-const DEADLINE: Duration = Duration::from_secs(30);
+use supervisor_watch::Watching;
 
 /// Kills `pid` (a serving generation's main process) with SIGKILL.
 fn sigkill(pid: u32) {
@@ -31,66 +28,6 @@ fn sigkill(pid: u32) {
         nix::sys::signal::Signal::SIGKILL,
     )
     .expect("SIGKILL the serving generation");
-}
-
-/// A running supervisor and what it says, in order.
-struct Watching {
-    _supervisor: Supervisor,
-    events: mpsc::UnboundedReceiver<SupervisorEvent>,
-}
-
-impl Watching {
-    fn start(engine: &Arc<Engine>) -> Self {
-        let (sender, events) = mpsc::unbounded_channel();
-        let supervisor = engine.start_supervisor(Arc::new(OpenGate), move |event| {
-            let _ = sender.send(event);
-        });
-        Watching {
-            _supervisor: supervisor,
-            events,
-        }
-    }
-
-    /// The next event, within the deadline.
-    async fn next(&mut self) -> SupervisorEvent {
-        tokio::time::timeout(DEADLINE, self.events.recv())
-            .await
-            .expect("the supervisor said something in time")
-            .expect("the supervisor runs")
-    }
-
-    /// The next exit, skipping other events.
-    async fn exit(&mut self) -> GenerationExit {
-        loop {
-            if let SupervisorEvent::Exited(exit) = self.next().await {
-                return exit;
-            }
-        }
-    }
-
-    /// The next state change, skipping other events.
-    async fn state(&mut self) -> ServingChange {
-        loop {
-            if let SupervisorEvent::Serving(change) = self.next().await {
-                return *change;
-            }
-        }
-    }
-
-    /// State changes up to and including the first that is `Running` with
-    /// `restarts` restarts.
-    async fn states_until_restarts(&mut self, restarts: u32) -> Vec<ServingChange> {
-        let mut seen = Vec::new();
-        loop {
-            let change = self.state().await;
-            let done = change.supervised.state == ServingState::Running
-                && change.supervised.restarts == restarts;
-            seen.push(change);
-            if done {
-                return seen;
-            }
-        }
-    }
 }
 
 fn entry(engine: &Engine, host: &SwapHost) -> InstanceEntry {

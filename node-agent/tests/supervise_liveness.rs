@@ -7,66 +7,18 @@
 
 #[path = "support/cgroup_guard.rs"]
 mod cgroup_guard;
+#[path = "support/supervisor_watch.rs"]
+mod supervisor_watch;
 #[path = "support/swap_host.rs"]
 mod swap_host;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Duration;
 
-use genswap_crds::{ExecProbe, HttpGetProbe, LivenessSpec, ServingState};
+use genswap_crds::{ExecProbe, HttpGetProbe, LivenessSpec};
 use node_agent::engine::Attempt;
-use node_agent::engine::{Engine, GenerationExit, Supervisor, SupervisorEvent};
-use swap_host::{OpenGate, SwapHost};
-use tokio::sync::mpsc;
-
-const DEADLINE: Duration = Duration::from_secs(60);
-
-struct Watching {
-    _supervisor: Supervisor,
-    events: mpsc::UnboundedReceiver<SupervisorEvent>,
-}
-
-impl Watching {
-    fn start(engine: &Arc<Engine>) -> Self {
-        let (sender, events) = mpsc::unbounded_channel();
-        let supervisor = engine.start_supervisor(Arc::new(OpenGate), move |event| {
-            let _ = sender.send(event);
-        });
-        Watching {
-            _supervisor: supervisor,
-            events,
-        }
-    }
-
-    async fn next(&mut self) -> SupervisorEvent {
-        tokio::time::timeout(DEADLINE, self.events.recv())
-            .await
-            .expect("the supervisor said something in time")
-            .expect("the supervisor runs")
-    }
-
-    async fn exit(&mut self) -> GenerationExit {
-        loop {
-            if let SupervisorEvent::Exited(exit) = self.next().await {
-                return exit;
-            }
-        }
-    }
-
-    /// Waits for the restart that serves as generation `generation`.
-    async fn restarted_as(&mut self, generation: u64) {
-        loop {
-            if let SupervisorEvent::Serving(change) = self.next().await
-                && change.supervised.state == ServingState::Running
-                && change.supervised.generation == generation
-            {
-                return;
-            }
-        }
-    }
-}
+use supervisor_watch::{DEADLINE, Watching};
+use swap_host::SwapHost;
 
 fn liveness(probe: impl FnOnce(&mut LivenessSpec)) -> LivenessSpec {
     let mut spec = LivenessSpec {
