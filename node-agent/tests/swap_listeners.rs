@@ -48,13 +48,7 @@ async fn a_hold_and_an_overlap_with_a_held_tcp_listener_drop_nothing() {
     overlap.spec.listeners = vec![listener(port)];
     let result = host.swap(&overlap).await;
     assert_eq!(result.outcome, Outcome::Done, "{result:?}");
-    let (sent, failures) = load.finish();
-    assert!(sent > 10, "the load ran: {sent}");
-    assert!(
-        failures.is_empty(),
-        "{} of {sent} requests failed: {failures:?}",
-        failures.len()
-    );
+    load.finish_with_none_failed();
     assert!(get(port).expect("b3 answers").contains("build=b3"));
     assert_eq!(
         host.keeper_pids(),
@@ -153,9 +147,7 @@ async fn a_restarted_agent_takes_the_listener_back_and_its_hold_drops_nothing() 
         )
         .await;
     assert_eq!(result.outcome, Outcome::Done, "{result:?}");
-    let (sent, failures) = load.finish();
-    assert!(sent > 10, "the load ran: {sent}");
-    assert!(failures.is_empty(), "{failures:?}");
+    load.finish_with_none_failed();
     assert!(get(port).expect("b2 answers").contains("build=b2"));
     // The first engine stands for an agent that died: its copy of the
     // socket stays open in this process, so closing is checked elsewhere.

@@ -70,13 +70,7 @@ async fn a_hold_judged_through_the_listener_drops_nothing() {
     hold.spec.mode = Mode::Hold;
     let result = host.swap(&hold).await;
     assert_eq!(result.outcome, Outcome::Done, "{result:?}");
-    let (sent, failures) = load.finish();
-    assert!(sent > 10, "the load ran: {sent}");
-    assert!(
-        failures.is_empty(),
-        "{} of {sent} failed: {failures:?}",
-        failures.len()
-    );
+    load.finish_with_none_failed();
     assert!(get(port).expect("b2 answers").contains("build=b2"));
     host.tear_down().await;
 }
@@ -104,13 +98,7 @@ async fn an_overlap_judged_by_ready_1_drops_nothing_and_a_silent_successor_fails
     knob(&mut overlap, testapp::knob::NOTIFY, "ready");
     let result = host.swap(&overlap).await;
     assert_eq!(result.outcome, Outcome::Done, "{result:?}");
-    let (sent, failures) = load.finish();
-    assert!(sent > 10, "the load ran: {sent}");
-    assert!(
-        failures.is_empty(),
-        "{} of {sent} failed: {failures:?}",
-        failures.len()
-    );
+    load.finish_with_none_failed();
     assert!(get(port).expect("b2 answers").contains("build=b2"));
     assert!(
         !notify_socket(1).exists(),

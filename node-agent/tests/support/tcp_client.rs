@@ -83,6 +83,20 @@ impl Load {
         }
     }
 
+    /// Stops after the request in flight and asserts that it ran and that
+    /// none of its requests failed; returns how many it sent.
+    pub fn finish_with_none_failed(self) -> u64 {
+        let (sent, failures) = self.finish();
+        assert!(sent > 10, "the load ran: {sent}");
+        assert!(
+            failures.is_empty(),
+            "{} of {sent} requests failed: {:?}",
+            failures.len(),
+            &failures[..failures.len().min(5)]
+        );
+        sent
+    }
+
     /// Stops after the request in flight; (sent, failures).
     pub fn finish(mut self) -> (u64, Vec<String>) {
         self.running.store(false, Ordering::SeqCst);
