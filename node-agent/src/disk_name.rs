@@ -211,10 +211,17 @@ pub enum PathLimitError {
     },
 }
 
-/// Refuses a run dir under which a generation socket of an instance with
-/// the longest disk name could not be bound.
+/// Refuses a run dir under which a generation's sockets (its own and its
+/// `NOTIFY_SOCKET`, the longer) of an instance with the longest disk name
+/// could not be bound.
 pub fn check_run_dir(run_dir: &Path) -> Result<(), PathLimitError> {
-    let socket = generation_socket_name(CHECKED_GENERATION);
+    let socket = [
+        generation_socket_name(CHECKED_GENERATION),
+        crate::notify::notify_socket_name(CHECKED_GENERATION),
+    ]
+    .into_iter()
+    .max_by_key(String::len)
+    .unwrap_or_default();
     let max = SOCKET_PATH_MAX - (1 + DiskName::MAX_LEN + 1 + socket.len());
     let len = run_dir.as_os_str().as_bytes().len();
     if len > max {
@@ -368,12 +375,14 @@ mod tests {
 
     #[test]
     fn a_run_dir_too_long_for_the_sockets_is_refused_with_its_limit() {
-        let fits = PathBuf::from(format!("/{}", "r".repeat(29)));
-        check_run_dir(&fits).expect("30 bytes fit");
-        let long = PathBuf::from(format!("/{}", "r".repeat(30)));
-        let error = check_run_dir(&long).expect_err("31 bytes do not");
+        // 107 - ("/" + 56 + "/" + "gen-9999999999.notify"): the notify
+        // socket's name is the longer.
+        let fits = PathBuf::from(format!("/{}", "r".repeat(27)));
+        check_run_dir(&fits).expect("28 bytes fit");
+        let long = PathBuf::from(format!("/{}", "r".repeat(28)));
+        let error = check_run_dir(&long).expect_err("29 bytes do not");
         let text = error.to_string();
-        assert!(text.contains("at most 30 bytes"), "{text}");
+        assert!(text.contains("at most 28 bytes"), "{text}");
         assert!(text.contains("--run-dir"), "{text}");
         let too_deep = PathBuf::from(format!("/{}", "d".repeat(PATH_MAX)));
         assert!(check_dir("state dir", &too_deep).is_err());
