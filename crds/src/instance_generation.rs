@@ -5,7 +5,7 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::probes::{HealthSpec, LivenessSpec};
+use crate::probes::{HealthSpec, LifecycleSpec, LivenessSpec};
 use crate::settings::{
     Artifact, BuildSpec, Cause, Demand, InstanceKind, Listeners, Mode, NodeSelector, Outcome,
     ProcessSpec, ResourcesSpec, RestartPolicy, SettleSpec, SocketSpec, StopSpec,
@@ -34,6 +34,7 @@ use crate::swap_attempt::LastExit;
 )]
 #[x_kube(validation = Rule::new(PROBE_LISTENERS_RULE).message("a probe's listener must name one of spec.listeners"))]
 #[x_kube(validation = Rule::new(OVERLAP_PROBE_RULE).message(OVERLAP_PROBE_MESSAGE))]
+#[x_kube(validation = Rule::new(WATCHDOG_RULE).message("liveness.watchdog needs health.notify: WATCHDOG=1 arrives on the NOTIFY_SOCKET the agent gives a generation whose health probe is notify"))]
 #[serde(rename_all = "camelCase")]
 pub struct InstanceGenerationSpec {
     /// Node labels; one instance runs on each matching node. Empty selects every node.
@@ -69,6 +70,9 @@ pub struct InstanceGenerationSpec {
     /// exit is noticed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub liveness: Option<LivenessSpec>,
+    /// Hooks at points of a generation's life: `preStop`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lifecycle: Option<LifecycleSpec>,
     #[serde(default)]
     pub settle: SettleSpec,
     #[serde(default)]
@@ -111,6 +115,10 @@ const OVERLAP_PROBE_RULE: &str = concat!(
     " && ((has(self.health.httpGet) && has(self.health.httpGet.listener)) || (has(self.health.grpc) && has(self.health.grpc.listener))))",
 );
 const OVERLAP_PROBE_MESSAGE: &str = "a health probe through a listener may reach the old generation during an overlap, so it cannot judge the new one: with mode overlap use exec, notify, the generation socket (path, or httpGet or grpc with neither port nor listener) or a port only the new generation binds; or set mode: hold";
+
+/// The watchdog's messages come on the notify socket, which only a
+/// `notify` health probe makes.
+const WATCHDOG_RULE: &str = "!has(self.liveness) || !has(self.liveness.watchdog) || !self.liveness.watchdog || (has(self.health) && has(self.health.notify))";
 
 /// How a new desired state rolls across the selected nodes.
 #[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]

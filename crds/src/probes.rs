@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 /// At most one probe kind in `health`; `path` counts as `httpGet`.
 const HEALTH_KINDS_RULE: &str = "(has(self.path) ? 1 : 0) + (has(self.httpGet) ? 1 : 0) + (has(self.tcpSocket) ? 1 : 0) + (has(self.grpc) ? 1 : 0) + (has(self.exec) ? 1 : 0) + (has(self.notify) ? 1 : 0) <= 1";
-const LIVENESS_KINDS_RULE: &str = "(has(self.httpGet) ? 1 : 0) + (has(self.tcpSocket) ? 1 : 0) + (has(self.grpc) ? 1 : 0) + (has(self.exec) ? 1 : 0) == 1";
+const LIVENESS_KINDS_RULE: &str = "(has(self.httpGet) ? 1 : 0) + (has(self.tcpSocket) ? 1 : 0) + (has(self.grpc) ? 1 : 0) + (has(self.exec) ? 1 : 0) + (has(self.watchdog) && self.watchdog ? 1 : 0) == 1";
 const PORT_RULE: &str = "self >= 1 && self <= 65535";
 
 /// The readiness gate of a new generation (SPEC 5.5 step 6): at most one
@@ -63,6 +63,8 @@ pub enum ProbeAction {
     Exec(ExecProbe),
     /// systemd's `READY=1` (health only).
     Notify,
+    /// systemd's `WATCHDOG=1` within every period (liveness only).
+    Watchdog,
 }
 
 impl HealthSpec {
@@ -197,7 +199,7 @@ pub struct NotifyProbe {}
 /// follows. Exactly one probe kind.
 #[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new(LIVENESS_KINDS_RULE).message("liveness takes exactly one of httpGet, tcpSocket, grpc and exec"))]
+#[x_kube(validation = Rule::new(LIVENESS_KINDS_RULE).message("liveness takes exactly one of httpGet, tcpSocket, grpc, exec and watchdog: true"))]
 pub struct LivenessSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub http_get: Option<HttpGetProbe>,
@@ -207,6 +209,11 @@ pub struct LivenessSpec {
     pub grpc: Option<GrpcProbe>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exec: Option<ExecProbe>,
+    /// systemd's watchdog (`WatchdogSec=`): the generation is given
+    /// `WATCHDOG_USEC` of `periodSeconds`, and a period without `WATCHDOG=1`
+    /// on its `NOTIFY_SOCKET` is one failure. Needs `health.notify`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub watchdog: bool,
     /// From the generation becoming the serving one to the first probe.
     #[serde(default)]
     #[x_kube(validation = Rule::new("self >= 0").message("liveness.initialDelaySeconds must not be negative"))]
@@ -230,6 +237,40 @@ impl LivenessSpec {
     /// was bypassed); `None` only for a block with no kind at all.
     pub fn action(&self) -> Option<ProbeAction> {
         first_action(&self.http_get, &self.tcp_socket, &self.grpc, &self.exec)
+            .or(self.watchdog.then_some(ProbeAction::Watchdog))
+    }
+
+    /// The `WATCHDOG_USEC` a generation is given: one period.
+    pub fn watchdog_usec(&self) -> Option<u64> {
+        let period = u64::try_from(self.period_seconds.max(1)).unwrap_or(1);
+        self.watchdog.then_some(period * 1_000_000)
+    }
+}
+
+/// What runs at points of a generation's life, as a pod's `lifecycle`.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct LifecycleSpec {
+    /// Runs before the stop signal, inside `stop.timeoutSeconds` (as
+    /// `nginx -s quit` or a drain script would), like systemd's `ExecStop`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pre_stop: Option<LifecycleHandler>,
+}
+
+/// A hook: a command run as an exec probe is, with `MAINPID` set.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct LifecycleHandler {
+    pub exec: ExecProbe,
+}
+
+impl LifecycleSpec {
+    /// The preStop command line, when there is one.
+    pub fn pre_stop_command(&self) -> Option<&[String]> {
+        self.pre_stop
+            .as_ref()
+            .map(|hook| hook.exec.command.as_slice())
+            .filter(|command| !command.is_empty())
     }
 }
 

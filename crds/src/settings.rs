@@ -267,6 +267,13 @@ pub struct ProcessSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self >= 0 && self <= 4294967294").message("process.group must be a non-negative numeric gid"))]
     pub group: Option<i64>,
+    /// For a program that daemonizes (systemd's `Type=forking` with
+    /// `PIDFile=`): once the started process exits 0, the generation is the
+    /// process whose pid this file names, which must be in its cgroup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    #[x_kube(validation = Rule::new("self.startsWith('/')").message("process.pidFile must be an absolute path"))]
+    pub pid_file: Option<String>,
 }
 
 /// The settle window after a successor is healthy.

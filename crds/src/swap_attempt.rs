@@ -5,7 +5,7 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::probes::{HealthSpec, LivenessSpec};
+use crate::probes::{HealthSpec, LifecycleSpec, LivenessSpec};
 use crate::settings::{
     BuildSpec, Cause, Demand, InstanceKind, Listeners, Mode, Outcome, ProcessSpec, ResourcesSpec,
     RestartPolicy, SettleSpec, SocketSpec, StopSpec,
@@ -66,6 +66,9 @@ pub struct SwapAttemptSpec {
     /// exit is noticed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub liveness: Option<LivenessSpec>,
+    /// Hooks at points of a generation's life: `preStop`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lifecycle: Option<LifecycleSpec>,
     #[serde(default)]
     pub settle: SettleSpec,
     #[serde(default)]

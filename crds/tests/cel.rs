@@ -68,6 +68,7 @@ fn attempt() -> SwapAttempt {
         process: ig.spec.process.clone(),
         health: ig.spec.health.clone(),
         liveness: None,
+        lifecycle: None,
         settle: ig.spec.settle.clone(),
         stop: ig.spec.stop.clone(),
         resources: ig.spec.resources.clone(),

@@ -172,6 +172,32 @@ pub enum StepError {
         /// The kernel's OOM killer killed a process of its cgroup.
         oom_killed: bool,
     },
+    /// The started process exited 0 and left processes in its cgroup: it
+    /// daemonized, and nothing names which one is the generation.
+    #[error("generation {generation} exited 0 {when} while its cgroup still holds {} (pids {}): it daemonized; run it in the foreground (its own flag, such as nginx's `daemon off;`), or set process.pidFile to the file it writes its pid to", if pids.len() == 1 { "a process" } else { "processes" }, pids.iter().map(u32::to_string).collect::<Vec<_>>().join(", "))]
+    Daemonized {
+        generation: u64,
+        when: &'static str,
+        pids: Vec<u32>,
+    },
+    /// With `process.pidFile`, the start did not hand over to a process of
+    /// the generation.
+    #[error("generation {generation}: process.pidFile {}: {problem}", path.display())]
+    PidFile {
+        generation: u64,
+        path: std::path::PathBuf,
+        problem: String,
+    },
+    /// The process `process.pidFile` named exited; not the agent's child,
+    /// so how is unknown.
+    #[error(
+        "generation {generation}'s main process (pid {pid}, named by process.pidFile) exited {when}; its exit status is unknown: it is not the agent's child"
+    )]
+    ForkedExited {
+        generation: u64,
+        pid: u32,
+        when: &'static str,
+    },
     /// `current.sock` could not move; nothing switched.
     #[error("current.sock could not be switched")]
     Switch(#[from] SwitchError),
@@ -237,7 +263,11 @@ pub fn classify<T>(result: &Result<T, StepError>, lifetime_ended: bool) -> StepO
             StepOutcome::Failed
         }
         // The build's own failures.
-        StepError::Identity { .. } | StepError::Exited { .. } => StepOutcome::Failed,
+        StepError::Identity { .. }
+        | StepError::Exited { .. }
+        | StepError::Daemonized { .. }
+        | StepError::PidFile { .. }
+        | StepError::ForkedExited { .. } => StepOutcome::Failed,
     }
 }
 
@@ -379,6 +409,21 @@ mod tests {
             },
             StepError::Identity {
                 what: "another executable".into(),
+            },
+            StepError::Daemonized {
+                generation: 2,
+                when: "before it was healthy",
+                pids: vec![41, 42],
+            },
+            StepError::PidFile {
+                generation: 2,
+                path: "/run/app.pid".into(),
+                problem: "names pid 1, which is not in the generation's cgroup".into(),
+            },
+            StepError::ForkedExited {
+                generation: 2,
+                pid: 42,
+                when: "inside the settle window",
             },
         ];
         for error in failed {

@@ -157,6 +157,13 @@ impl GenerationCommands {
         }
     }
 
+    /// These commands with `name=value` in their environment as well.
+    pub fn with_var(mut self, name: &str, value: String) -> GenerationCommands {
+        self.env.retain(|(existing, _)| existing != name);
+        self.env.push((name.to_string(), value));
+        self
+    }
+
     /// The generation's cgroup, which every command runs below.
     pub fn cgroup(&self) -> &Cgroup {
         &self.cgroup

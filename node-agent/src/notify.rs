@@ -31,6 +31,9 @@ use crate::probe::Observation;
 
 /// The variable that names the socket.
 pub const ENV_NOTIFY_SOCKET: &str = "NOTIFY_SOCKET";
+/// The watchdog's interval, in microseconds, as `sd_watchdog_enabled(3)`
+/// reads it.
+pub const ENV_WATCHDOG_USEC: &str = "WATCHDOG_USEC";
 /// A generation's notify socket's file name in the instance's run dir.
 pub fn notify_socket_name(generation: u64) -> String {
     format!("gen-{generation}.notify")
@@ -136,6 +139,18 @@ impl NotifyWatch {
         match ready {
             Ok(Ok(_)) => Ok(()),
             _ => Err(Observation::NotReady(self.state.borrow().status.clone())),
+        }
+    }
+
+    /// Resolves with the count of `WATCHDOG=1` pings once it is above
+    /// `after`, or after `limit` with the last `STATUS=`.
+    pub async fn pinged_after(&self, after: u64, limit: Duration) -> Result<u64, Observation> {
+        let mut state = self.state.clone();
+        let pinged =
+            tokio::time::timeout(limit, state.wait_for(|s| s.watchdog_pings > after)).await;
+        match pinged {
+            Ok(Ok(state)) => Ok(state.watchdog_pings),
+            _ => Err(Observation::NoWatchdog(self.state.borrow().status.clone())),
         }
     }
 }

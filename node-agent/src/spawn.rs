@@ -1057,6 +1057,28 @@ fn sigchld_waker() -> ExitWaker {
     ExitWaker::Sigchld(tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child()).ok())
 }
 
+/// Waits until `pid` has exited; `false` when that cannot be watched.
+pub(crate) async fn pid_exited(pid: u32) -> bool {
+    let fd = match pidfd_open(pid) {
+        Ok(fd) => fd,
+        // Already gone (and reaped by whoever its parent is).
+        Err(error) if error.raw_os_error() == Some(nix::libc::ESRCH) => return true,
+        Err(error) => {
+            tracing::warn!(pid, %error, "a process's exit cannot be watched (no pidfd)");
+            return false;
+        }
+    };
+    // SAFETY: an OwnedFd is a valid open descriptor that stays open, and
+    // names the same description, until the AsyncFd that owns it drops.
+    match unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) } {
+        Ok(fd) => fd.readable().await.is_ok(),
+        Err(error) => {
+            tracing::warn!(pid, %error, "a process's exit cannot be watched");
+            false
+        }
+    }
+}
+
 pub(crate) fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
     let pid = nix::libc::pid_t::try_from(pid)
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;

@@ -26,6 +26,7 @@ fn liveness(probe: impl FnOnce(&mut LivenessSpec)) -> LivenessSpec {
         tcp_socket: None,
         grpc: None,
         exec: None,
+        watchdog: false,
         initial_delay_seconds: 0,
         period_seconds: 1,
         timeout_seconds: 1,
@@ -153,6 +154,56 @@ async fn a_hung_generation_is_found_by_its_liveness_probe_and_replaced() {
         "{}",
         exit.describe()
     );
+    watching.restarted_as(2).await;
+    let now = host.who_serves().await.expect("the restart serves");
+    assert_eq!((now.build.as_str(), now.generation), ("b1", 2));
+    host.assert_only(Some(2));
+    host.tear_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generation_whose_watchdog_pings_stop_is_restarted_and_one_that_pings_is_not() {
+    let host = SwapHost::new("liveness-watchdog");
+    let tune = |attempt: &mut Attempt| {
+        swap_host::knob(attempt, testapp::knob::NOTIFY, "ready");
+        swap_host::knob(attempt, testapp::knob::WATCHDOG, "1");
+        attempt.spec.health = genswap_crds::HealthSpec {
+            notify: Some(genswap_crds::NotifyProbe {}),
+            timeout_seconds: 20,
+            ..genswap_crds::HealthSpec::default()
+        };
+        attempt.spec.stop.timeout_seconds = 1;
+        attempt.spec.liveness = Some(liveness(|l| {
+            l.watchdog = true;
+            l.failure_threshold = 2;
+        }));
+    };
+    host.install_with(1, "b1", tune).await;
+    let before = host.who_serves().await.expect("b1 serves");
+    let mut watching = Watching::start(&host.engine);
+    // Pinging every half period, it outlives many times failureThreshold
+    // periods.
+    let quiet = tokio::time::timeout(std::time::Duration::from_secs(5), watching.exit()).await;
+    assert!(
+        quiet.is_err(),
+        "a pinging generation was stopped: {quiet:?}"
+    );
+    assert_eq!(host.who_serves().await.map(|i| i.pid), Some(before.pid));
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(before.pid).expect("a pid")),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .expect("SIGSTOP the serving generation");
+    let exit = watching.exit().await;
+    assert_eq!(exit.exit.generation, 1);
+    let failure = exit
+        .exit
+        .liveness_failed
+        .clone()
+        .expect("a liveness failure");
+    assert!(failure.contains("WATCHDOG=1"), "{failure}");
+    assert!(failure.contains("failed 2 times in a row"), "{failure}");
     watching.restarted_as(2).await;
     let now = host.who_serves().await.expect("the restart serves");
     assert_eq!((now.build.as_str(), now.generation), ("b1", 2));

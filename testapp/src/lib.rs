@@ -47,6 +47,10 @@
 //! | `TESTAPP_ALLOC_ONCE=path` | `TESTAPP_ALLOC_MB` applies only to the process that creates `path` first |
 //! | `TESTAPP_PORT=N` | also bind 127.0.0.1:N itself and serve it (with `TESTAPP_NEVER_BIND`, a program that knows nothing of genswap) |
 //! | `TESTAPP_NOTIFY=ready` | systemd's notify protocol: `STATUS=starting` at start, `READY=1` once bound (`never`: only the status) |
+//! | `TESTAPP_DAEMONIZE=1` | fork at start: the started process exits 0, its child (a new session) goes on with the listeners handed to the start (a classic daemon) |
+//! | `TESTAPP_PID_FILE=path` | write the serving process's pid to `path` once it serves (a daemon's pid file) |
+//! | `TESTAPP_WATCHDOG=1` | with `WATCHDOG_USEC` set, send `WATCHDOG=1` on `NOTIFY_SOCKET` every half of it (`sd_watchdog_enabled`) |
+//! | `TESTAPP_TERM_LOG=path` | append `SIGTERM` to `path` when SIGTERM arrives (to order it against a hook) |
 //!
 //! The forked children are created before the socket is bound, so they never
 //! hold it, and their stdin/stdout/stderr point at `/dev/null`, so they keep
@@ -143,9 +147,18 @@ pub mod knob {
     /// `STATUS=starting` at start and `READY=1` once bound; `never` says
     /// only `STATUS=starting`.
     pub const NOTIFY: &str = "TESTAPP_NOTIFY";
+    /// `1`: daemonize as a classic daemon does: fork, the started process
+    /// exits 0, the child (in a new session) serves.
+    pub const DAEMONIZE: &str = "TESTAPP_DAEMONIZE";
+    /// Write the serving process's pid to this path once it serves.
+    pub const PID_FILE: &str = "TESTAPP_PID_FILE";
+    /// `1`: with `WATCHDOG_USEC` set, send `WATCHDOG=1` every half of it.
+    pub const WATCHDOG: &str = "TESTAPP_WATCHDOG";
+    /// Append `SIGTERM` to this file when SIGTERM arrives.
+    pub const TERM_LOG: &str = "TESTAPP_TERM_LOG";
 
     /// Every knob, for flag parsing.
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 21] = [
         BOOT_DELAY_MS,
         STATUS,
         EXIT_AFTER_MS,
@@ -163,6 +176,10 @@ pub mod knob {
         ALLOC_ONCE,
         PORT,
         NOTIFY,
+        DAEMONIZE,
+        PID_FILE,
+        WATCHDOG,
+        TERM_LOG,
     ];
 }
 

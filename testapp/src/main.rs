@@ -185,6 +185,13 @@ struct Config {
     alloc_once: Option<PathBuf>,
     port: Option<u16>,
     notify: Notify,
+    daemonize: bool,
+    /// The pid it was started as: a daemon's child keeps the listeners
+    /// handed to its start (`LISTEN_PID` names the start).
+    started_as: u32,
+    pid_file: Option<PathBuf>,
+    watchdog: bool,
+    term_log: Option<PathBuf>,
 }
 
 /// What the process says on `NOTIFY_SOCKET`.
@@ -234,6 +241,11 @@ impl Config {
             alloc_after: knobs.millis(knob::ALLOC_AFTER_MS)?,
             alloc_once: knobs.raw(knob::ALLOC_ONCE).map(PathBuf::from),
             port: knobs.parsed(knob::PORT, "a TCP port")?,
+            daemonize: knobs.switch(knob::DAEMONIZE)?,
+            started_as: std::process::id(),
+            pid_file: knobs.raw(knob::PID_FILE).map(PathBuf::from),
+            watchdog: knobs.switch(knob::WATCHDOG)?,
+            term_log: knobs.raw(knob::TERM_LOG).map(PathBuf::from),
             notify: match knobs.raw(knob::NOTIFY).as_deref() {
                 None | Some("") => Notify::Off,
                 Some("ready") => Notify::Ready,
@@ -348,6 +360,16 @@ fn start(config: Config, responder: Responder, started: Instant) -> Result<(), R
         ignore_sigterm().map_err(RunError::IgnoreSigterm)?;
     }
     // Before the runtime exists, so this process is single-threaded for fork.
+    let mut responder = responder;
+    if config.daemonize {
+        daemonize()?;
+        // The body names the serving process: the child now.
+        responder.body = Bytes::from(identity_body(
+            &config.build,
+            &config.generation,
+            std::process::id(),
+        ));
+    }
     fork_children(config.fork_children)?;
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -359,6 +381,25 @@ fn start(config: Config, responder: Responder, started: Instant) -> Result<(), R
 fn ignore_sigterm() -> nix::Result<()> {
     // SAFETY: SIG_IGN installs no handler code, so no code runs in signal context.
     unsafe { signal(Signal::SIGTERM, SigHandler::SigIgn) }.map(drop)
+}
+
+/// A classic daemon's start: the started process forks and exits 0; the
+/// child leaves its session and goes on.
+fn daemonize() -> Result<(), RunError> {
+    // SAFETY: called before any thread or runtime exists, so the child is a
+    // complete single-threaded copy in which any code may run.
+    match unsafe { fork() } {
+        Ok(ForkResult::Parent { child }) => {
+            event!("daemonized child pid={child}");
+            event!("exit code=0");
+            std::process::exit(0);
+        }
+        Ok(ForkResult::Child) => {
+            let _ = nix::unistd::setsid();
+            Ok(())
+        }
+        Err(source) => Err(RunError::Fork { index: 0, source }),
+    }
 }
 
 fn fork_children(count: u32) -> Result<(), RunError> {
@@ -455,7 +496,7 @@ async fn run(config: Config, responder: Responder, started: Instant) -> Result<(
             () = terminated(&mut sigterm) => return Ok(()),
         }
     }
-    let mut listeners = activated_listeners()?;
+    let mut listeners = activated_listeners(config.started_as)?;
     if let Some(port) = config.port {
         let address = std::net::SocketAddr::from(([127, 0, 0, 1], port));
         let listener = TcpListener::bind(address)
@@ -480,6 +521,15 @@ async fn run(config: Config, responder: Responder, started: Instant) -> Result<(
     if config.notify == Notify::Ready {
         notify("READY=1\nSTATUS=serving");
     }
+    if let Some(path) = &config.pid_file {
+        match std::fs::write(path, format!("{}\n", std::process::id())) {
+            Ok(()) => event!("wrote pid file={}", path.display()),
+            Err(error) => event!("error pid file {}: {error}", path.display()),
+        }
+    }
+    if config.watchdog {
+        start_watchdog();
+    }
     if config.stop_after_bind {
         event!("stopping itself ({})", knob::STOP_AFTER_BIND);
         let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
@@ -500,6 +550,16 @@ async fn run(config: Config, responder: Responder, started: Instant) -> Result<(
         ));
     }
     terminated(&mut sigterm).await;
+    if let Some(path) = &config.term_log {
+        let logged = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .and_then(|mut file| std::io::Write::write_all(&mut file, b"SIGTERM\n"));
+        if let Err(error) = logged {
+            event!("error term log {}: {error}", path.display());
+        }
+    }
     stop_accepting.send_replace(());
     while loops.join_next().await.is_some() {}
     event!("draining drain_ms={}", config.drain.as_millis());
@@ -607,11 +667,11 @@ async fn accept_until_stopped(
 /// The sockets systemd's socket activation hands this process
 /// (`sd_listen_fds(3)`): fds 3.. when `LISTEN_PID` is this process and
 /// `LISTEN_FDS` counts them, named by `LISTEN_FDNAMES`.
-fn activated_listeners() -> Result<Vec<Listener>, RunError> {
+fn activated_listeners(started_as: u32) -> Result<Vec<Listener>, RunError> {
     let for_us = std::env::var("LISTEN_PID")
         .ok()
         .and_then(|pid| pid.parse::<u32>().ok())
-        == Some(std::process::id());
+        == Some(started_as);
     if !for_us {
         return Ok(Vec::new());
     }
@@ -648,6 +708,26 @@ fn activated_listeners() -> Result<Vec<Listener>, RunError> {
         listeners.push(listener);
     }
     Ok(listeners)
+}
+
+/// `WATCHDOG=1` every half of `WATCHDOG_USEC`, as `sd_watchdog_enabled(3)`
+/// asks; nothing without it.
+fn start_watchdog() {
+    let usec = std::env::var("WATCHDOG_USEC")
+        .ok()
+        .and_then(|value| value.parse::<u64>().ok())
+        .filter(|usec| *usec > 0);
+    let Some(usec) = usec else {
+        event!("error no WATCHDOG_USEC for {}", knob::WATCHDOG);
+        return;
+    };
+    let every = Duration::from_micros(usec / 2);
+    tokio::spawn(async move {
+        loop {
+            notify("WATCHDOG=1");
+            sleep(every).await;
+        }
+    });
 }
 
 /// One `sd_notify(3)` message to `NOTIFY_SOCKET`, from this process; a

@@ -132,6 +132,7 @@ pub(super) fn build_attempt(
             process: spec.process.clone(),
             health: spec.health.clone(),
             liveness: spec.liveness.clone(),
+            lifecycle: spec.lifecycle.clone(),
             settle: spec.settle.clone(),
             stop: spec.stop.clone(),
             resources: spec.resources.clone(),

@@ -716,7 +716,8 @@ async fn spawn_successor(
         .engine
         .listeners
         .activated(key, &ctx.attempt.spec.listeners);
-    let notify = match parts::bind_notify(ctx.engine, ctx.attempt, successor, &cgroup) {
+    let notify = match parts::bind_notify(ctx.engine, key, &ctx.attempt.spec, successor.n, &cgroup)
+    {
         Ok(notify) => notify,
         Err(error) => {
             parts::remove_cgroup(&cgroup);
@@ -755,6 +756,8 @@ async fn spawn_successor(
         notify,
         liveness: None,
         liveness_task: None,
+        pre_stop: None,
+        pid_file: super::lifecycle::pid_file_of(&ctx.attempt.spec),
     };
     if let Err(error) = parts::verify_identity(&mut running, staged).await {
         if let Err((_, stop_error)) = parts::stop_generation(running, &ctx.attempt.spec.stop).await
@@ -767,6 +770,8 @@ async fn spawn_successor(
         }
         return Err(error);
     }
+    // Only what is proven the attempt's own gets its hook.
+    running.pre_stop = super::lifecycle::PreStop::of(ctx.engine, key, &ctx.attempt.spec, &running);
     Ok(running)
 }
 
@@ -796,9 +801,18 @@ async fn healthy_or_exit(
 ) -> Result<HealthEnd, StepError> {
     let probe = probe.map_err(|e| StepError::Unhealthy(HealthError::Invalid(e)))?;
     let (n, cgroup) = (running.record.n, running.cgroup.clone());
+    // systemd's Type=forking: probing starts once the start handed over,
+    // for what is left of the window.
+    let mut left = timeout;
+    if let Some(pid_file) = running.pid_file.take() {
+        let deadline = tokio::time::Instant::now() + timeout;
+        super::lifecycle::hand_over(running, &pid_file, deadline).await?;
+        left = deadline.saturating_duration_since(tokio::time::Instant::now());
+    }
+    const WHEN: &str = "before it was healthy";
     tokio::select! {
-        result = parts::wait_healthy(&probe, timeout) => result.map(|()| HealthEnd::Healthy),
-        status = parts::exited(running) => exit_verdict(n, &cgroup, status, worker, "before it was healthy")
+        result = parts::wait_healthy(&probe, left) => result.map(|()| HealthEnd::Healthy),
+        status = parts::exited(running, WHEN) => exit_verdict(n, &cgroup, status, worker, WHEN)
             .map(|()| HealthEnd::CleanExit),
     }
 }
@@ -817,9 +831,10 @@ async fn settle(
     worker: bool,
 ) -> Result<SettleEnd, StepError> {
     let (n, cgroup) = (running.record.n, running.cgroup.clone());
+    const WHEN: &str = "inside the settle window";
     tokio::select! {
         () = tokio::time::sleep(window) => Ok(SettleEnd::Survived),
-        status = parts::exited(running) => exit_verdict(n, &cgroup, status, worker, "inside the settle window")
+        status = parts::exited(running, WHEN) => exit_verdict(n, &cgroup, status, worker, WHEN)
             .map(|()| SettleEnd::CleanExit),
     }
 }
@@ -835,6 +850,16 @@ fn exit_verdict(
     let status = status?;
     if worker && status.success() {
         return Ok(());
+    }
+    if status.success()
+        && let Ok(pids) = cgroup.pids()
+        && !pids.is_empty()
+    {
+        return Err(StepError::Daemonized {
+            generation,
+            when,
+            pids,
+        });
     }
     Err(StepError::Exited {
         generation,

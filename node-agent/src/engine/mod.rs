@@ -49,6 +49,7 @@
 mod cancel;
 mod flow;
 mod hold;
+mod lifecycle;
 mod liveness;
 mod overlap;
 mod parts;
@@ -185,6 +186,11 @@ pub(crate) struct Running {
     pub(crate) liveness: Option<std::sync::Arc<liveness::Liveness>>,
     /// The task probing it, while it runs.
     pub(crate) liveness_task: Option<liveness::AbortOnDrop>,
+    /// Its `lifecycle.preStop` hook, run before its stop signal.
+    pub(crate) pre_stop: Option<lifecycle::PreStop>,
+    /// Its `process.pidFile`, until its start has handed over to the
+    /// process the file names.
+    pub(crate) pid_file: Option<PathBuf>,
 }
 
 /// A generation's main process.
@@ -200,6 +206,13 @@ pub(crate) enum Process {
         /// The main process as found in the cgroup.
         pid: u32,
     },
+    /// Named by `process.pidFile` once the started process exited 0
+    /// (systemd's `Type=forking`). Not this agent's child either: its exit
+    /// shows on its pidfd, and its exit status is unknown.
+    Forked {
+        /// The pid the file named.
+        pid: u32,
+    },
 }
 
 impl Process {
@@ -207,7 +220,7 @@ impl Process {
     pub(crate) fn pid(&self) -> u32 {
         match self {
             Process::Spawned(child) => child.pid(),
-            Process::Adopted { pid } => *pid,
+            Process::Adopted { pid } | Process::Forked { pid } => *pid,
         }
     }
 }

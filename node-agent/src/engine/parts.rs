@@ -83,8 +83,7 @@ pub(super) fn prepare_run_dir(
             path: layout.instance_dir(instance),
             source,
         })?;
-    let uid = process.user.and_then(|uid| u32::try_from(uid).ok());
-    let gid = process.group.and_then(|gid| u32::try_from(gid).ok());
+    let (uid, gid) = owner_of(process);
     if uid.is_some() || gid.is_some() {
         std::os::unix::fs::chown(&dir, uid, gid).map_err(|source| StepError::RunDir {
             path: dir.clone(),
@@ -92,6 +91,23 @@ pub(super) fn prepare_run_dir(
         })?;
     }
     Ok(dir)
+}
+
+/// The uid and gid a process of `process` runs as (`None`: the agent's).
+fn owner_of(process: &ProcessSpec) -> (Option<u32>, Option<u32>) {
+    (
+        process.user.and_then(|uid| u32::try_from(uid).ok()),
+        process.group.and_then(|gid| u32::try_from(gid).ok()),
+    )
+}
+
+/// `process.env` as name-value pairs.
+fn env_of(process: &ProcessSpec) -> Vec<(String, String)> {
+    process
+        .env
+        .iter()
+        .map(|var| (var.name.clone(), var.value.clone()))
+        .collect()
 }
 
 /// The generation's health probe for the readiness window (SPEC 5.5 step
@@ -149,20 +165,17 @@ pub(super) fn generation_commands(
     running: &Running,
 ) -> GenerationCommands {
     let process = &spec.process;
+    let (uid, gid) = owner_of(process);
     let identity = CommandIdentity {
-        env: process
-            .env
-            .iter()
-            .map(|var| (var.name.clone(), var.value.clone()))
-            .collect(),
+        env: env_of(process),
         working_dir: Some(
             process
                 .working_dir
                 .as_deref()
                 .map_or_else(|| engine.layout.instance_dir(instance), PathBuf::from),
         ),
-        uid: process.user.and_then(|uid| u32::try_from(uid).ok()),
-        gid: process.group.and_then(|gid| u32::try_from(gid).ok()),
+        uid,
+        gid,
         allow_root: engine.config.allow_root,
     };
     GenerationCommands::new(
@@ -179,9 +192,13 @@ pub(super) fn generation_commands(
 /// paths, ports, listener names and commands (SPEC 5.12).
 pub(super) fn check_probes(attempt: &Attempt) -> Result<(), StepError> {
     let listeners = probe::Generation::listener_endpoints(&attempt.spec.listeners);
-    probe::check(&attempt.spec.health.action(), &listeners)
+    let health = attempt.spec.health.action();
+    probe::check(&health, &listeners)
         .and_then(
             |()| match attempt.spec.liveness.as_ref().and_then(|l| l.action()) {
+                Some(ProbeAction::Watchdog) if health != ProbeAction::Notify => {
+                    Err(probe::ProbeError::WatchdogWithoutNotify)
+                }
                 Some(action) => probe::check(&action, &listeners),
                 None => Ok(()),
             },
@@ -193,23 +210,19 @@ pub(super) fn check_probes(attempt: &Attempt) -> Result<(), StepError> {
 /// probe is `notify`.
 pub(super) fn bind_notify(
     engine: &Engine,
-    attempt: &Attempt,
-    successor: &GenerationRecord,
+    instance: &InstanceKey,
+    spec: &SwapAttemptSpec,
+    generation: u64,
     cgroup: &Cgroup,
 ) -> Result<Option<NotifyWatch>, StepError> {
-    if attempt.spec.health.action() != ProbeAction::Notify {
+    if spec.health.action() != ProbeAction::Notify {
         return Ok(None);
     }
     let path = engine
         .layout
-        .instance_dir(&attempt.instance)
-        .join(crate::notify::notify_socket_name(successor.n));
-    let process = &attempt.spec.process;
-    let owner = (
-        process.user.and_then(|uid| u32::try_from(uid).ok()),
-        process.group.and_then(|gid| u32::try_from(gid).ok()),
-    );
-    NotifyWatch::bind(&path, cgroup, owner)
+        .instance_dir(instance)
+        .join(crate::notify::notify_socket_name(generation));
+    NotifyWatch::bind(&path, cgroup, owner_of(&spec.process))
         .map(Some)
         .map_err(|source| StepError::RunDir { path, source })
 }
@@ -246,14 +259,30 @@ pub(super) async fn stop_generation(
     stop: &StopSpec,
 ) -> Result<StopReport, (Running, CgroupError)> {
     let timeout = Duration::from_secs(u64::try_from(stop.timeout_seconds).unwrap_or(0));
+    let asked = tokio::time::Instant::now();
     // Its probing ends first, then the agent's own commands against it go,
-    // with proof: none
-    // outlives its generation, and none holds its cgroup populated.
+    // with proof: none outlives its generation, and none holds its cgroup
+    // populated.
     running.liveness_task = None;
     if let Err(error) = crate::command::kill_commands(&running.cgroup).await {
         return Err((running, error));
     }
-    let report = match running.cgroup.stop(stop_signal(stop.signal), timeout).await {
+    let mut signal_timeout = timeout;
+    if let Some(hook) = running.pre_stop.take()
+        && still_runs(&mut running)
+    {
+        if let Err(problem) = hook.run(running.process.pid(), timeout).await {
+            tracing::warn!(cgroup = %running.cgroup.path().display(), %problem, "the preStop hook failed; the generation is stopped all the same");
+        }
+        signal_timeout = timeout
+            .saturating_sub(asked.elapsed())
+            .max(super::lifecycle::OVERRUN_GRACE);
+    }
+    let report = match running
+        .cgroup
+        .stop(stop_signal(stop.signal), signal_timeout)
+        .await
+    {
         Ok(report) => report,
         Err(error) => return Err((running, error)),
     };
@@ -273,6 +302,12 @@ pub(super) async fn stop_generation(
             .with_file_name(crate::notify::notify_socket_name(running.record.n)),
     );
     Ok(report)
+}
+
+/// Whether the generation's main process still runs, so a hook has
+/// something to act on.
+fn still_runs(running: &mut Running) -> bool {
+    has_exited(running).is_none() && running.cgroup.is_populated().unwrap_or(false)
 }
 
 /// Removes an empty generation cgroup; a failure is logged (it holds
@@ -338,30 +373,56 @@ pub(super) fn remove_current_link(layout: &RunLayout, instance: &InstanceKey) {
 pub(super) fn may_have_run(error: &StepError) -> bool {
     match error {
         StepError::Spawn(error) => error.may_have_run(),
-        StepError::Identity { .. } | StepError::Unhealthy(_) | StepError::Exited { .. } => true,
+        StepError::Identity { .. }
+        | StepError::Unhealthy(_)
+        | StepError::Exited { .. }
+        | StepError::Daemonized { .. }
+        | StepError::PidFile { .. }
+        | StepError::ForkedExited { .. } => true,
         _ => false,
     }
 }
 
 /// Resolves with the generation's main process's exit status. An adopted
 /// generation's status is unknown: it resolves once its cgroup is empty,
-/// with an error that says so.
-pub(super) async fn exited(running: &mut Running) -> Result<ExitStatus, StepError> {
+/// with an error that says so; a forked one's once the process its pid
+/// file named exited.
+pub(super) async fn exited(
+    running: &mut Running,
+    when: &'static str,
+) -> Result<ExitStatus, StepError> {
     match &mut running.process {
         Process::Spawned(child) => child.wait().await.map_err(StepError::Spawn),
-        Process::Adopted { .. } => {
-            // No deadline: a long one, renewed.
-            loop {
-                let deadline = tokio::time::Instant::now() + Duration::from_secs(3600);
-                match running.cgroup.wait_empty(deadline).await {
-                    Ok(true) => break,
-                    Ok(false) => {}
-                    Err(error) => return Err(StepError::Stop(error)),
-                }
+        Process::Forked { pid } => {
+            let pid = *pid;
+            if !crate::spawn::pid_exited(pid).await {
+                // Not watchable: its cgroup emptying says it instead.
+                wait_empty(&running.cgroup).await?;
             }
+            Err(StepError::ForkedExited {
+                generation: running.record.n,
+                pid,
+                when,
+            })
+        }
+        Process::Adopted { .. } => {
+            wait_empty(&running.cgroup).await?;
             Err(StepError::Internal(
                 "an adopted generation exited; its exit status is unknown",
             ))
+        }
+    }
+}
+
+/// Waits, without a deadline, until `cgroup` is empty.
+async fn wait_empty(cgroup: &Cgroup) -> Result<(), StepError> {
+    loop {
+        // No deadline: a long one, renewed.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(3600);
+        match cgroup.wait_empty(deadline).await {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(error) => return Err(StepError::Stop(error)),
         }
     }
 }
@@ -371,7 +432,7 @@ pub(super) async fn exited(running: &mut Running) -> Result<ExitStatus, StepErro
 pub(super) fn has_exited(running: &mut Running) -> Option<ExitStatus> {
     match &mut running.process {
         Process::Spawned(child) => child.try_wait().ok().flatten(),
-        Process::Adopted { .. } => None,
+        Process::Adopted { .. } | Process::Forked { .. } => None,
     }
 }
 
@@ -383,12 +444,19 @@ pub(super) fn exited_before_stop(running: &mut Running) -> Option<String> {
         use std::os::unix::process::ExitStatusExt;
         return Some(exit_text(status.code(), status.signal()));
     }
-    let adopted_and_empty = matches!(running.process, Process::Adopted { .. })
-        && running
-            .cgroup
-            .is_populated()
-            .is_ok_and(|populated| !populated);
-    adopted_and_empty.then(|| "its exit status is unknown: it was adopted".into())
+    let empty = running
+        .cgroup
+        .is_populated()
+        .is_ok_and(|populated| !populated);
+    match running.process {
+        Process::Adopted { .. } if empty => {
+            Some("its exit status is unknown: it was adopted".into())
+        }
+        Process::Forked { pid } if empty => Some(format!(
+            "its exit status is unknown: pid {pid}, named by process.pidFile, is not the agent's child"
+        )),
+        _ => None,
+    }
 }
 
 pub(super) use genswap_crds::exit_text;
@@ -431,18 +499,22 @@ pub(super) async fn spawn(
         &successor.build,
     );
     request.args = spec.process.args.clone();
-    request.env = spec
-        .process
-        .env
-        .iter()
-        .map(|var| (var.name.clone(), var.value.clone()))
-        .filter(|(name, _)| name != crate::notify::ENV_NOTIFY_SOCKET)
-        .collect();
+    request.env = env_of(&spec.process);
+    // The agent's own, when it gives them.
+    request.env.retain(|(name, _)| {
+        name != crate::notify::ENV_NOTIFY_SOCKET && name != crate::notify::ENV_WATCHDOG_USEC
+    });
     if let Some(path) = notify_socket {
         request.env.push((
             crate::notify::ENV_NOTIFY_SOCKET.to_string(),
             path.display().to_string(),
         ));
+        if let Some(usec) = spec.liveness.as_ref().and_then(|l| l.watchdog_usec()) {
+            request.env.push((
+                crate::notify::ENV_WATCHDOG_USEC.to_string(),
+                usec.to_string(),
+            ));
+        }
     }
     request.working_dir = Some(
         spec.process
@@ -450,8 +522,7 @@ pub(super) async fn spawn(
             .as_deref()
             .map_or_else(|| run_dir.to_path_buf(), PathBuf::from),
     );
-    request.uid = spec.process.user.and_then(|uid| u32::try_from(uid).ok());
-    request.gid = spec.process.group.and_then(|gid| u32::try_from(gid).ok());
+    (request.uid, request.gid) = owner_of(&spec.process);
     request.allow_root = allow_root;
     request.listeners = listeners;
     // Never the agent's own output: an agent restart would close it under

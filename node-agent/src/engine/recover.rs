@@ -1105,7 +1105,12 @@ impl Engine {
             preferred_pid,
             lineage,
         } = found;
-        let pid = main_pid(&listing.pids, record.n, preferred_pid);
+        // A daemon's pid file names its main process better than the pid
+        // journaled at the exec, which was its start's.
+        let named = lineage
+            .and_then(super::lifecycle::pid_file_of)
+            .and_then(|file| super::lifecycle::named_process(&file, &listing.cgroup).ok());
+        let pid = main_pid(&listing.pids, record.n, named.or(preferred_pid));
         let mut running = Running {
             tier: tier_of(listing.cgroup.path()),
             cgroup: listing.cgroup.clone(),
@@ -1114,8 +1119,21 @@ impl Engine {
             notify: None,
             liveness: None,
             liveness_task: None,
+            pre_stop: None,
+            pid_file: None,
             record,
         };
+        if let Some(spec) = lineage {
+            // Its NOTIFY_SOCKET is bound again at the same path, which the
+            // generation's next message finds: its watchdog is still heard.
+            match parts::bind_notify(self, key, spec, running.record.n, &running.cgroup) {
+                Ok(notify) => running.notify = notify,
+                Err(error) => {
+                    tracing::warn!(instance = %key, generation = running.record.n, error = %super::flow::reason_of(&error), "the adopted generation's notify socket cannot be bound again")
+                }
+            }
+            running.pre_stop = super::lifecycle::PreStop::of(self, key, spec, &running);
+        }
         // Probed again as its lineage asks: an agent restart does not end it.
         running.liveness = lineage.and_then(|spec| parts::liveness_of(self, key, spec, &running));
         let info = running.serving();

@@ -41,8 +41,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use genswap_crds::{Outcome, RestartPolicy, ServingState};
-use tokio::io::Interest;
-use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
@@ -262,7 +260,7 @@ impl Notices {
         let (sender, instance) = (self.sender.clone(), instance.clone());
         let (generation, pid) = (running.record.n, running.process.pid());
         runtime.spawn(async move {
-            if exited(pid).await {
+            if crate::spawn::pid_exited(pid).await {
                 let _ = sender.send(Notice::Exited(instance, generation));
             }
         });
@@ -299,28 +297,6 @@ impl Notices {
     /// Says that `instance` is idle with nothing serving.
     pub(super) fn idle(&self, instance: &InstanceKey) {
         let _ = self.sender.send(Notice::Idle(instance.clone()));
-    }
-}
-
-/// Waits until `pid` has exited; `false` when that cannot be watched.
-async fn exited(pid: u32) -> bool {
-    let fd = match crate::spawn::pidfd_open(pid) {
-        Ok(fd) => fd,
-        // Already gone (and reaped by whoever its parent is).
-        Err(error) if error.raw_os_error() == Some(nix::libc::ESRCH) => return true,
-        Err(error) => {
-            tracing::warn!(pid, %error, "a serving generation's exit cannot be watched (no pidfd)");
-            return false;
-        }
-    };
-    // SAFETY: an OwnedFd is a valid open descriptor that stays open, and
-    // names the same description, until the AsyncFd that owns it drops.
-    match unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) } {
-        Ok(fd) => fd.readable().await.is_ok(),
-        Err(error) => {
-            tracing::warn!(pid, %error, "a serving generation's exit cannot be watched");
-            false
-        }
     }
 }
 

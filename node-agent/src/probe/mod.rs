@@ -9,6 +9,7 @@
 //! | `grpc` | `SERVING` | [`grpc`] |
 //! | `exec` | exit 0 | [`crate::command`] |
 //! | `notify` | `READY=1` from the generation's cgroup | [`crate::notify`] |
+//! | `watchdog` (liveness) | a new `WATCHDOG=1` since the last try | [`crate::notify`] |
 //!
 //! A probe judges exactly one generation: the network kinds connect to the
 //! generation's own socket, a port on 127.0.0.1 or a named listener (which
@@ -184,6 +185,10 @@ pub enum ProbeError {
     NoNotifySocket,
     #[error("an exec probe cannot run here: the generation's commands have no cgroup")]
     NoCommandCgroup,
+    #[error(
+        "liveness.watchdog needs health.notify: WATCHDOG=1 arrives on the NOTIFY_SOCKET only a notify health probe gives"
+    )]
+    WatchdogWithoutNotify,
 }
 
 /// One probe of one generation, ready to try.
@@ -205,6 +210,12 @@ pub enum Probe {
         command: CommandSpec,
     },
     Notify(NotifyWatch),
+    /// Counts as healthy once a `WATCHDOG=1` arrived after the pings the
+    /// last try saw (shared by clones: one liveness loop's memory).
+    Watchdog {
+        watch: NotifyWatch,
+        seen: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    },
 }
 
 impl Probe {
@@ -263,6 +274,14 @@ impl Probe {
                 .clone()
                 .map(Probe::Notify)
                 .ok_or(ProbeError::NoNotifySocket),
+            ProbeAction::Watchdog => generation
+                .notify
+                .clone()
+                .map(|watch| Probe::Watchdog {
+                    watch,
+                    seen: Default::default(),
+                })
+                .ok_or(ProbeError::WatchdogWithoutNotify),
         }
     }
 
@@ -287,6 +306,12 @@ impl Probe {
                     .await
                     .map(|()| Healthy::ExitZero),
                 Probe::Notify(watch) => watch.ready_within(limit).await.map(|()| Healthy::Ready),
+                Probe::Watchdog { watch, seen } => {
+                    let after = seen.load(std::sync::atomic::Ordering::Relaxed);
+                    let pings = watch.pinged_after(after, limit).await?;
+                    seen.store(pings, std::sync::atomic::Ordering::Relaxed);
+                    Ok(Healthy::Pinged)
+                }
             }
         };
         // A command bounds itself: past its limit it is killed with proof,
@@ -313,6 +338,7 @@ impl Probe {
             }
             Probe::Exec { command, .. } => format!("exec {command}"),
             Probe::Notify(watch) => format!("{} (READY=1)", watch.path().display()),
+            Probe::Watchdog { watch, .. } => format!("{} (WATCHDOG=1)", watch.path().display()),
         }
     }
 }
@@ -349,7 +375,7 @@ pub fn check(
         ProbeAction::Exec(exec) => CommandSpec::new(&exec.command)
             .map(|_| ())
             .ok_or(ProbeError::EmptyCommand),
-        ProbeAction::Notify => Ok(()),
+        ProbeAction::Notify | ProbeAction::Watchdog => Ok(()),
     }
 }
 
@@ -370,6 +396,8 @@ pub enum Healthy {
     Serving,
     ExitZero,
     Ready,
+    /// A `WATCHDOG=1` since the last try.
+    Pinged,
 }
 
 impl Healthy {
@@ -406,6 +434,8 @@ pub enum Observation {
     Command(String),
     /// No `READY=1` yet; the generation's last `STATUS=`, if any.
     NotReady(Option<String>),
+    /// No `WATCHDOG=1` since the last try; the last `STATUS=`, if any.
+    NoWatchdog(Option<String>),
 }
 
 impl Observation {
@@ -419,6 +449,7 @@ impl Observation {
                 | Observation::Grpc(_)
                 | Observation::Command(_)
                 | Observation::NotReady(Some(_))
+                | Observation::NoWatchdog(_)
         )
     }
 
@@ -456,6 +487,13 @@ impl fmt::Display for Observation {
             Observation::NotReady(None) => f.write_str("no READY=1 yet"),
             Observation::NotReady(Some(status)) => {
                 write!(f, "no READY=1 yet; it says STATUS={status}")
+            }
+            Observation::NoWatchdog(None) => f.write_str("no WATCHDOG=1 since the last probe"),
+            Observation::NoWatchdog(Some(status)) => {
+                write!(
+                    f,
+                    "no WATCHDOG=1 since the last probe; it says STATUS={status}"
+                )
             }
         }
     }

@@ -347,6 +347,7 @@ pub fn spec(rev: i64, build: &testapp::Build, id: &str) -> SwapAttemptSpec {
             ..HealthSpec::default()
         },
         liveness: None,
+        lifecycle: None,
         settle: SettleSpec {
             seconds: 1,
             all_nodes: false,
