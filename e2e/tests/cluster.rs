@@ -30,14 +30,14 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use genswap_crds::{InstanceGeneration, Mode, Outcome, SwapAttempt};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
-use support::{Cluster, INSTANCE_ID, Stack, get_over, workspace};
+use support::{Cluster, INSTANCE_ID, Stack, apply_crds, get_over, path_str};
 use testapp::Build;
 
 const IG: &str = "hello";
@@ -510,32 +510,6 @@ async fn the_outcome_and_serving_applies_keep_each_others_fields() {
         (status.outcome, status.generation),
         (Some(Outcome::Done), Some(1))
     );
-}
-
-fn path_str(path: &Path) -> String {
-    path.to_str()
-        .unwrap_or_else(|| panic!("{} is not UTF-8", path.display()))
-        .to_string()
-}
-
-/// Applies the committed CRDs server-side and waits until both are
-/// established.
-fn apply_crds(cluster: &Cluster) {
-    let crds = workspace().join("crds");
-    cluster.kubectl(&[
-        "apply",
-        "--server-side",
-        "--force-conflicts",
-        "-f",
-        &path_str(&crds),
-    ]);
-    cluster.kubectl(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/instancegenerations.genswap.dev",
-        "crd/swapattempts.genswap.dev",
-        "--timeout=60s",
-    ]);
 }
 
 /// Waits until nothing of `igs` is left on the node but their logs: no

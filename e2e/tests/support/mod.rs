@@ -624,3 +624,29 @@ pub fn get_over(socket: &Path) -> Result<String, String> {
         .map(|(_, body)| body.to_string())
         .ok_or_else(|| format!("not an HTTP response: {response:?}"))
 }
+
+pub fn path_str(path: &Path) -> String {
+    path.to_str()
+        .unwrap_or_else(|| panic!("{} is not UTF-8", path.display()))
+        .to_string()
+}
+
+/// Applies the committed CRDs server-side and waits until both are
+/// established.
+pub fn apply_crds(cluster: &Cluster) {
+    let crds = workspace().join("crds");
+    cluster.kubectl(&[
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "-f",
+        &path_str(&crds),
+    ]);
+    cluster.kubectl(&[
+        "wait",
+        "--for=condition=Established",
+        "crd/instancegenerations.genswap.dev",
+        "crd/swapattempts.genswap.dev",
+        "--timeout=60s",
+    ]);
+}
