@@ -1,41 +1,15 @@
 //! The health check against the real test application on temp unix sockets.
 
+#[path = "support/test_app.rs"]
+mod test_app;
+
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use node_agent::health::{HealthError, Observation, get, wait_healthy};
 use node_agent::probe::ProbeError;
-
-/// A running `genswap-testapp`, killed by its PID and reaped on drop.
-struct TestApp {
-    child: Child,
-}
-
-impl TestApp {
-    fn start(socket: &Path, knobs: &[(&str, &str)]) -> Self {
-        let binary = testapp::binary().expect("the test app is built (cargo build -p testapp)");
-        let child = Command::new(binary)
-            .env(testapp::env::SOCKET, socket)
-            .env(testapp::env::BUILD, "health-test")
-            .env(testapp::env::GENERATION, "1")
-            .envs(knobs.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn the test app");
-        Self { child }
-    }
-}
-
-impl Drop for TestApp {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use test_app::TestApp;
 
 fn socket_in(dir: &tempfile::TempDir) -> PathBuf {
     dir.path().join("gen-1.sock")

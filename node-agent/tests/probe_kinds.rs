@@ -6,10 +6,11 @@
 
 #[path = "support/cgroup_guard.rs"]
 mod cgroup_guard;
+#[path = "support/test_app.rs"]
+mod test_app;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use cgroup_guard::{TestCgroupTree, eventually};
@@ -21,6 +22,7 @@ use node_agent::health::{HealthError, HealthPolicy, Observation, wait_for};
 use node_agent::notify::{ENV_NOTIFY_SOCKET, NotifyWatch};
 use node_agent::probe::{Endpoint, Generation, Healthy, Probe, ProbeError};
 use node_agent::spawn::{Output, SpawnSpec, spawn};
+use test_app::TestApp;
 
 /// Generous: only failures wait this long.
 const PATIENCE: Duration = Duration::from_secs(30);
@@ -31,36 +33,6 @@ const SHORT: Duration = Duration::from_millis(900);
 fn free_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
     listener.local_addr().expect("its address").port()
-}
-
-/// The test app serving 127.0.0.1:`port` and no unix socket; killed by its
-/// pid and reaped on drop.
-struct PortApp {
-    child: Child,
-}
-
-impl PortApp {
-    fn start(port: u16, knobs: &[(&str, &str)], dir: &Path) -> PortApp {
-        let binary = testapp::binary().expect("the test app is built (cargo build -p testapp)");
-        let child = Command::new(binary)
-            .env(testapp::env::SOCKET, dir.join("unused.sock"))
-            .env(testapp::knob::NEVER_BIND, "1")
-            .env(testapp::knob::PORT, port.to_string())
-            .envs(knobs.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn the test app");
-        PortApp { child }
-    }
-}
-
-impl Drop for PortApp {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn window(timeout: Duration) -> HealthPolicy {
@@ -94,7 +66,7 @@ async fn http_get_on_a_port_the_program_binds_itself() {
     // Refused while nothing listens.
     assert_eq!(last_observation(&probe, SHORT).await, Observation::Refused);
 
-    let _app = PortApp::start(port, &[], dir.path());
+    let _app = TestApp::on_port(port, &[], dir.path());
     let report = wait_for(&probe, &window(PATIENCE), std::future::pending())
         .await
         .expect("healthy once it binds its port");
@@ -105,7 +77,7 @@ async fn http_get_on_a_port_the_program_binds_itself() {
 async fn http_get_of_a_failing_or_hanging_program_is_unhealthy() {
     let dir = tempfile::tempdir().expect("temp dir");
     let failing = free_port();
-    let _failing = PortApp::start(failing, &[(testapp::knob::STATUS, "503")], dir.path());
+    let _failing = TestApp::on_port(failing, &[(testapp::knob::STATUS, "503")], dir.path());
     let probe = http_on_port(failing, "/");
     assert_eq!(
         last_observation(&probe, Duration::from_secs(3)).await,
@@ -113,7 +85,7 @@ async fn http_get_of_a_failing_or_hanging_program_is_unhealthy() {
     );
 
     let hanging = free_port();
-    let _hanging = PortApp::start(hanging, &[(testapp::knob::HANG, "1")], dir.path());
+    let _hanging = TestApp::on_port(hanging, &[(testapp::knob::HANG, "1")], dir.path());
     let probe = http_on_port(hanging, "/");
     let mut policy = window(Duration::from_secs(3));
     policy.request_timeout = Duration::from_millis(400);
@@ -136,7 +108,7 @@ async fn tcp_socket_is_a_connect_and_refused_without_a_listener() {
     });
     let probe = Probe::new(&action, &Generation::on_socket("/nonexistent")).expect("a probe");
     assert_eq!(last_observation(&probe, SHORT).await, Observation::Refused);
-    let _app = PortApp::start(port, &[], dir.path());
+    let _app = TestApp::on_port(port, &[], dir.path());
     let report = wait_for(&probe, &window(PATIENCE), std::future::pending())
         .await
         .expect("a connect once bound");
