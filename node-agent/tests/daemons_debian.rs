@@ -1,11 +1,12 @@
 //! Stock daemons that nobody here wrote, installed from Debian's packages,
 //! run and swapped unchanged: Prometheus' node exporter (Go,
 //! `prometheus-node-exporter`, socket activation by `--web.systemd-socket`)
-//! and lighttpd (C, `server.systemd-socket-activation`). Each takes the
-//! listener the agent holds, is judged by an `httpGet` through it, and is
-//! swapped in hold mode twice while a client sends requests to the port
-//! without pause, one connection each. They run as `nobody`, in real
-//! cgroups.
+//! and lighttpd (C, `server.systemd-socket-activation`; in the foreground,
+//! and left to daemonize with its pid file as `process.pidFile`). Each
+//! takes the listener the agent holds, is judged by an `httpGet` through
+//! it, and is swapped in hold mode twice while a client sends requests to
+//! the port without pause, one connection each. They run as `nobody`, in
+//! real cgroups.
 //!
 //! lighttpd stops gracefully at SIGINT (it finishes what it accepted), so
 //! none of its requests may fail. The node exporter handles no signal: at
@@ -79,9 +80,11 @@ fn hold(host: &SwapHost, rev: i64, build: &testapp::Build, id: &str, daemon: &Da
         path,
         args,
         stop,
+        pid_file,
         ..
     } = daemon;
     attempt.spec.stop.signal = *stop;
+    attempt.spec.process.pid_file = pid_file.as_ref().map(|p| p.display().to_string());
     attempt.spec.mode = Mode::Hold;
     attempt.spec.listeners = vec![listener(*port)];
     attempt.spec.process.args = args.to_vec();
@@ -109,6 +112,8 @@ struct Daemon {
     answers: &'static str,
     /// Requests each swap may lose: those in flight when it stops.
     may_lose_per_swap: usize,
+    /// Where it writes its pid when it daemonizes (`process.pidFile`).
+    pid_file: Option<PathBuf>,
 }
 
 /// Installs generation 1, then swaps to 2 and 3 under load, and checks
@@ -179,6 +184,7 @@ async fn the_go_node_exporter_takes_the_listener_and_each_swap_loses_at_most_the
         stop: StopSignal::Term,
         answers: "Node Exporter",
         may_lose_per_swap: 1,
+        pid_file: None,
     };
     swapped_under_load(&host, &daemon).await;
 }
@@ -189,10 +195,29 @@ async fn lighttpd_in_c_takes_the_listener_and_is_swapped_dropping_nothing() {
         return;
     };
     let host = SwapHost::new("daemon-c");
+    let daemon = lighttpd(&host, binary, false);
+    swapped_under_load(&host, &daemon).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lighttpd_left_to_daemonize_is_run_by_its_pid_file_and_swapped_dropping_nothing() {
+    let Some(binary) = installed("/usr/sbin/lighttpd", "lighttpd") else {
+        return;
+    };
+    let host = SwapHost::new("daemon-fork");
+    let daemon = lighttpd(&host, binary, true);
+    swapped_under_load(&host, &daemon).await;
+}
+
+/// lighttpd on a fresh port with a page of its own; in the foreground
+/// (`-D`), or daemonizing as its default is and writing `server.pid-file`.
+fn lighttpd(host: &SwapHost, binary: PathBuf, daemonizes: bool) -> Daemon {
     let port = free_port();
     let site = host.staging.with_file_name("site");
     std::fs::create_dir_all(site.join("www")).expect("document root");
+    std::fs::create_dir_all(site.join("run")).expect("pid file dir");
     std::fs::write(site.join("www/index.html"), "served by lighttpd\n").expect("a page");
+    let pid_file = site.join("run/lighttpd.pid");
     let config = site.join("lighttpd.conf");
     std::fs::write(
         &config,
@@ -201,23 +226,32 @@ async fn lighttpd_in_c_takes_the_listener_and_is_swapped_dropping_nothing() {
              server.bind = \"127.0.0.1\"\n\
              server.port = {port}\n\
              server.systemd-socket-activation = \"enable\"\n\
+             server.pid-file = \"{}\"\n\
              index-file.names = (\"index.html\")\n",
-            site.join("www").display()
+            site.join("www").display(),
+            pid_file.display()
         ),
     )
     .expect("write the config");
     for path in [&site, &site.join("www")] {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).expect("readable");
     }
-    let daemon = Daemon {
+    // The daemon, as nobody, writes its pid file there.
+    std::fs::set_permissions(site.join("run"), std::fs::Permissions::from_mode(0o777))
+        .expect("writable");
+    let mut args = vec!["-f".to_string(), config.display().to_string()];
+    if !daemonizes {
+        args.insert(0, "-D".into());
+    }
+    Daemon {
         binary,
         port,
         path: "/",
-        args: vec!["-D".into(), "-f".into(), config.display().to_string()],
+        args,
         // lighttpd's graceful shutdown; SIGTERM is its immediate one.
         stop: StopSignal::Int,
         answers: "served by lighttpd",
         may_lose_per_swap: 0,
-    };
-    swapped_under_load(&host, &daemon).await;
+        pid_file: daemonizes.then_some(pid_file),
+    }
 }
