@@ -161,10 +161,11 @@ async fn a_hung_generation_is_found_by_its_liveness_probe_and_replaced() {
     host.tear_down().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_generation_whose_watchdog_pings_stop_is_restarted_and_one_that_pings_is_not() {
-    let host = SwapHost::new("liveness-watchdog");
-    let tune = |attempt: &mut Attempt| {
+/// A notify generation of the test app that pings `WATCHDOG=1`, judged by
+/// the watchdog every second, `failure_threshold` missed periods stopping
+/// it.
+fn watchdog_of(failure_threshold: i32) -> impl FnOnce(&mut Attempt) {
+    move |attempt: &mut Attempt| {
         swap_host::knob(attempt, testapp::knob::NOTIFY, "ready");
         swap_host::knob(attempt, testapp::knob::WATCHDOG, "1");
         attempt.spec.health = genswap_crds::HealthSpec {
@@ -175,10 +176,15 @@ async fn a_generation_whose_watchdog_pings_stop_is_restarted_and_one_that_pings_
         attempt.spec.stop.timeout_seconds = 1;
         attempt.spec.liveness = Some(liveness(|l| {
             l.watchdog = true;
-            l.failure_threshold = 2;
+            l.failure_threshold = failure_threshold;
         }));
-    };
-    host.install_with(1, "b1", tune).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generation_whose_watchdog_pings_stop_is_restarted_and_one_that_pings_is_not() {
+    let host = SwapHost::new("liveness-watchdog");
+    host.install_with(1, "b1", watchdog_of(2)).await;
     let before = host.who_serves().await.expect("b1 serves");
     let mut watching = Watching::start(&host.engine);
     // Pinging every half period, it outlives many times failureThreshold
@@ -209,4 +215,42 @@ async fn a_generation_whose_watchdog_pings_stop_is_restarted_and_one_that_pings_
     assert_eq!((now.build.as_str(), now.generation), ("b1", 2));
     host.assert_only(Some(2));
     host.tear_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_agent_still_hears_the_watchdog_of_the_generation_it_adopts() {
+    let host = SwapHost::new("liveness-watchdog-adopt");
+    host.install_with(1, "b1", watchdog_of(2)).await;
+    let before = host.who_serves().await.expect("b1 serves");
+
+    // The next agent binds the generation's NOTIFY_SOCKET path again: the
+    // pings it sends from now on reach it.
+    let next = host.next_agent(node_agent::engine::EngineConfig::default());
+    let report = next.recover().await;
+    assert!(report.is_clean(), "{:?}", report.errors);
+    let mut watching = Watching::start(&next);
+    let quiet = tokio::time::timeout(std::time::Duration::from_secs(4), watching.exit()).await;
+    assert!(
+        quiet.is_err(),
+        "a pinging generation was stopped: {quiet:?}"
+    );
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(before.pid).expect("a pid")),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .expect("SIGSTOP the adopted generation");
+    let exit = watching.exit().await;
+    let failure = exit
+        .exit
+        .liveness_failed
+        .clone()
+        .expect("a liveness failure");
+    assert!(failure.contains("WATCHDOG=1"), "{failure}");
+    watching.restarted_as(2).await;
+    drop(watching);
+    next.stop_instance(&host.instance, &Default::default())
+        .await
+        .expect("stop");
+    host.assert_only(None);
 }
