@@ -20,6 +20,7 @@ use nix::sched::CloneFlags;
 use thiserror::Error;
 use tracing_subscriber::EnvFilter;
 
+use crate::cgroup::hybrid::{self, HybridError};
 use crate::cgroup::{CgroupError, CgroupManager, discover_mount};
 use crate::disk_name::{self, PathLimitError};
 use crate::engine::{Engine, EngineConfig, EngineParts};
@@ -251,6 +252,10 @@ pub enum HostError {
         "the agent's cgroup namespace is not the host's (PID 1's): it runs in a pod or container with a cgroup namespace of its own, so the instances' cgroups would lie inside its cgroup and be killed with it; let it join the host's namespaces (hostPID and CAP_SYS_ADMIN, and `run` without --no-host-namespaces, or `standalone --join-host-namespaces`)"
     )]
     PrivateCgroupNamespace,
+    /// On a hybrid host, the agent's children cannot be kept out of its
+    /// pod's cgroup v1 cgroups.
+    #[error(transparent)]
+    HybridCgroups(HybridError),
     /// The log directory or the shims' cgroup could not be set up.
     #[error("cannot set up the instances' logs: {0}")]
     Logs(#[source] LogError),
@@ -279,6 +284,14 @@ impl Host {
     pub fn build(settings: &HostSettings) -> Result<Host, HostError> {
         if !shares_cgroup_namespace_with_pid_1() {
             return Err(HostError::PrivateCgroupNamespace);
+        }
+        for home in hybrid::leave_pod_cgroups_v1().map_err(HostError::HybridCgroups)? {
+            tracing::info!(
+                hierarchy = %home.hierarchy,
+                pod_cgroup = %home.pod_path,
+                home = %home.dir.display(),
+                "hybrid host: the agent's children leave its pod's v1 cgroup"
+            );
         }
         disk_name::check_run_dir(&settings.run_dir)?;
         for (what, dir) in [

@@ -42,6 +42,19 @@ pub(crate) const EXEC_NEXT: u8 = b'x';
 pub(crate) const EXEC_FAILED: u8 = b'e';
 /// The report of a failed `cgroup.procs` write on the forked fallback.
 pub(crate) const JOIN_CGROUP: u8 = b'c';
+/// The report of a failed write to one of [`join_also`]'s cgroups.
+pub(crate) const JOIN_V1_CGROUPS: u8 = b'v';
+
+/// `cgroup.procs` of the cgroups every child joins besides its own, written
+/// by the child before its steps: the v1 homes of `crate::cgroup::hybrid`.
+static ALSO_JOINED: std::sync::OnceLock<Vec<OwnedFd>> = std::sync::OnceLock::new();
+
+/// Has every later child join these cgroups too (each an open
+/// `cgroup.procs`), before anything else it does. Set once per process; a
+/// second call is ignored, as the agent's own cgroups do not change.
+pub(crate) fn join_also(procs: Vec<OwnedFd>) {
+    let _ = ALSO_JOINED.set(procs);
+}
 
 /// `CLONE_INTO_CGROUP` from the kernel's uapi; libc's constant is a
 /// deprecated `c_int` that cannot hold it.
@@ -427,6 +440,11 @@ impl Launch {
             && let Err(errno) = nix::unistd::write(procs, b"0")
         {
             failed(JOIN_CGROUP, errno);
+        }
+        for procs in ALSO_JOINED.get().map(Vec::as_slice).unwrap_or_default() {
+            if let Err(errno) = nix::unistd::write(procs, b"0") {
+                failed(JOIN_V1_CGROUPS, errno);
+            }
         }
         for (code, step) in &self.steps {
             if let Err(errno) = step.run() {

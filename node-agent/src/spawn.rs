@@ -179,6 +179,9 @@ pub enum SetupStep {
     /// Writing its pid to the generation's `cgroup.procs` (only where the
     /// kernel could not create it there).
     JoinCgroup,
+    /// Writing its pid to the v1 cgroups outside the agent's pod (a hybrid
+    /// host's, `crate::cgroup::hybrid`).
+    LeavePodV1Cgroups,
     /// Placing `/dev/null` and its output at fds 0 to 2.
     Stdio,
     /// `setsid`.
@@ -198,8 +201,9 @@ pub enum SetupStep {
 }
 
 impl SetupStep {
-    const ALL: [SetupStep; 9] = [
+    const ALL: [SetupStep; 10] = [
         SetupStep::JoinCgroup,
+        SetupStep::LeavePodV1Cgroups,
         SetupStep::Stdio,
         SetupStep::NewSession,
         SetupStep::NoNewPrivs,
@@ -213,6 +217,7 @@ impl SetupStep {
     fn code(self) -> u8 {
         match self {
             SetupStep::JoinCgroup => launch::JOIN_CGROUP,
+            SetupStep::LeavePodV1Cgroups => launch::JOIN_V1_CGROUPS,
             SetupStep::Stdio => b'o',
             SetupStep::NewSession => b's',
             SetupStep::NoNewPrivs => b'n',
@@ -233,6 +238,7 @@ impl fmt::Display for SetupStep {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             SetupStep::JoinCgroup => "join its generation cgroup",
+            SetupStep::LeavePodV1Cgroups => "leave the agent pod's cgroup v1 cgroups",
             SetupStep::Stdio => "set up its standard input and output",
             SetupStep::NewSession => "start a new session",
             SetupStep::NoNewPrivs => "set no_new_privs",

@@ -33,6 +33,7 @@
 
 mod events;
 mod fs_util;
+pub mod hybrid;
 mod limits;
 mod quantity;
 mod subtree;

@@ -183,6 +183,21 @@ impl Node {
         self.start_as(command, Crash::No, joining)
     }
 
+    /// Starts it as a DaemonSet pod's container runs on a hybrid host: first
+    /// moved into the pod's cgroup of each v1 hierarchy in `pod_v1_cgroups`
+    /// (directories), as runc places a container, then exec'd.
+    pub fn start_in_v1_pod(&self, pod_v1_cgroups: &[PathBuf]) -> Agent {
+        let mut command = Command::new("/bin/sh");
+        command
+            .arg("-c")
+            .arg(r#"while [ "$1" != -- ]; do echo $$ > "$1/cgroup.procs" || exit 1; shift; done; shift; exec "$@""#)
+            .arg("sh")
+            .args(pod_v1_cgroups)
+            .arg("--")
+            .arg(env!("CARGO_BIN_EXE_node-agent"));
+        self.start_as(command, Crash::No, &[])
+    }
+
     fn start_as(&self, mut command: Command, crash: Crash, extra: &[&str]) -> Agent {
         let run = self.runs.fetch_add(1, Ordering::SeqCst) + 1;
         let log = self.temp.path().join(format!("agent-{run}.log"));
