@@ -276,15 +276,20 @@ pub struct Build {
 /// executable, a process forked by another thread while the file was open for
 /// writing can make an exec fail with `ETXTBSY` for a moment.
 pub fn make_build(dir: &Path, name: &str) -> Result<Build, Error> {
+    make_build_from(&binary()?, dir, name)
+}
+
+/// [`make_build`] of another build of the server at `source` (a statically
+/// linked one, for a file system without the host's libraries).
+pub fn make_build_from(source: &Path, dir: &Path, name: &str) -> Result<Build, Error> {
     let single_name = Path::new(name).file_name().and_then(|n| n.to_str()) == Some(name);
     if !single_name {
         return Err(Error::BadName {
             name: name.to_string(),
         });
     }
-    let source = binary()?;
-    let mut bytes = fs::read(&source).map_err(|source_err| Error::Read {
-        path: source.clone(),
+    let mut bytes = fs::read(source).map_err(|source_err| Error::Read {
+        path: source.to_path_buf(),
         source: source_err,
     })?;
     bytes.extend_from_slice(name.as_bytes());
