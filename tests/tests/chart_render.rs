@@ -524,6 +524,78 @@ fn custom_images_reach_each_component() {
     assert_eq!(image_of(&pod, "node-agent").0, "genswap:0.1.0");
 }
 
+fn env_value(container: &Container, name: &str) -> Option<String> {
+    container
+        .env
+        .as_deref()?
+        .iter()
+        .find(|e| e.name == name)?
+        .value
+        .clone()
+}
+
+#[test]
+fn a_node_without_a_service_route_keeps_both_components_on_its_loopback() {
+    let file = chart_support::chart_dir().join("ci/local-node-values.yaml");
+    let docs = render(&[&file], &[]);
+
+    let deployment: Deployment = typed(&docs);
+    let pod = deployment.spec.template.spec.expect("pod spec");
+    assert_eq!(pod.host_network, Some(true));
+    assert_eq!(pod.dns_policy.as_deref(), Some("ClusterFirstWithHostNet"));
+    let controller = container(&pod, "controller");
+    let parsed = genswap_controller::cli::Args::try_parse_from(
+        std::iter::once("genswap-controller".to_string())
+            .chain(controller.args.clone().unwrap_or_default()),
+    )
+    .expect("controller flags parse");
+    assert_eq!(parsed.metrics_addr.to_string(), "127.0.0.1:18080");
+    // The kubelet probes the pod's address unless told: loopback is where
+    // the controller listens.
+    for probe in [&controller.liveness_probe, &controller.readiness_probe] {
+        let host = probe
+            .as_ref()
+            .and_then(|p| p.http_get.as_ref()?.host.clone());
+        assert_eq!(host.as_deref(), Some("127.0.0.1"));
+    }
+
+    let daemonset: DaemonSet = typed(&docs);
+    let pod = daemonset.spec.template.spec.expect("pod spec");
+    let agent = container(&pod, "node-agent");
+    assert!(parse_agent_args(agent).host.no_host_namespaces);
+
+    // Both in-cluster clients dial the address given, not the Service's.
+    for c in [controller, agent] {
+        assert_eq!(
+            env_value(c, "KUBERNETES_SERVICE_HOST").as_deref(),
+            Some("127.0.0.1"),
+            "{}",
+            c.name
+        );
+        assert_eq!(
+            env_value(c, "KUBERNETES_SERVICE_PORT").as_deref(),
+            Some("6443"),
+            "{}",
+            c.name
+        );
+    }
+
+    // By default neither is set, and the agent joins the host's namespaces.
+    let docs = render(&[], &[]);
+    let daemonset: DaemonSet = typed(&docs);
+    let pod = daemonset.spec.template.spec.expect("pod spec");
+    let agent = container(&pod, "node-agent");
+    assert_eq!(env_value(agent, "KUBERNETES_SERVICE_HOST"), None);
+    assert!(!parse_agent_args(agent).host.no_host_namespaces);
+}
+
+#[test]
+fn a_loopback_controller_outside_the_nodes_network_is_refused() {
+    let error = chart_support::try_render(&[], &["controller.metrics.host=127.0.0.1"])
+        .expect_err("a controller the kubelet could not probe");
+    assert!(error.contains("controller.hostNetwork"), "{error}");
+}
+
 #[test]
 fn service_accounts_live_in_the_release_namespace() {
     let docs = render(&[], &[]);

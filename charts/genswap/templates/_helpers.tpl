@@ -88,14 +88,46 @@ Call with (dict "ctx" $ "image" .Values.controller.image).
 {{- default .ctx.Values.image.pullPolicy .image.pullPolicy -}}
 {{- end -}}
 
-{{/* The agent's metrics address, host:port (IPv6 hosts in brackets). */}}
-{{- define "genswap.agent.metricsAddr" -}}
-{{- $host := .Values.agent.metrics.host -}}
-{{- if contains ":" $host -}}
-{{- printf "[%s]:%d" $host (int .Values.agent.metrics.port) -}}
+{{/* host:port from (dict "host" "port"), IPv6 hosts in brackets. */}}
+{{- define "genswap.hostPort" -}}
+{{- if contains ":" .host -}}
+{{- printf "[%s]:%d" .host (int .port) -}}
 {{- else -}}
-{{- printf "%s:%d" $host (int .Values.agent.metrics.port) -}}
+{{- printf "%s:%d" .host (int .port) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The agent's metrics address. */}}
+{{- define "genswap.agent.metricsAddr" -}}
+{{- include "genswap.hostPort" (dict "host" .Values.agent.metrics.host "port" .Values.agent.metrics.port) -}}
+{{- end -}}
+
+{{/*
+Where the kubelet probes the controller: the pod's IP (empty) unless it
+listens on loopback, which only a hostNetwork pod can, the kubelet then
+reaching it on the node's loopback.
+*/}}
+{{- define "genswap.controller.probeHost" -}}
+{{- $c := .Values.controller -}}
+{{- if has $c.metrics.host (list "127.0.0.1" "::1") -}}
+{{- if not $c.hostNetwork -}}
+{{- fail (printf "controller.metrics.host %s needs controller.hostNetwork: true (the kubelet probes the pod's own address, not its loopback)" $c.metrics.host) -}}
+{{- end -}}
+{{- $c.metrics.host -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+KUBERNETES_SERVICE_HOST/PORT from apiServer, for in-cluster clients, when
+set; they win over the kubelet's own (a container's env does).
+*/}}
+{{- define "genswap.apiServerEnv" -}}
+{{- with .Values.apiServer.host }}
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ . | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ $.Values.apiServer.port | quote }}
+{{- end }}
 {{- end -}}
 
 {{/*
