@@ -5,6 +5,7 @@
 //! cargo run --release -p genswap-bench -- all --quick    # the same in under ~3 minutes
 //! cargo run --release -p genswap-bench -- zero-downtime  # one part
 //! cargo run --release -p genswap-bench -- scale
+//! cargo run --release -p genswap-bench -- cluster        # the controller on a real API server
 //! ```
 //!
 //! It builds the release `node-agent` and `genswap-testapp` beside itself
@@ -14,7 +15,11 @@
 //! (default `docs/bench/` of the workspace). See `docs/BENCHMARKS.md`.
 
 mod agent;
+mod audit;
 mod clock;
+mod cluster;
+mod cluster_report;
+mod fanout;
 mod http1;
 mod loadgen;
 mod nginx;
@@ -25,6 +30,7 @@ mod sandbox;
 mod scale;
 mod stats;
 mod watch;
+mod write_cost;
 mod zero;
 
 use std::io;
@@ -75,6 +81,8 @@ pub enum BenchError {
 pub struct Binaries {
     /// `node-agent`, release build.
     pub agent: PathBuf,
+    /// `genswap-controller`, release build.
+    pub controller: PathBuf,
     /// `genswap-testapp`, release build.
     pub testapp: PathBuf,
     /// This program, for the load generator process.
@@ -101,8 +109,46 @@ enum Command {
     ZeroDowntime(RunArgs),
     /// Scale only: the controller's scheduler bench and the agent with many instances.
     Scale(RunArgs),
+    /// The controller at scale on a real API server (`../shared/kube`): a
+    /// burst install and release with real agents, and the watch fan-out
+    /// by fleet size.
+    Cluster(ClusterArgs),
     /// The load generator (started by the benchmark as its own process).
     Loadgen(loadgen::LoadArgs),
+}
+
+#[derive(Clone, Debug, clap::Args)]
+struct ClusterArgs {
+    /// InstanceGenerations in the burst.
+    #[arg(long, default_value_t = 200)]
+    igs: usize,
+    /// Nodes, one agent process each.
+    #[arg(long, default_value_t = 3)]
+    nodes: usize,
+    /// The controller's `--concurrency` (default: its own default).
+    #[arg(long)]
+    concurrency: Option<u16>,
+    /// Fleet sizes of the watch fan-out.
+    #[arg(long, value_delimiter = ',', default_values_t = [10, 1000, 5000])]
+    watches: Vec<usize>,
+    /// How the fan-out's watches are scoped: today's `node-field`, and
+    /// `object-name` (one object per node) measured beside it.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [fanout::Scope::NodeField, fanout::Scope::ObjectName])]
+    scopes: Vec<fanout::Scope>,
+    /// Only the burst, the fan-out, or the cost of one write.
+    #[arg(long, value_enum)]
+    only: Option<ClusterPart>,
+    /// Where cluster.md and cluster.json go.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// A part of the cluster benchmark.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum ClusterPart {
+    Burst,
+    Fanout,
+    Writes,
 }
 
 #[derive(Clone, Debug, clap::Args)]
@@ -163,6 +209,12 @@ fn main() -> ExitCode {
             }
         };
     }
+    if matches!(cli.command, Command::Cluster(_))
+        && let Err(error) = cluster::ensure_helm()
+    {
+        eprintln!("genswap-bench: {error}");
+        return ExitCode::FAILURE;
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -188,16 +240,10 @@ async fn run(command: Command) -> Result<(), BenchError> {
         Command::All(args) => (args, true, true),
         Command::ZeroDowntime(args) => (args, true, false),
         Command::Scale(args) => (args, false, true),
+        Command::Cluster(args) => return run_cluster(args).await,
         Command::Loadgen(_) => return Ok(()),
     };
-    let out = args
-        .out
-        .clone()
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/bench"));
-    std::fs::create_dir_all(&out).map_err(|source| BenchError::Setup {
-        what: format!("create {}", out.display()),
-        source,
-    })?;
+    let out = out_dir(args.out.clone())?;
     let binaries = prepare::ensure(zero_on)?;
     let mount =
         node_agent::cgroup::discover_mount().map_err(|e| BenchError::Cgroup(e.to_string()))?;
@@ -252,19 +298,7 @@ async fn run(command: Command) -> Result<(), BenchError> {
     };
     let markdown = results.markdown();
     println!("\n{markdown}");
-    let write = |name: &str, text: String| {
-        let path = out.join(name);
-        std::fs::write(&path, text).map_err(|source| BenchError::Setup {
-            what: format!("write {}", path.display()),
-            source,
-        })
-    };
-    write("results.md", markdown)?;
-    write(
-        "results.json",
-        serde_json::to_string_pretty(&results).unwrap_or_default(),
-    )?;
-    println!("wrote {}/results.md and results.json", out.display());
+    write_report(&out, "results", &markdown, &results)?;
     // The claims the benchmark exists to check: an overlap swap drops
     // nothing, and nor does any swap of an instance on a held listener.
     let claimed_failed: u64 = results
@@ -280,5 +314,93 @@ async fn run(command: Command) -> Result<(), BenchError> {
             out.display()
         )));
     }
+    Ok(())
+}
+
+async fn run_cluster(args: ClusterArgs) -> Result<(), BenchError> {
+    let out = out_dir(args.out.clone())?;
+    let binaries = prepare::ensure(false)?;
+    let mount =
+        node_agent::cgroup::discover_mount().map_err(|e| BenchError::Cgroup(e.to_string()))?;
+    let machine = report::Machine::read(&mount);
+    println!("{}", machine.text());
+    let part = |p: ClusterPart| args.only.is_none_or(|only| only == p);
+    let burst = if part(ClusterPart::Burst) {
+        println!(
+            "\nThe controller on a real API server: {} InstanceGenerations x {} nodes ...",
+            args.igs, args.nodes
+        );
+        let options = cluster::ClusterOptions {
+            igs: args.igs,
+            nodes: args.nodes,
+            concurrency: args.concurrency,
+        };
+        Some(cluster::run(&binaries, &mount, &options).await?)
+    } else {
+        None
+    };
+    let fanout = if part(ClusterPart::Fanout) {
+        println!(
+            "\nWatch fan-out on a real API server: {:?} watches ...",
+            args.watches
+        );
+        let options = fanout::FanoutOptions {
+            scopes: args.scopes.clone(),
+            watches: args.watches.clone(),
+            attempts_per_node: args.igs,
+        };
+        fanout::run(&options).await?
+    } else {
+        Vec::new()
+    };
+    let write_costs = if part(ClusterPart::Writes) {
+        println!("\nWhat one write costs the API server ...");
+        write_cost::run(300).await?
+    } else {
+        Vec::new()
+    };
+    let results = cluster_report::ClusterResults {
+        machine,
+        burst,
+        fanout,
+        write_costs,
+    };
+    let markdown = results.markdown();
+    println!("\n{markdown}");
+    write_report(&out, "cluster", &markdown, &results)
+}
+
+/// `--out`, else `docs/bench/` of the workspace, created.
+fn out_dir(out: Option<PathBuf>) -> Result<PathBuf, BenchError> {
+    let out =
+        out.unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/bench"));
+    std::fs::create_dir_all(&out).map_err(|source| BenchError::Setup {
+        what: format!("create {}", out.display()),
+        source,
+    })?;
+    Ok(out)
+}
+
+/// Writes `<out>/<stem>.md` and `<stem>.json`.
+fn write_report(
+    out: &std::path::Path,
+    stem: &str,
+    markdown: &str,
+    results: &impl serde::Serialize,
+) -> Result<(), BenchError> {
+    for (name, text) in [
+        (format!("{stem}.md"), markdown.to_string()),
+        (
+            format!("{stem}.json"),
+            serde_json::to_string_pretty(results).unwrap_or_default(),
+        ),
+    ] {
+        let path = out.join(&name);
+        std::fs::write(&path, text).map_err(|source| BenchError::Setup {
+            what: format!("write {}", path.display()),
+            source,
+        })?;
+    }
+    println!("wrote {}/{stem}.md and {stem}.json", out.display());
     Ok(())
 }

@@ -1,4 +1,4 @@
-//! The programs a run needs: the agent and the test app built from this
+//! The programs a run needs: the agent, the controller and the test app built from this
 //! workspace in this program's own profile and target dir, and nginx.
 
 use std::path::{Path, PathBuf};
@@ -6,7 +6,7 @@ use std::process::Command;
 
 use crate::{BenchError, Binaries};
 
-/// Builds `node-agent` and `genswap-testapp` beside this executable (cargo
+/// Builds `node-agent`, `genswap-controller` and `genswap-testapp` beside this executable (cargo
 /// does nothing when they are fresh; under `cargo run` they are always
 /// handed to cargo so a stale binary never runs), and finds or installs
 /// nginx when `nginx_needed`.
@@ -20,8 +20,13 @@ pub fn ensure(nginx_needed: bool) -> Result<Binaries, BenchError> {
         .ok_or_else(|| BenchError::Missing(format!("the directory of {}", bench.display())))?
         .to_path_buf();
     let agent = profile_dir.join("node-agent");
+    let controller = profile_dir.join("genswap-controller");
     let testapp = profile_dir.join(testapp::BINARY_NAME);
-    if std::env::var_os("CARGO").is_some() || !agent.is_file() || !testapp.is_file() {
+    if std::env::var_os("CARGO").is_some()
+        || !agent.is_file()
+        || !testapp.is_file()
+        || !controller.is_file()
+    {
         build(&profile_dir)?;
     }
     if cfg!(debug_assertions) {
@@ -34,6 +39,7 @@ pub fn ensure(nginx_needed: bool) -> Result<Binaries, BenchError> {
     };
     Ok(Binaries {
         agent,
+        controller,
         testapp,
         bench,
         nginx,
@@ -53,13 +59,23 @@ fn build(profile_dir: &Path) -> Result<(), BenchError> {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let command_text = format!(
-        "cargo build --profile {profile} -p node-agent -p testapp --bins --target-dir {}",
+        "cargo build --profile {profile} -p node-agent -p controller -p testapp --bins --target-dir {}",
         target_dir.display()
     );
-    println!("Building the agent and the test app if they are not up to date: {command_text}");
+    println!(
+        "Building the agent, the controller and the test app if they are not up to date: {command_text}"
+    );
     let status = Command::new(cargo)
         .args(["build", "-q", "--profile", &profile])
-        .args(["-p", "node-agent", "-p", "testapp", "--bins"])
+        .args([
+            "-p",
+            "node-agent",
+            "-p",
+            "controller",
+            "-p",
+            "testapp",
+            "--bins",
+        ])
         .arg("--manifest-path")
         .arg(&manifest)
         .arg("--target-dir")
@@ -73,7 +89,7 @@ fn build(profile_dir: &Path) -> Result<(), BenchError> {
         Ok(())
     } else {
         Err(BenchError::Missing(format!(
-            "the agent and the test app: `{command_text}` failed ({status})"
+            "the agent, the controller and the test app: `{command_text}` failed ({status})"
         )))
     }
 }

@@ -344,7 +344,7 @@ async fn idle_usage(pid: u32, window: Duration) -> Result<Usage, BenchError> {
 }
 
 /// utime + stime of every thread, from /proc/<pid>/stat.
-fn cpu_ticks(pid: u32) -> Option<u64> {
+pub(crate) fn cpu_ticks(pid: u32) -> Option<u64> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command name, which may hold spaces, in parentheses.
     let rest = stat.rsplit_once(')')?.1;
@@ -354,7 +354,7 @@ fn cpu_ticks(pid: u32) -> Option<u64> {
 }
 
 /// A `key: value [kB]` line of /proc/<pid>/status.
-fn status_field(pid: u32, key: &str) -> Option<u64> {
+pub(crate) fn status_field(pid: u32, key: &str) -> Option<u64> {
     status_field_at(&format!("/proc/{pid}/status"), key)
 }
 
