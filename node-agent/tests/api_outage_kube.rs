@@ -2,7 +2,7 @@
 //! real node (real engine, cgroup v2, testapp processes, sockets) and a
 //! fake API server behind `tower_test` that can go down.
 //!
-//! Two attempts are admitted (read fresh, handed to the engine) when the
+//! Two attempts are admitted (handed to the engine as watched) when the
 //! server goes down: an overlap that will succeed and one whose build
 //! answers 500. While it is down every request fails in turn with a 503
 //! `Status`, a refused connection, a 502 from a proxy, or no answer at all,
@@ -451,7 +451,7 @@ async fn an_api_server_unreachable_for_minutes_loses_and_duplicates_no_outcome()
         ("b1", "d1")
     );
 
-    // Two attempts arrive, are read fresh and start; the server goes down
+    // Two attempts arrive and start; the server goes down
     // as their running status is written.
     api.create(web2);
     api.create(db2);
@@ -599,8 +599,8 @@ async fn an_api_server_unreachable_for_minutes_loses_and_duplicates_no_outcome()
         );
         assert_eq!(
             api.count(&Kind::Get(attempt.clone())),
-            1,
-            "{attempt} read fresh once"
+            0,
+            "{attempt} runs on its watched copy, never read"
         );
     }
     let outcome_of = |attempt: &str| {

@@ -18,9 +18,8 @@ use genswap_crds::{Cause, InstanceKind, Mode, Outcome};
 use http::{Method, StatusCode};
 use kube_node::TestNode;
 use kube_support::{
-    ALL_ATTEMPTS, GROUP_PATH, NAMESPACE, condition, eventually, fresh_read, list_and_watch,
-    mock_client, name, object, outcome_status, plain_spec, running_status, start_agent,
-    test_config, unexpected,
+    ALL_ATTEMPTS, GROUP_PATH, NAMESPACE, condition, eventually, list_and_watch, mock_client, name,
+    object, outcome_status, plain_spec, running_status, start_agent, test_config, unexpected,
 };
 use node_agent::gate::{AttemptGate, AttemptId, GatePoint, GateRefusal};
 use node_agent::journal::{AttemptRef, OutcomeRecord, Record};
@@ -165,12 +164,16 @@ async fn finished_attempts_never_run_again_and_the_journal_is_delivered_first() 
     let delivered = outcome_status(&mut server, &web2).await;
     assert_eq!(delivered["outcome"], "done");
     assert_eq!(delivered["generation"], 4, "the journal's outcome");
-    eventually("web rev 2 acknowledged", || node.pending().is_empty()).await;
-    fresh_read(&mut server, &db1).await;
+    // db rev 1 runs on its watched copy while web rev 2's outcome is
+    // acknowledged, so the journal empties once both are.
     running_status(&mut server, &db1).await;
     let db = outcome_status(&mut server, &db1).await;
     assert_eq!(db["outcome"], "abandoned");
     assert_eq!(db["executed"], false);
+    eventually("web rev 2 and db rev 1 acknowledged", || {
+        node.pending().is_empty()
+    })
+    .await;
 
     agent.stop().await.expect("clean stop");
     let left = unexpected(server).await;
@@ -196,7 +199,6 @@ async fn an_attempt_older_than_the_newest_is_abandoned_without_running() {
     assert!(older.get("generation").is_none(), "{older:#}");
     assert_eq!(condition(&older, "Ready")["reason"], "Abandoned");
     assert_eq!(condition(&older, "Stalled")["status"], "False");
-    fresh_read(&mut server, &web2).await;
     running_status(&mut server, &web2).await;
     outcome_status(&mut server, &web2).await;
     agent.stop().await.expect("clean stop");
@@ -224,7 +226,6 @@ async fn a_newer_attempt_arriving_mid_swap_makes_the_gate_refuse_the_older_one()
     let agent = node.start_agent(client);
     let feed = list_and_watch(&mut server, &[]).await;
     feed.added(&web1);
-    fresh_read(&mut server, &web1).await;
     running_status(&mut server, &web1).await;
     let spawned = node.generation_cgroup("web", 1);
     eventually("rev 1's successor spawned", || spawned.exists()).await;
@@ -238,7 +239,6 @@ async fn a_newer_attempt_arriving_mid_swap_makes_the_gate_refuse_the_older_one()
         reason.contains("superseded") && reason.contains("schedRev 2"),
         "{reason}"
     );
-    fresh_read(&mut server, &web2).await;
     running_status(&mut server, &web2).await;
     let done = outcome_status(&mut server, &web2).await;
     assert_eq!(done["outcome"], "done", "{done:#}");
@@ -292,9 +292,7 @@ async fn a_second_agent_runs_nothing_until_it_owns_the_node() {
     );
 
     drop(held);
-    // Owner now: both run once, and each is read fresh first.
-    fresh_read(&mut server, &web1).await;
-    fresh_read(&mut server, &db1).await;
+    // Owner now: both run once.
     for attempt in [&web1, &db1] {
         running_status(&mut server, attempt).await;
         let status = outcome_status(&mut server, attempt).await;
@@ -321,13 +319,11 @@ async fn shutdown_cancels_the_attempt_in_flight_and_leaves_the_serving_generatio
     let (client, mut server) = mock_client();
     let mut agent = node.start_agent(client);
     let feed = list_and_watch(&mut server, std::slice::from_ref(&web1)).await;
-    fresh_read(&mut server, &web1).await;
     running_status(&mut server, &web1).await;
     assert_eq!(outcome_status(&mut server, &web1).await["outcome"], "done");
     let serving = node.who_serves("web").await.expect("b1 serves");
 
     feed.added(&web2);
-    fresh_read(&mut server, &web2).await;
     running_status(&mut server, &web2).await;
     let successor = node.generation_cgroup("web", 2);
     eventually("rev 2's successor spawned", || successor.exists()).await;
@@ -371,7 +367,6 @@ async fn a_deleted_attempt_is_cancelled_and_its_outcome_dropped_on_404() {
     let (client, mut server) = mock_client();
     let agent = node.start_agent(client);
     let feed = list_and_watch(&mut server, std::slice::from_ref(&web1)).await;
-    fresh_read(&mut server, &web1).await;
     running_status(&mut server, &web1).await;
     let successor = node.generation_cgroup("web", 1);
     eventually("the successor spawned", || successor.exists()).await;

@@ -18,8 +18,8 @@ use genswap_crds::Mode;
 use http::StatusCode;
 use kube_node::TestNode;
 use kube_support::{
-    NAMESPACE, fresh_read, list_and_watch, mock_client, name, object, outcome_status,
-    running_status, unexpected,
+    NAMESPACE, list_and_watch, mock_client, name, object, outcome_status, running_status,
+    unexpected,
 };
 use serde_json::json;
 use tcp_client::{Load, free_port, get, listener};
@@ -38,7 +38,6 @@ async fn an_attempts_listener_is_served_shown_in_status_and_kept_through_a_hold(
     let feed = list_and_watch(&mut server, &[]).await;
 
     feed.added(&web1);
-    fresh_read(&mut server, &web1).await;
     running_status(&mut server, &web1).await;
     let done = outcome_status(&mut server, &web1).await;
     assert_eq!(done["outcome"], "done", "{done:#}");
@@ -63,7 +62,6 @@ async fn an_attempts_listener_is_served_shown_in_status_and_kept_through_a_hold(
     release.listeners = vec![listener(port)];
     let web2 = object(&release);
     feed.added(&web2);
-    fresh_read(&mut server, &web2).await;
     running_status(&mut server, &web2).await;
     let done = outcome_status(&mut server, &web2).await;
     assert_eq!(done["outcome"], "done", "{done:#}");

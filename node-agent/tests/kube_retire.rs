@@ -20,7 +20,7 @@ use http::{Method, StatusCode};
 use kube_node::TestNode;
 use kube_support::{
     ApiServerVerifier, GROUP_PATH, NAMESPACE, NODE, Pending, RunningAgent, WatchFeed, eventually,
-    fresh_read, list_and_watch, mock_client, object, outcome_status, running_status, unexpected,
+    list_and_watch, mock_client, object, outcome_status, running_status, unexpected,
 };
 use serde_json::{Value, json};
 use swap_host::{Identity, alive};
@@ -92,7 +92,7 @@ fn namespace_object(terminating: bool) -> Value {
     namespace
 }
 
-/// `web`'s attempt `install` is deleted, and the fresh reads that follow
+/// `web`'s attempt `install` is deleted, and the reads that follow
 /// find `web` selecting `pool: edge` and this node labelled `labels`.
 async fn attempt_deleted_on_node_labelled(
     server: &mut ApiServerVerifier,
@@ -184,7 +184,6 @@ async fn installed(
     let b1 = node.build("b1");
     let install = object(&node.spec("web", rev, &b1, "b1"));
     let feed = list_and_watch(server, std::slice::from_ref(&install)).await;
-    fresh_read(server, &install).await;
     running_status(server, &install).await;
     let status = outcome_status(server, &install).await;
     assert_eq!(status["outcome"], "done", "{status:#}");
@@ -206,7 +205,6 @@ async fn installs_again(
     let b1 = node.build("b1");
     let again = object(&node.spec("web", rev, &b1, "b1"));
     feed.added(&again);
-    fresh_read(server, &again).await;
     running_status(server, &again).await;
     let status = outcome_status(server, &again).await;
     assert_eq!(status["outcome"], "done", "{status:#}");
@@ -235,7 +233,7 @@ async fn deleting_the_instance_generation_stops_its_instance_with_proof_of_exit(
     assert!(cgroup.exists());
 
     // The garbage collector deletes the attempt with its owner; the object
-    // is read fresh, and it is gone.
+    // is gone, and so is its InstanceGeneration when read.
     feed.deleted(&install);
     answer_gone(&mut server, "web").await;
     eventually("the instance stopped", || retirements(&agent, "stopped")).await;
@@ -354,7 +352,7 @@ async fn a_node_that_leaves_the_selector_stops_its_instance() {
     } = serving_web("kube-retire-unselected", 2).await;
 
     // The node was relabelled out of the selector: the controller deleted
-    // its attempt, and the fresh reads agree.
+    // its attempt, and the reads agree.
     attempt_deleted_on_node_labelled(&mut server, &feed, &install, json!({ "pool": "core" })).await;
     eventually("the instance stopped", || retirements(&agent, "stopped")).await;
     assert!(!alive(serving.pid), "process {} exited", serving.pid);

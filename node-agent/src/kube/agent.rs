@@ -20,9 +20,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use super::intake::{Decision, Intake};
-use super::report::{
-    OutcomeReport, REQUEST_TIMEOUT, ReportTarget, Reporter, ServingTarget, error_chain,
-};
+use super::report::{OutcomeReport, ReportTarget, Reporter, ServingTarget, error_chain};
 use super::retire::{self, Owner};
 use super::{KubeAgentConfig, KubeAgentError};
 use crate::engine::{
@@ -166,7 +164,15 @@ impl KubeAgent {
         let (store, writer) = reflector::store();
         let mut events = reconnecting(reflector(
             writer,
-            watcher(api, watcher::Config::default().fields(&selector)),
+            // MostRecent (a quorum read) is what lets an attempt run on its
+            // watched copy: a list from the watch cache could predate its
+            // outcome.
+            watcher(
+                api,
+                watcher::Config::default()
+                    .fields(&selector)
+                    .list_semantic(watcher::ListSemantic::MostRecent),
+            ),
         ))
         .boxed();
 
@@ -682,7 +688,7 @@ impl Drop for EndGuard {
     }
 }
 
-/// One attempt's task: a fresh read, the running status, the swap, the
+/// One attempt's task: the running status, the swap, the
 /// outcome handed to the loop.
 async fn run_attempt(
     shared: Arc<Shared>,
@@ -709,25 +715,17 @@ async fn swap(
     attempt: &SwapAttempt,
     cancel: &Cancel,
 ) -> Option<(OutcomeReport, Option<ServingChange>)> {
-    let namespace = attempt.metadata.namespace.clone().unwrap_or_default();
+    // The watched copy is current enough to run: the watch's lists are
+    // quorum reads, its events come in order after them, and an attempt
+    // with an outcome, one the journal holds, or one this agent took never
+    // reaches here (intake.rs). A read from the server would only repeat
+    // what the watch said.
     let name = attempt.metadata.name.clone().unwrap_or_default();
-    let fresh = match read_fresh(shared, &namespace, &name, cancel).await {
-        Fresh::Runnable(fresh) => fresh,
-        Fresh::Finished => {
-            tracing::info!(%namespace, %name, "the attempt already has an outcome; not run again");
-            return None;
-        }
-        Fresh::Gone => {
-            tracing::info!(%namespace, %name, "the attempt was deleted before it ran");
-            return None;
-        }
-        Fresh::Cancelled => return None,
-    };
-    let target = ReportTarget::of_attempt(&fresh, Some(instance.clone()));
+    let target = ReportTarget::of_attempt(attempt, Some(instance.clone()));
     let engine_attempt = Attempt {
         instance,
         name,
-        spec: fresh.spec.clone(),
+        spec: attempt.spec.clone(),
         restart: None,
     };
     let mode = engine_attempt.effective_mode();
@@ -763,43 +761,4 @@ async fn swap(
     );
     let serving = ServingChange::installed(&engine_attempt, &result);
     Some((OutcomeReport::from_result(target, &result), serving))
-}
-
-/// What the API server says of an attempt right before it would run.
-enum Fresh {
-    Runnable(Box<SwapAttempt>),
-    Finished,
-    Gone,
-    Cancelled,
-}
-
-/// Reads the attempt from the API server (not the cache), retrying with
-/// backoff until it answers or the attempt's lifetime ends: an attempt is
-/// never run on a copy that may be older than its outcome.
-async fn read_fresh(shared: &Shared, namespace: &str, name: &str, cancel: &Cancel) -> Fresh {
-    let api: Api<SwapAttempt> = Api::namespaced(shared.client.clone(), namespace);
-    let mut retry = 0u32;
-    loop {
-        let read = tokio::select! {
-            biased;
-            () = cancel.cancelled() => return Fresh::Cancelled,
-            read = tokio::time::timeout(REQUEST_TIMEOUT, api.get(name)) => read,
-        };
-        let error = match read {
-            Ok(Ok(fresh)) if fresh.status.as_ref().is_some_and(|s| s.outcome.is_some()) => {
-                return Fresh::Finished;
-            }
-            Ok(Ok(fresh)) => return Fresh::Runnable(Box::new(fresh)),
-            Ok(Err(kube::Error::Api(status))) if status.is_not_found() => return Fresh::Gone,
-            Ok(Err(error)) => error_chain(&error),
-            Err(_) => format!("no answer within {REQUEST_TIMEOUT:?}"),
-        };
-        let delay = shared.config.report_backoff.delay(retry);
-        tracing::warn!(%namespace, %name, %error, retry_in_ms = delay.as_millis() as u64, "reading the attempt before running it failed");
-        tokio::select! {
-            () = cancel.cancelled() => return Fresh::Cancelled,
-            () = tokio::time::sleep(delay) => {}
-        }
-        retry = retry.saturating_add(1);
-    }
 }

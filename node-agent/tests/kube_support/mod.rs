@@ -215,15 +215,6 @@ impl ApiServerVerifier {
         (request, pending.respond_watch())
     }
 
-    /// A read of one attempt.
-    pub async fn expect_get(&mut self, namespace: &str, name: &str) -> Pending {
-        let path = format!("{GROUP_PATH}/namespaces/{namespace}/swapattempts/{name}");
-        self.next_where(&format!("GET {path}"), |r| {
-            r.method == Method::GET && r.path == path
-        })
-        .await
-    }
-
     /// A status write of one attempt.
     pub async fn expect_status_patch(&mut self, namespace: &str, name: &str) -> Pending {
         let path = format!("{GROUP_PATH}/namespaces/{namespace}/swapattempts/{name}/status");
@@ -497,15 +488,6 @@ pub async fn list_and_watch(server: &mut ApiServerVerifier, items: &[Value]) -> 
     server.expect_list(ALL_ATTEMPTS, items).await;
     let (_, feed) = server.expect_watch(ALL_ATTEMPTS).await;
     feed
-}
-
-/// The fresh read before a run, answered with `object`.
-pub async fn fresh_read(server: &mut ApiServerVerifier, object: &Value) {
-    let name = object["metadata"]["name"].as_str().expect("a name");
-    server
-        .expect_get(NAMESPACE, name)
-        .await
-        .respond_json(StatusCode::OK, object);
 }
 
 /// The running status of `object`, checked and accepted.

@@ -127,8 +127,8 @@ impl TestNode {
     }
 
     /// Starts an agent over a mocked API server whose list holds one
-    /// install of `b1` as `web` rev 1, and answers the install's fresh read
-    /// and status writes. Returns the agent, the server, the open watch,
+    /// install of `b1` as `web` rev 1, and answers the install's status
+    /// writes. Returns the agent, the server, the open watch,
     /// the attempt object and the outcome status it wrote.
     pub async fn install_web_b1(&self) -> Installed {
         let b1 = self.build("b1");
@@ -137,7 +137,6 @@ impl TestNode {
         let agent = self.start_agent(client);
         let feed =
             crate::kube_support::list_and_watch(&mut server, std::slice::from_ref(&install)).await;
-        crate::kube_support::fresh_read(&mut server, &install).await;
         crate::kube_support::running_status(&mut server, &install).await;
         let status = crate::kube_support::outcome_status(&mut server, &install).await;
         Installed {
