@@ -123,6 +123,29 @@ async fn an_attempt_runs_on_the_engine_and_its_outcome_is_applied_then_acknowled
 }
 
 #[tokio::test]
+async fn an_attempt_that_ends_within_the_running_report_delay_writes_only_its_outcome() {
+    let node = TestNode::new("kube-no-running");
+    // Refused at staging (the build is not there): it ends at once.
+    let db1 = object(&plain_spec("db", 1));
+    let (client, mut server) = mock_client();
+    let agent = node.start_agent_with(client, |config| {
+        config.running_report_delay = std::time::Duration::from_secs(600);
+    });
+    let _feed = list_and_watch(&mut server, std::slice::from_ref(&db1)).await;
+    let db = outcome_status(&mut server, &db1).await;
+    assert_eq!(db["outcome"], "abandoned", "{db:#}");
+    assert!(db["startedAt"].is_string(), "{db:#}");
+    assert_eq!(condition(&db, "Reconciling")["status"], "False");
+    eventually("db rev 1 acknowledged", || node.pending().is_empty()).await;
+    agent.stop().await.expect("clean stop");
+    assert_eq!(
+        unexpected(server).await,
+        Vec::<String>::new(),
+        "no running status was written"
+    );
+}
+
+#[tokio::test]
 async fn finished_attempts_never_run_again_and_the_journal_is_delivered_first() {
     let node = TestNode::new("kube-never-twice");
     // The previous agent finished web rev 2 but its outcome was never accepted.

@@ -745,9 +745,20 @@ async fn swap(
         swap_over.cancel("the attempt finished");
         result
     };
-    let started = shared
-        .reporter
-        .report_started(&target, mode, unix_millis_now(), &swap_over);
+    let started_at_ms = unix_millis_now();
+    let started = async {
+        let delay = shared.config.running_report_delay;
+        if !delay.is_zero() {
+            tokio::select! {
+                () = swap_over.cancelled() => return,
+                () = tokio::time::sleep(delay) => {}
+            }
+        }
+        shared
+            .reporter
+            .report_started(&target, mode, started_at_ms, &swap_over)
+            .await;
+    };
     let (result, ()) = tokio::join!(run, started);
     shared.metrics.record_result(&result);
     tracing::info!(

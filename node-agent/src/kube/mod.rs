@@ -131,6 +131,12 @@ pub struct KubeArgs {
     #[arg(long, default_value_t = 5)]
     pub report_flush_seconds: u64,
 
+    /// How long an attempt runs before its running status (`Reconciling`)
+    /// is written, in ms; one that ends sooner reports only its outcome.
+    /// 0 writes it as the attempt starts.
+    #[arg(long, default_value_t = RUNNING_REPORT_DELAY.as_millis() as u64)]
+    pub running_report_delay_ms: u64,
+
     /// On shutdown, how long to wait for cancelled attempts to restore what
     /// they changed (recovery finishes any that take longer).
     #[arg(long, default_value_t = 60)]
@@ -157,6 +163,7 @@ impl KubeArgs {
             report_flush: Duration::from_secs(self.report_flush_seconds),
             shutdown_timeout: Duration::from_secs(self.shutdown_timeout_seconds),
             look_again: LOOK_AGAIN,
+            running_report_delay: Duration::from_millis(self.running_report_delay_ms),
         };
         config.validate()?;
         Ok(config)
@@ -165,6 +172,13 @@ impl KubeArgs {
 
 /// How soon an instance left without attempts is looked up again.
 const LOOK_AGAIN: Duration = Duration::from_secs(30);
+
+/// How long an attempt runs before its running status is written. Most
+/// swaps end within it, and a `Reconciling` that the outcome replaces
+/// within a second tells nobody anything, while its write costs the API
+/// server as much as the outcome's (docs/BENCHMARKS.md, "The controller on
+/// a real API server").
+pub const RUNNING_REPORT_DELAY: Duration = Duration::from_secs(1);
 
 /// The settings of Kubernetes mode.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -188,6 +202,9 @@ pub struct KubeAgentConfig {
     /// How soon an instance left without attempts is looked up again when
     /// its last lookup failed or found it still wanted.
     pub look_again: Duration,
+    /// How long an attempt runs before its running status is written; one
+    /// that ends sooner reports only its outcome. Zero writes it at once.
+    pub running_report_delay: Duration,
 }
 
 impl KubeAgentConfig {
@@ -203,6 +220,7 @@ impl KubeAgentConfig {
             report_flush: Duration::from_secs(5),
             shutdown_timeout: Duration::from_secs(60),
             look_again: LOOK_AGAIN,
+            running_report_delay: RUNNING_REPORT_DELAY,
         }
     }
 

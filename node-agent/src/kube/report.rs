@@ -7,7 +7,9 @@
 //!
 //! Two writes per attempt, built by the status functions standalone mode
 //! uses too (`crate::standalone::report`), so both modes report alike:
-//! - when it starts, [`running_status`]: `startedAt`, `effectiveMode` and
+//! - once it has run for the running-report delay (1 s by default, so a
+//!   swap that ends sooner costs the API server one write, not two),
+//!   [`running_status`]: `startedAt`, `effectiveMode` and
 //!   `Reconciling=True` (retried until the attempt ends; the final write
 //!   replaces it);
 //! - when it ends, [`finished_status`]: outcome, effective mode, generation,

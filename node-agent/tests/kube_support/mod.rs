@@ -391,9 +391,11 @@ pub struct RunningAgent {
     pub readiness: node_agent::metrics::Readiness,
 }
 
-/// The agent's settings in tests: the test node, fast retries.
+/// The agent's settings in tests: the test node, fast retries, and every
+/// running status written as its attempt starts (the tests check each).
 pub fn test_config(lock_path: &std::path::Path) -> node_agent::kube::KubeAgentConfig {
     let mut config = node_agent::kube::KubeAgentConfig::new(NODE, lock_path);
+    config.running_report_delay = Duration::ZERO;
     config.report_backoff = node_agent::kube::ReportBackoff {
         initial: Duration::from_millis(10),
         max: Duration::from_millis(100),
