@@ -223,26 +223,8 @@ pub async fn run(
     cgroup_parent: &Path,
     options: &ClusterOptions,
 ) -> Result<ClusterReport, BenchError> {
-    let plane = ControlPlane::own().ok_or_else(|| {
-        BenchError::Missing("a control plane to start (../shared/kube/up and its tools)".into())
-    })?;
-    let crds = workspace().join("crds");
-    plane.kubectl_ok(&["apply", "--server-side", "-f", &crds.to_string_lossy()]);
-    plane.kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/instancegenerations.genswap.dev",
-        "crd/swapattempts.genswap.dev",
-        "--timeout=60s",
-    ]);
+    let (plane, client) = plane_with_crds(NAMESPACE).await?;
     let chart = ChartRelease::install(&plane, "genswap", CHART_NAMESPACE, &[]);
-    let client = plane.client().await;
-    let namespace: Namespace = serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))
-        .map_err(|e| BenchError::Agent(format!("a Namespace: {e}")))?;
-    Api::<Namespace>::all(client.clone())
-        .create(&PostParams::default(), &namespace)
-        .await
-        .map_err(|e| BenchError::Agent(format!("create the namespace: {e}")))?;
 
     let sandbox = sandbox::create(cgroup_parent, "cluster")?;
     let staging = sandbox.dir().join("staging");
@@ -298,31 +280,21 @@ pub async fn run(
         instances: sandbox.cgroup().to_path_buf(),
     };
     let names: Vec<String> = (0..options.igs).map(|i| format!("app-{i:04}")).collect();
-    let metrics_url = format!("http://127.0.0.1:{metrics_port}/metrics");
-    let mut install = run_phase(
-        "install",
-        &plane,
-        &igs,
-        &readiness,
-        &names,
-        &metrics_url,
-        &accounted,
-        &mut processes,
-        |name| Write::Create(instance_generation(name, &builds[0])),
-    )
+    let bench = Bench {
+        plane: &plane,
+        igs: &igs,
+        readiness: &readiness,
+        names: &names,
+        metrics_url: format!("http://127.0.0.1:{metrics_port}/metrics"),
+        accounted,
+    };
+    let install = run_phase(&bench, "install", &mut processes, |name| {
+        Write::Create(instance_generation(name, &builds[0]))
+    })
     .await?;
-    install.name = "install".into();
-    let release = run_phase(
-        "release",
-        &plane,
-        &igs,
-        &readiness,
-        &names,
-        &metrics_url,
-        &accounted,
-        &mut processes,
-        |_| Write::Patch(json!({"spec": {"build": build_spec(&builds[1])}})),
-    )
+    let release = run_phase(&bench, "release", &mut processes, |_| {
+        Write::Patch(json!({"spec": {"build": build_spec(&builds[1])}}))
+    })
     .await?;
     drop(processes);
     drop(sandbox);
@@ -337,18 +309,31 @@ pub async fn run(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What both phases run against.
+struct Bench<'a> {
+    plane: &'a ControlPlane,
+    igs: &'a Api<InstanceGeneration>,
+    readiness: &'a ReadyWatch,
+    names: &'a [String],
+    metrics_url: String,
+    accounted: Accounted,
+}
+
 async fn run_phase(
+    bench: &Bench<'_>,
     name: &str,
-    plane: &ControlPlane,
-    igs: &Api<InstanceGeneration>,
-    readiness: &ReadyWatch,
-    names: &[String],
-    metrics_url: &str,
-    accounted: &Accounted,
     processes: &mut [Logged],
     write: impl Fn(&str) -> Write,
 ) -> Result<Phase, BenchError> {
+    let Bench {
+        plane,
+        igs,
+        readiness,
+        names,
+        metrics_url,
+        accounted,
+    } = bench;
+    let metrics_url = metrics_url.as_str();
     println!("  {name}: {} InstanceGenerations ...", names.len());
     readiness.forget(names);
     let counters_before = scrape(metrics_url).await;
@@ -712,6 +697,33 @@ fn deferrals(before: &str, after: &str) -> HashMap<String, u64> {
             (reason, n.saturating_sub(was))
         })
         .collect()
+}
+
+/// A control plane of the benchmark's own, with genswap's CRDs
+/// established and `namespace` created; and its admin client.
+pub(crate) async fn plane_with_crds(
+    namespace: &str,
+) -> Result<(ControlPlane, kube::Client), BenchError> {
+    let plane = ControlPlane::own().ok_or_else(|| {
+        BenchError::Missing("a control plane to start (../shared/kube/up and its tools)".into())
+    })?;
+    let crds = workspace().join("crds");
+    plane.kubectl_ok(&["apply", "--server-side", "-f", &crds.to_string_lossy()]);
+    plane.kubectl_ok(&[
+        "wait",
+        "--for=condition=Established",
+        "crd/instancegenerations.genswap.dev",
+        "crd/swapattempts.genswap.dev",
+        "--timeout=60s",
+    ]);
+    let client = plane.client().await;
+    let object: Namespace = serde_json::from_value(json!({"metadata": {"name": namespace}}))
+        .map_err(|e| BenchError::Agent(format!("a Namespace: {e}")))?;
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &object)
+        .await
+        .map_err(|e| BenchError::Agent(format!("create the namespace {namespace}: {e}")))?;
+    Ok((plane, client))
 }
 
 /// The pid of one of the control plane's servers, from its pid file.

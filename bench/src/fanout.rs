@@ -18,12 +18,10 @@ use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt};
 use genswap_crds::SwapAttempt;
-use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use test_cluster::ControlPlane;
 
 use crate::BenchError;
 use crate::stats::Spread;
@@ -136,26 +134,9 @@ async fn one(
     watches: usize,
     attempts_per_node: usize,
 ) -> Result<FanoutRun, BenchError> {
-    let plane = ControlPlane::own().ok_or_else(|| {
-        BenchError::Missing("a control plane to start (../shared/kube/up and its tools)".into())
-    })?;
-    let crds = test_cluster::workspace().join("crds");
-    plane.kubectl_ok(&["apply", "--server-side", "-f", &crds.to_string_lossy()]);
-    plane.kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/swapattempts.genswap.dev",
-        "--timeout=60s",
-    ]);
+    let (plane, client) = crate::cluster::plane_with_crds(NAMESPACE).await?;
     let server = crate::cluster::plane_pid(&plane, "kube-apiserver")?;
     let etcd = crate::cluster::plane_pid(&plane, "etcd")?;
-    let client = plane.client().await;
-    let namespace: Namespace = serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))
-        .map_err(|e| BenchError::Agent(format!("a Namespace: {e}")))?;
-    Api::<Namespace>::all(client.clone())
-        .create(&PostParams::default(), &namespace)
-        .await
-        .map_err(|e| BenchError::Agent(format!("create the namespace: {e}")))?;
     let attempts: Api<SwapAttempt> = Api::namespaced(client.clone(), NAMESPACE);
     if scope == Scope::ObjectName {
         for n in 0..BUSY_NODES {

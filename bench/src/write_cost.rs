@@ -7,13 +7,12 @@
 use std::time::Instant;
 
 use genswap_crds::SwapAttempt;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::GroupVersionKind;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use test_cluster::ControlPlane;
 
 use crate::BenchError;
 use crate::cluster::{plane_pid, process_cpu_ms};
@@ -35,18 +34,7 @@ pub struct WriteCost {
 
 /// Runs `writes` writes of each kind.
 pub async fn run(writes: usize) -> Result<Vec<WriteCost>, BenchError> {
-    let plane = ControlPlane::own().ok_or_else(|| {
-        BenchError::Missing("a control plane to start (../shared/kube/up and its tools)".into())
-    })?;
-    let crds = test_cluster::workspace().join("crds");
-    plane.kubectl_ok(&["apply", "--server-side", "-f", &crds.to_string_lossy()]);
-    plane.kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/swapattempts.genswap.dev",
-        "--timeout=60s",
-    ]);
-    let client = plane.client().await;
+    let (plane, client) = crate::cluster::plane_with_crds(NAMESPACE).await?;
     let failed = |what: &str| {
         let what = what.to_string();
         move |e: kube::Error| BenchError::Agent(format!("{what}: {e}"))
@@ -58,13 +46,6 @@ pub async fn run(writes: usize) -> Result<Vec<WriteCost>, BenchError> {
         &format!("crd/swapattempts.{BARE_GROUP}"),
         "--timeout=60s",
     ]);
-    let namespace: Namespace = serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))
-        .map_err(|e| BenchError::Agent(format!("a Namespace: {e}")))?;
-    Api::<Namespace>::all(client.clone())
-        .create(&PostParams::default(), &namespace)
-        .await
-        .map_err(failed("create the namespace"))?;
-
     let attempt = test_cluster::objects::swap_attempt("s1", "n1", 1);
     let attempts: Api<SwapAttempt> = Api::namespaced(client.clone(), NAMESPACE);
     let typed: SwapAttempt = serde_json::from_value(attempt.clone())

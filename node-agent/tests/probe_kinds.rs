@@ -458,7 +458,9 @@ async fn ready_1_from_outside_the_generation_cgroup_is_ignored() {
         watch.state().ignored == 1
     })
     .await;
-    let last = last_observation(&notify_probe(&watch), SHORT).await;
+    // Long enough for a probe attempt to complete on a loaded machine: one
+    // cut short by the window's end would be all a 900 ms window saw.
+    let last = last_observation(&notify_probe(&watch), Duration::from_secs(3)).await;
     assert_eq!(last, Observation::NotReady(None));
     assert!(!watch.state().ready);
 }
