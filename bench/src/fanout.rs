@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::BenchError;
+use crate::cluster::process_cpu_ms;
 use crate::stats::Spread;
 
 const NAMESPACE: &str = "fanout";
@@ -229,9 +230,9 @@ async fn one(
     let open_ms = opened.elapsed().as_secs_f64() * 1000.0;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss_watching = rss_kib(server);
-    let idle_from = (cpu_ms(server), Instant::now());
+    let idle_from = (process_cpu_ms(server), Instant::now());
     tokio::time::sleep(IDLE_WINDOW).await;
-    let idle_cpu = cpu_ms(server) - idle_from.0;
+    let idle_cpu = process_cpu_ms(server) - idle_from.0;
     let idle_percent = idle_cpu / (idle_from.1.elapsed().as_secs_f64() * 10.0);
 
     // Round-robin over the nodes, as a burst of IGs issues them.
@@ -246,8 +247,8 @@ async fn one(
             })
         })
         .collect();
-    let server_cpu_from = cpu_ms(server);
-    let etcd_cpu_from = cpu_ms(etcd);
+    let server_cpu_from = process_cpu_ms(server);
+    let etcd_cpu_from = process_cpu_ms(etcd);
     let began = Instant::now();
     // One write in flight per node object, as one controller writing it
     // would have (concurrent patches of one object only conflict).
@@ -313,8 +314,8 @@ async fn one(
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
     let window = began.elapsed();
-    let server_cpu = cpu_ms(server) - server_cpu_from;
-    let etcd_cpu = cpu_ms(etcd) - etcd_cpu_from;
+    let server_cpu = process_cpu_ms(server) - server_cpu_from;
+    let etcd_cpu = process_cpu_ms(etcd) - etcd_cpu_from;
     let delivery = Spread::of(
         sent.iter()
             .filter_map(|(name, at)| {
@@ -356,10 +357,6 @@ async fn one(
 
 fn node_name(i: usize) -> String {
     format!("fan-{i:05}")
-}
-
-fn cpu_ms(pid: u32) -> f64 {
-    crate::cluster::process_cpu_ms(pid)
 }
 
 fn rss_kib(pid: u32) -> u64 {

@@ -119,11 +119,12 @@ enum Command {
 
 #[derive(Clone, Debug, clap::Args)]
 struct ClusterArgs {
-    /// InstanceGenerations in the burst.
-    #[arg(long, default_value_t = 200)]
+    /// InstanceGenerations in the burst (at least 1: the phase reports
+    /// quarters of them).
+    #[arg(long, default_value_t = 200, value_parser = at_least_one())]
     igs: usize,
-    /// Nodes, one agent process each.
-    #[arg(long, default_value_t = 3)]
+    /// Nodes, one agent process each (at least 1).
+    #[arg(long, default_value_t = 3, value_parser = at_least_one())]
     nodes: usize,
     /// The controller's `--concurrency` (default: its own default).
     #[arg(long)]
@@ -371,6 +372,11 @@ async fn run_cluster(args: ClusterArgs) -> Result<(), BenchError> {
 }
 
 /// `--out`, else `docs/bench/` of the workspace, created.
+/// A count flag that refuses 0 when the arguments are parsed.
+fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
+}
+
 fn out_dir(out: Option<PathBuf>) -> Result<PathBuf, BenchError> {
     let out =
         out.unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/bench"));
