@@ -371,12 +371,12 @@ async fn run_cluster(args: ClusterArgs) -> Result<(), BenchError> {
     write_report(&out, "cluster", &markdown, &results)
 }
 
-/// `--out`, else `docs/bench/` of the workspace, created.
 /// A count flag that refuses 0 when the arguments are parsed.
 fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
 }
 
+/// `--out`, else `docs/bench/` of the workspace, created.
 fn out_dir(out: Option<PathBuf>) -> Result<PathBuf, BenchError> {
     let out =
         out.unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/bench"));
