@@ -583,6 +583,7 @@ fn start_agent(
     let mut command = Command::new(&binaries.agent);
     command
         .args(["run", "--node-name", &node_name, "--namespace", NAMESPACE])
+        .args(["--inbox-namespace", CHART_NAMESPACE])
         .args(["--no-host-namespaces", "--metrics-addr", "127.0.0.1:0"])
         .arg("--kubeconfig")
         .arg(chart.agent_kubeconfig(node))

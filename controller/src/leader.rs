@@ -51,6 +51,14 @@ impl Leadership {
         }
     }
 
+    /// Resolves once this replica leads (`true`) or follows (`false`), at
+    /// once when it already does.
+    pub async fn until(&self, leading: bool) {
+        let mut receiver = self.state.subscribe();
+        // The sender lives in `self`, so the wait cannot end in an error.
+        let _ = receiver.wait_for(|leader| *leader == leading).await;
+    }
+
     /// Yields once each time this replica becomes the leader, so the
     /// controller can re-plan everything it skipped as a follower; and once
     /// at once if it already leads when subscribing, since the lease task

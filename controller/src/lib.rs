@@ -16,6 +16,8 @@
 //! - [`run`]: the kube-runtime Controller and its watches ([`node_index`]
 //!   decides which IGs a Node event concerns, [`watch_backoff`] how a watch
 //!   reconnects);
+//! - [`inbox`]: each node's list of its attempts, the one object its
+//!   agent watches (a watch by name stays cheap at fleet size);
 //! - [`leader`], [`metrics`], [`http`], [`shutdown`], [`cli`]: operations.
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
@@ -28,6 +30,7 @@ pub mod event_fold;
 pub mod events;
 pub mod expectations;
 pub mod http;
+pub mod inbox;
 pub mod leader;
 pub mod metrics;
 pub mod node_index;

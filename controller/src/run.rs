@@ -7,6 +7,8 @@
 //! - Nodes: a reflector of trimmed Nodes; a label change, add or delete
 //!   re-plans the IGs selecting the Node before or after it.
 //! - Becoming the leader re-plans every IG.
+//! - The same SwapAttempt events keep the per-node inboxes
+//!   ([`crate::inbox`]), written while this replica leads.
 //!
 //! Sharing one watch between cache and trigger means the reconcile an event
 //! wakes already sees that event in the cache. Each stream also reports its
@@ -31,6 +33,7 @@ use crate::cache_sync::{Cache, CacheSync};
 use crate::cli::WRITE_TIMEOUT;
 use crate::events::EventQueue;
 use crate::http::Readiness;
+use crate::inbox::{InboxIndex, Scope, keep_inboxes};
 use crate::leader::Leadership;
 use crate::metrics::Metrics;
 use crate::node_index::{NodeLabelIndex, affected};
@@ -53,6 +56,9 @@ pub struct Settings {
     /// How long an IG's Normal Events are held to go out as one Event
     /// ([`crate::event_fold`]); zero writes each alone at once.
     pub event_window: Duration,
+    /// Where the per-node inboxes are kept ([`crate::inbox`]); none are
+    /// written when `None`.
+    pub inbox_namespace: Option<String>,
 }
 
 /// Runs the controller until `shutdown` resolves, in-flight reconciles
@@ -87,11 +93,16 @@ pub async fn run_controller(
     // event before the reconcile it triggers is queued.
     let attempt_index = AttemptIndex::new();
     let indexed = attempt_index.clone();
+    let inbox_index = InboxIndex::new();
+    let inboxed = inbox_index.clone();
     let attempt_events = reconnecting(watcher(
         attempts,
         watcher::Config::default().labels(LABEL_INSTANCE),
     ))
-    .inspect_ok(move |event| indexed.observe(event));
+    .inspect_ok(move |event| {
+        indexed.observe(event);
+        inboxed.observe(event);
+    });
     let attempt_events = without_errors(
         "SwapAttempt",
         caches
@@ -110,6 +121,15 @@ pub async fn run_controller(
         // Unused while the streams carry no errors; bounded all the same.
         .trigger_backoff(watch_backoff());
     tokio::spawn(mark_ready_when_synced(readiness, caches.clone()));
+    let inboxes = settings.inbox_namespace.map(|namespace| {
+        tokio::spawn(keep_inboxes(
+            write_client.clone(),
+            namespace,
+            Scope(settings.namespace.clone()),
+            inbox_index,
+            leadership.clone(),
+        ))
+    });
 
     let reporter = Reporter {
         controller: CONTROLLER_NAME.to_string(),
@@ -158,6 +178,10 @@ pub async fn run_controller(
     // Controller: what is still folding is written now, while this replica
     // still holds the Lease.
     event_sender.finish(WRITE_TIMEOUT).await;
+    if let Some(inboxes) = inboxes {
+        // Level-triggered: the next leader writes whatever this one left.
+        inboxes.abort();
+    }
     info!("controller stopped");
 }
 

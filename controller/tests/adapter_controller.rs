@@ -171,6 +171,9 @@ fn start(
             identity: "replica-a".into(),
             concurrency: 4,
             event_window: EVENT_WINDOW,
+            // The fake serves genswap objects only; the inboxes are
+            // tested against the real API server (tests/inbox_apiserver.rs).
+            inbox_namespace: None,
         },
         metrics.clone(),
         leadership.clone(),

@@ -20,7 +20,10 @@
 //!    who answers on the instance's `current.sock`; then moves its
 //!    `nodeSelector` off the node (the instance stops) and back (it is
 //!    installed again), and finally deletes it and waits for the instance
-//!    to stop and leave nothing behind;
+//!    to stop and leave nothing behind; on its own control plane it then
+//!    reads in the audit log that the agent watched its node's inbox by
+//!    name and no SwapAttempts by `spec.nodeName`, and that the inbox
+//!    lists nothing once the attempts are gone;
 //! 4. deletes a namespace with instances in it, as a user would, and waits
 //!    for every instance to stop and leave nothing behind, whatever order
 //!    the namespace controller deletes the objects in.
@@ -34,6 +37,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use genswap_crds::{InstanceGeneration, Mode, Outcome, SwapAttempt};
+use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -236,10 +240,75 @@ async fn genswap_end_to_end_on_a_real_api_server() {
         .await;
     expect_nothing_left(&e2e.stack, &[IG]).await;
 
+    // 3i. How the agent found its attempts: through its node's inbox,
+    // watched by name, never by a SwapAttempt watch; and the inbox lists
+    // nothing once the node has no attempts left.
+    if let Some(plane) = e2e.cluster.own() {
+        // The documented name (docs/CONTROLLER.md, "Node inboxes").
+        let inbox = format!("genswap-inbox-{}", e2e.stack.node_name);
+        let inboxes: Api<ConfigMap> = Api::namespaced(client.clone(), INBOX_NAMESPACE);
+        // A controller scoped to a namespace empties the inbox and leaves
+        // it (another scope's controller may share it).
+        let deadline = Instant::now() + STEP_DEADLINE;
+        loop {
+            let held = match inboxes.get_opt(&inbox).await {
+                Ok(found) => found.and_then(|inbox| inbox.data).unwrap_or_default(),
+                Err(error) => panic!("read the inbox {inbox}: {error}"),
+            };
+            if held.is_empty() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the inbox {inbox} still lists {held:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let audit = watches(&plane.audit_log());
+        let by_name = format!("fieldSelector=metadata.name%3D{inbox}");
+        let by_node = format!("spec.nodeName%3D{}", e2e.stack.node_name);
+        assert!(
+            audit
+                .iter()
+                .any(|(resource, uri)| resource == "configmaps" && uri.contains(&by_name)),
+            "no watch of {inbox} in the audit log"
+        );
+        assert!(
+            !audit
+                .iter()
+                .any(|(resource, uri)| resource == "swapattempts" && uri.contains(&by_node)),
+            "the agent watched SwapAttempts by spec.nodeName"
+        );
+    }
+
     e2e.stack.assert_running();
     // The stack's guards stop the agent and the controller, delete the
     // namespace, kill and remove the instances' cgroups, and remove the
     // temp dir.
+}
+
+/// Where the suite's own control plane keeps the inboxes: the chart's
+/// release namespace, where the controllers' Leases are.
+const INBOX_NAMESPACE: &str = "genswap-system";
+
+/// Every watch the API server started, from its audit log: (resource,
+/// request URI).
+fn watches(audit_log: &std::path::Path) -> Vec<(String, String)> {
+    std::fs::read_to_string(audit_log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter(|event| event["verb"] == "watch" && event["stage"] == "ResponseStarted")
+        .map(|event| {
+            (
+                event["objectRef"]["resource"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+                event["requestURI"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
 }
 
 struct E2e {

@@ -63,10 +63,16 @@ fn controller_allowed(watch: Option<&str>, finalizers: bool) -> BTreeSet<Right> 
         "leases",
         &["get", "list", "watch", "create", "patch"],
     ));
+    allowed.extend(rights(
+        NAMESPACE,
+        "",
+        "configmaps",
+        &["get", "list", "create", "patch", "delete"],
+    ));
     allowed.into_iter().collect()
 }
 
-/// What the agent may do: read its attempts, patch their status, and read
+/// What the agent may do: read its inbox and attempts, patch their status, and read
 /// an InstanceGeneration and its Node to tell whether an instance without
 /// attempts is still wanted.
 fn agent_allowed(watch: Option<&str>) -> BTreeSet<Right> {
@@ -91,6 +97,12 @@ fn agent_allowed(watch: Option<&str>) -> BTreeSet<Right> {
     ));
     allowed.extend(rights(CLUSTER, "", "nodes", &["get"]));
     allowed.extend(rights(CLUSTER, "", "namespaces", &["get"]));
+    allowed.extend(rights(
+        NAMESPACE,
+        "",
+        "configmaps",
+        &["get", "list", "watch"],
+    ));
     allowed.into_iter().collect()
 }
 

@@ -306,6 +306,12 @@ fn the_agent_runs_on_every_node_with_the_host_access_spec_5_9_needs_and_no_more(
         env_field_ref(agent, "NODE_NAME").as_deref(),
         Some("spec.nodeName")
     );
+    // Its attempts come through the inbox the controller keeps where its
+    // Lease is: the release namespace.
+    assert_eq!(
+        env_field_ref(agent, "GENSWAP_INBOX_NAMESPACE").as_deref(),
+        Some("metadata.namespace")
+    );
 
     // Tolerates every taint.
     let tolerations = pod.tolerations.as_deref().unwrap_or_default();

@@ -56,7 +56,10 @@ use k8s_openapi::jiff::Timestamp;
 
 pub use conditions::reasons;
 pub use history::HISTORY_KEPT;
-pub use naming::{LABEL_INSTANCE, LABEL_NODE, attempt_name, label_value};
+pub use naming::{
+    LABEL_INBOX, LABEL_INSTANCE, LABEL_NODE, attempt_name, inbox_entry, inbox_name, label_value,
+    parse_inbox_entry,
+};
 pub use rollout::{abandoned_backoff, effective_mode, selects};
 
 use failure_book::FailureBook;

@@ -34,6 +34,37 @@ pub fn attempt_name(instance: &str, node: &str, sched_rev: i64) -> String {
     format!("{prefix}{suffix}")
 }
 
+/// Label on every inbox ConfigMap: the node it is for.
+pub const LABEL_INBOX: &str = "genswap.dev/inbox-node";
+const INBOX_PREFIX: &str = "genswap-inbox-";
+
+/// The ConfigMap that lists `node`'s attempts for its agent
+/// ([`crate::inbox`]): `genswap-inbox-<node>`, or a readable prefix and a
+/// digest of the node when that would pass 253 characters.
+pub fn inbox_name(node: &str) -> String {
+    let name = format!("{INBOX_PREFIX}{node}");
+    if name.len() <= MAX_NAME_LEN {
+        return name;
+    }
+    let suffix = format!("-{:016x}", digest(&[node]));
+    let prefix: String = name.chars().take(MAX_NAME_LEN - suffix.len()).collect();
+    let prefix = prefix.trim_end_matches(|c: char| !c.is_ascii_alphanumeric());
+    format!("{prefix}{suffix}")
+}
+
+/// An inbox entry's value: the attempt as `<namespace>/<name>` (its key is
+/// the attempt's uid, always a valid ConfigMap key).
+pub fn inbox_entry(namespace: &str, name: &str) -> String {
+    format!("{namespace}/{name}")
+}
+
+/// The (namespace, name) of an inbox entry's value.
+pub fn parse_inbox_entry(value: &str) -> Option<(&str, &str)> {
+    value
+        .split_once('/')
+        .filter(|(namespace, name)| !namespace.is_empty() && !name.is_empty())
+}
+
 /// `value` when it is a valid label value; otherwise a valid one made from
 /// it (allowed characters, at most 63, a digest of the whole for uniqueness).
 /// Instance and node names are DNS subdomains and may be too long for a label.
@@ -178,5 +209,24 @@ mod tests {
             repaired,
             label_value(&format!("{}.example", "x".repeat(81)))
         );
+    }
+
+    #[test]
+    fn inbox_names_fit_and_stay_unique() {
+        assert_eq!(inbox_name("node-a"), "genswap-inbox-node-a");
+        let a = inbox_name(&format!("{}a", "n".repeat(250)));
+        let b = inbox_name(&format!("{}b", "n".repeat(250)));
+        assert!(a.len() <= MAX_NAME_LEN, "{} chars", a.len());
+        assert!(a.starts_with("genswap-inbox-nnnn"), "{a}");
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn inbox_entries_round_trip_and_refuse_a_missing_half() {
+        let entry = inbox_entry("apps", "web-node-a-3");
+        assert_eq!(parse_inbox_entry(&entry), Some(("apps", "web-node-a-3")));
+        assert_eq!(parse_inbox_entry("apps"), None);
+        assert_eq!(parse_inbox_entry("/web"), None);
+        assert_eq!(parse_inbox_entry("apps/"), None);
     }
 }

@@ -387,6 +387,7 @@ pub struct Stack {
     pub cgroups: CgroupGuard,
     /// The Node's `kubernetes.io/hostname` label.
     pub hostname: String,
+    pub node_name: String,
     pub staging: PathBuf,
     pub run_dir: PathBuf,
     pub dir: tempfile::TempDir,
@@ -428,6 +429,10 @@ impl Stack {
                 &node_name,
                 "--namespace",
                 &namespace.name,
+                // As the chart runs it: the controller keeps the inboxes
+                // where its Lease is.
+                "--inbox-namespace",
+                cluster.lease_namespace(&namespace.name),
                 "--no-host-namespaces",
                 "--metrics-addr",
                 "127.0.0.1:0",
@@ -457,6 +462,7 @@ impl Stack {
             namespace,
             cgroups,
             hostname,
+            node_name,
             staging,
             run_dir,
             dir,

@@ -19,6 +19,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use super::inbox::{InboxSource, attempts_from_inbox};
 use super::intake::{Decision, Intake};
 use super::report::{OutcomeReport, ReportTarget, Reporter, ServingTarget, error_chain};
 use super::retire::{self, Owner};
@@ -156,25 +157,36 @@ impl KubeAgent {
             readiness,
         } = self;
         config.validate()?;
-        let api: Api<SwapAttempt> = match &config.namespace {
-            Some(namespace) => Api::namespaced(client.clone(), namespace),
-            None => Api::all(client.clone()),
+        let attempts = match &config.inbox_namespace {
+            Some(inbox_namespace) => attempts_from_inbox(
+                client.clone(),
+                InboxSource {
+                    inbox_namespace: inbox_namespace.clone(),
+                    node_name: config.node_name.clone(),
+                    attempts_namespace: config.namespace.clone(),
+                },
+            )
+            .boxed(),
+            None => {
+                let api: Api<SwapAttempt> = match &config.namespace {
+                    Some(namespace) => Api::namespaced(client.clone(), namespace),
+                    None => Api::all(client.clone()),
+                };
+                let selector = format!("spec.nodeName={}", config.node_name);
+                // MostRecent (a quorum read) is what lets an attempt run on
+                // its watched copy: a list from the watch cache could predate
+                // its outcome.
+                watcher(
+                    api,
+                    watcher::Config::default()
+                        .fields(&selector)
+                        .list_semantic(watcher::ListSemantic::MostRecent),
+                )
+                .boxed()
+            }
         };
-        let selector = format!("spec.nodeName={}", config.node_name);
         let (store, writer) = reflector::store();
-        let mut events = reconnecting(reflector(
-            writer,
-            // MostRecent (a quorum read) is what lets an attempt run on its
-            // watched copy: a list from the watch cache could predate its
-            // outcome.
-            watcher(
-                api,
-                watcher::Config::default()
-                    .fields(&selector)
-                    .list_semantic(watcher::ListSemantic::MostRecent),
-            ),
-        ))
-        .boxed();
+        let mut events = reconnecting(reflector(writer, attempts)).boxed();
 
         let (ended_tx, mut ended_rx) = mpsc::unbounded_channel();
         let reporter = Reporter::new(

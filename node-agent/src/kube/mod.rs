@@ -28,6 +28,7 @@
 //! [`KubeAgent::run_until`] until SIGTERM or SIGINT. It takes the node lock
 //! itself: do not write the journal before calling it. [`KubeArgs`] owns the
 //! flags `--node-name` (env `NODE_NAME`), `--namespace` (`GENSWAP_NAMESPACE`),
+//! `--inbox-namespace` (`GENSWAP_INBOX_NAMESPACE`),
 //! `--kubeconfig`, `--metrics-addr` (`GENSWAP_METRICS_ADDR`), `--node-lock`
 //! (`GENSWAP_NODE_LOCK`), `--report-retry-initial-ms`,
 //! `--report-retry-max-ms`, `--report-flush-seconds` and
@@ -36,9 +37,13 @@
 //!
 //! # What it does
 //!
-//! 1. Watches SwapAttempts with the field selector `spec.nodeName=<node>`, in
-//!    all namespaces or in `--namespace` only, from the start: the watch is
-//!    warm while the agent waits for the node.
+//! 1. Reads its node's SwapAttempts, in all namespaces or in `--namespace`
+//!    only, from the start (warm while the agent waits for the node): with
+//!    `--inbox-namespace` (the chart's way) through the node's inbox, the
+//!    ConfigMap the controller keeps there ([`inbox`]: a watch by name, one
+//!    GET per attempt); without it by a watch with the field selector
+//!    `spec.nodeName=<node>`, which the API server matches against every
+//!    attempt event once per agent in the fleet.
 //! 2. Waits for the node lock (`<state dir>/node.lock`, an exclusive
 //!    `flock`). Until it holds it, the gate's owner flag is false and nothing
 //!    runs or is reported.
@@ -64,9 +69,11 @@
 //!    failed.
 //!
 //! RBAC: `get`, `list`, `watch` on `swapattempts.genswap.dev`, `patch` on
-//! `swapattempts/status`, and `get` on `instancegenerations.genswap.dev`.
+//! `swapattempts/status`, and `get` on `instancegenerations.genswap.dev`;
+//! with an inbox, `get`, `list`, `watch` on `configmaps` in its namespace.
 
 mod agent;
+pub mod inbox;
 pub mod intake;
 pub mod report;
 pub mod retire;
@@ -104,6 +111,14 @@ pub struct KubeArgs {
     /// empty means all).
     #[arg(long, env = "GENSWAP_NAMESPACE")]
     pub namespace: Option<String>,
+
+    /// Read this node's attempts through its inbox, the ConfigMap the
+    /// controller keeps in this namespace (its own; the chart passes the
+    /// release namespace). Without it (or empty) the agent watches
+    /// SwapAttempts with the field selector `spec.nodeName`, which costs
+    /// the API server per agent in the fleet on every attempt.
+    #[arg(long, env = "GENSWAP_INBOX_NAMESPACE")]
+    pub inbox_namespace: Option<String>,
 
     /// The kubeconfig to use (default: KUBECONFIG, ~/.kube/config, then the
     /// in-cluster service account).
@@ -149,6 +164,7 @@ impl KubeArgs {
         let config = KubeAgentConfig {
             node_name: self.node_name,
             namespace: self.namespace.filter(|ns| !ns.is_empty()),
+            inbox_namespace: self.inbox_namespace.filter(|ns| !ns.is_empty()),
             kubeconfig: self.kubeconfig,
             metrics_addr: self.metrics_addr,
             lock_path: self
@@ -187,6 +203,9 @@ pub struct KubeAgentConfig {
     pub node_name: String,
     /// Watch this namespace only; `None` watches all.
     pub namespace: Option<String>,
+    /// Read the attempts through the node's inbox in this namespace
+    /// ([`inbox`]); `None` watches SwapAttempts by `spec.nodeName`.
+    pub inbox_namespace: Option<String>,
     /// An explicit kubeconfig; `None` infers one.
     pub kubeconfig: Option<PathBuf>,
     /// Where the operations endpoints listen.
@@ -213,6 +232,7 @@ impl KubeAgentConfig {
         Self {
             node_name: node_name.into(),
             namespace: None,
+            inbox_namespace: None,
             kubeconfig: None,
             metrics_addr: SocketAddr::from(([127, 0, 0, 1], 9090)),
             lock_path: lock_path.into(),
@@ -230,10 +250,13 @@ impl KubeAgentConfig {
         if !is_dns_subdomain(&self.node_name) {
             return Err(KubeAgentError::NodeName(self.node_name.clone()));
         }
-        if let Some(namespace) = &self.namespace
-            && (namespace.contains('.') || !is_dns_subdomain(namespace) || namespace.len() > 63)
+        for namespace in [&self.namespace, &self.inbox_namespace]
+            .into_iter()
+            .flatten()
         {
-            return Err(KubeAgentError::Namespace(namespace.clone()));
+            if namespace.contains('.') || !is_dns_subdomain(namespace) || namespace.len() > 63 {
+                return Err(KubeAgentError::Namespace(namespace.clone()));
+            }
         }
         Ok(())
     }

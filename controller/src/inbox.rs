@@ -1,0 +1,510 @@
+//! Per-node inboxes: what lets every node agent watch one object by name
+//! instead of every SwapAttempt through a `spec.nodeName` field selector.
+//!
+//! The API server's watch cache indexes a watch by namespace and exact
+//! `metadata.name` only; a field selector on a custom resource is matched
+//! against every event, so a fleet of N agents made each attempt cost the
+//! server O(N) (docs/BENCHMARKS.md, "Watch fan-out"). An inbox is the
+//! ConfigMap [`inbox_name`]`(node)` in the controller's namespace, one
+//! `data` entry per SwapAttempt of that node that exists: the attempt's uid
+//! → `<namespace>/<name>` ([`inbox_entry`]). The agent watches its inbox by
+//! name and reads each attempt that appears in it (node-agent's
+//! `kube::inbox`).
+//!
+//! The inboxes are level-triggered from the controller's own attempt watch
+//! ([`InboxIndex`]): each event marks its node, and [`keep_inboxes`] writes
+//! the difference between what the node's inbox should hold and what this
+//! replica last wrote, as a JSON merge patch (`null` removes an entry). A
+//! merge patch needs no read and no resourceVersion, so it never conflicts;
+//! with one write in flight per node, the changes of a burst coalesce into
+//! few writes. An inbox that would be empty is deleted (by a controller of
+//! every namespace; one scoped to a namespace leaves it, as other scopes'
+//! controllers may share it, and touches only its own entries). Only the
+//! leader writes; on becoming leader it lists the inboxes to learn what
+//! they hold.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use genswap_crds::SwapAttempt;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::core::DeserializeGuard;
+use kube::runtime::watcher;
+use kube::{Client, ResourceExt};
+use serde_json::{Map, Value};
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+use tracing::{debug, info, warn};
+
+use crate::leader::Leadership;
+use crate::scheduler::{LABEL_INBOX, inbox_entry, inbox_name, label_value, parse_inbox_entry};
+
+/// An inbox's entries: attempt uid → `<namespace>/<name>`.
+pub type Entries = BTreeMap<String, String>;
+
+/// How long a node whose inbox write failed waits before it is tried again.
+pub const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+#[derive(Debug, Default)]
+struct Listed {
+    by_node: HashMap<String, Entries>,
+    /// The node each cached attempt is on, for its delete.
+    node_of: HashMap<String, String>,
+}
+
+impl Listed {
+    /// Files `attempt`; returns the nodes whose inbox changed.
+    fn apply(&mut self, attempt: &SwapAttempt) -> Vec<String> {
+        let (Some(uid), Some(namespace)) = (attempt.uid(), attempt.namespace()) else {
+            return Vec::new();
+        };
+        let node = attempt.spec.node_name.clone();
+        let mut touched = Vec::new();
+        if let Some(before) = self.node_of.insert(uid.clone(), node.clone())
+            && before != node
+        {
+            self.remove_from(&before, &uid);
+            touched.push(before);
+        }
+        let entry = inbox_entry(&namespace, &attempt.name_any());
+        let entries = self.by_node.entry(node.clone()).or_default();
+        if entries.get(&uid) != Some(&entry) {
+            entries.insert(uid, entry);
+            touched.push(node);
+        }
+        touched
+    }
+
+    fn remove(&mut self, uid: &str) -> Option<String> {
+        let node = self.node_of.remove(uid)?;
+        self.remove_from(&node, uid);
+        Some(node)
+    }
+
+    fn remove_from(&mut self, node: &str, uid: &str) {
+        if let Some(entries) = self.by_node.get_mut(node) {
+            entries.remove(uid);
+            if entries.is_empty() {
+                self.by_node.remove(node);
+            }
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    live: Listed,
+    relisting: Option<Listed>,
+    /// Nodes whose inbox may differ from what was last written.
+    dirty: BTreeSet<String>,
+    /// Whether the attempt watch has listed once.
+    synced: bool,
+}
+
+/// What every node's inbox should hold, from the controller's attempt
+/// watch. Shared between that watch and [`keep_inboxes`].
+#[derive(Clone, Debug, Default)]
+pub struct InboxIndex {
+    state: Arc<Mutex<State>>,
+    changed: Arc<Notify>,
+}
+
+impl InboxIndex {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Folds one event of the attempt watch in. Attempts that failed to
+    /// deserialize are left out: their node is unknown, and an agent could
+    /// not read them either.
+    pub fn observe(&self, event: &watcher::Event<DeserializeGuard<SwapAttempt>>) {
+        let mut state = self.lock();
+        let State {
+            live,
+            relisting,
+            dirty,
+            synced,
+        } = &mut *state;
+        match event {
+            watcher::Event::Apply(DeserializeGuard(Ok(attempt))) => {
+                dirty.extend(live.apply(attempt));
+            }
+            watcher::Event::Delete(DeserializeGuard(Ok(attempt))) => {
+                if let Some(node) = attempt.uid().and_then(|uid| live.remove(&uid)) {
+                    dirty.insert(node);
+                }
+            }
+            watcher::Event::Apply(_) | watcher::Event::Delete(_) => return,
+            watcher::Event::Init => *relisting = Some(Listed::default()),
+            watcher::Event::InitApply(DeserializeGuard(Ok(attempt))) => {
+                relisting.get_or_insert_with(Listed::default).apply(attempt);
+                return;
+            }
+            watcher::Event::InitApply(_) => return,
+            watcher::Event::InitDone => {
+                if let Some(listed) = relisting.take() {
+                    dirty.extend(live.by_node.keys().cloned());
+                    dirty.extend(listed.by_node.keys().cloned());
+                    *live = listed;
+                }
+                *synced = true;
+            }
+        }
+        drop(state);
+        self.changed.notify_one();
+    }
+
+    /// What `node`'s inbox should hold now.
+    pub fn desired(&self, node: &str) -> Entries {
+        self.lock()
+            .live
+            .by_node
+            .get(node)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    fn mark(&self, nodes: impl IntoIterator<Item = String>) {
+        self.lock().dirty.extend(nodes);
+        self.changed.notify_one();
+    }
+
+    /// The marked nodes, unmarked, once the watch has listed.
+    fn take_dirty(&self) -> Vec<String> {
+        let mut state = self.lock();
+        if !state.synced {
+            return Vec::new();
+        }
+        std::mem::take(&mut state.dirty).into_iter().collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The JSON merge patch that turns `written` into `desired`, or `None` when
+/// they are the same.
+pub fn merge_patch(written: &Entries, desired: &Entries) -> Option<Value> {
+    let mut data = Map::new();
+    for (uid, entry) in desired {
+        if written.get(uid) != Some(entry) {
+            data.insert(uid.clone(), Value::String(entry.clone()));
+        }
+    }
+    for uid in written.keys() {
+        if !desired.contains_key(uid) {
+            data.insert(uid.clone(), Value::Null);
+        }
+    }
+    (!data.is_empty()).then(|| serde_json::json!({ "data": data }))
+}
+
+/// Which inbox entries this replica keeps: those of the namespace it
+/// watches, or all. Controllers scoped to different namespaces may share
+/// the inboxes' namespace; each patches only its own entries and none
+/// deletes an inbox another may still fill.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Scope(pub Option<String>);
+
+impl Scope {
+    fn keeps(&self, entry: &str) -> bool {
+        match &self.0 {
+            None => true,
+            Some(only) => parse_inbox_entry(entry).is_some_and(|(namespace, _)| namespace == only),
+        }
+    }
+
+    fn of(&self, data: Option<BTreeMap<String, String>>) -> Entries {
+        let mut entries = data.unwrap_or_default();
+        entries.retain(|_, entry| self.keeps(entry));
+        entries
+    }
+}
+
+/// Keeps every node's inbox in `namespace` equal to what `index` says, for
+/// the attempts in `scope`, while this replica leads. Runs until dropped.
+pub async fn keep_inboxes(
+    client: Client,
+    namespace: String,
+    scope: Scope,
+    index: InboxIndex,
+    leadership: Leadership,
+) {
+    let api: Api<ConfigMap> = Api::namespaced(client, &namespace);
+    let inboxes = Inboxes { api, scope };
+    loop {
+        leadership.until(true).await;
+        let mut written = match inboxes.list().await {
+            Ok(written) => written,
+            Err(error) => {
+                warn!(%error, %namespace, "listing the node inboxes failed; retrying");
+                tokio::time::sleep(RETRY_AFTER).await;
+                continue;
+            }
+        };
+        info!(%namespace, inboxes = written.len(), "keeping the node inboxes");
+        index.mark(written.keys().cloned().collect::<Vec<_>>());
+        keep_while_leading(&inboxes, &index, &leadership, &mut written).await;
+    }
+}
+
+/// The inboxes' namespace, and what of them this replica keeps.
+#[derive(Clone)]
+struct Inboxes {
+    api: Api<ConfigMap>,
+    scope: Scope,
+}
+
+impl Inboxes {
+    /// What the inboxes hold now (of this replica's scope), by node.
+    async fn list(&self) -> Result<HashMap<String, Entries>, kube::Error> {
+        let listed = self
+            .api
+            .list(&ListParams::default().labels(LABEL_INBOX))
+            .await?;
+        Ok(listed
+            .items
+            .into_iter()
+            .filter_map(|inbox| {
+                let node = inbox.annotations().get(ANNOTATION_NODE)?.clone();
+                Some((node, self.scope.of(inbox.data)))
+            })
+            .collect())
+    }
+
+    /// Makes `node`'s inbox hold `desired`, given that it held `before`
+    /// (`None`: it did not exist, as far as this replica knows). Returns
+    /// what it holds after (of this replica's scope).
+    async fn write(
+        &self,
+        node: &str,
+        before: Option<&Entries>,
+        desired: &Entries,
+    ) -> Result<Option<Entries>, kube::Error> {
+        let name = inbox_name(node);
+        if desired.is_empty() && self.scope.0.is_none() {
+            return match self.api.delete(&name, &DeleteParams::default()).await {
+                Ok(_) => Ok(None),
+                Err(kube::Error::Api(status)) if status.is_not_found() => Ok(None),
+                Err(error) => Err(error),
+            };
+        }
+        let Some(before) = before else {
+            return self.create(node, desired).await;
+        };
+        let Some(patch) = merge_patch(before, desired) else {
+            return Ok(Some(desired.clone()));
+        };
+        match self
+            .api
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => Ok(Some(desired.clone())),
+            Err(kube::Error::Api(status)) if status.is_not_found() => {
+                self.create(node, desired).await
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    async fn create(&self, node: &str, desired: &Entries) -> Result<Option<Entries>, kube::Error> {
+        let name = inbox_name(node);
+        let inbox = ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                labels: Some(BTreeMap::from([(
+                    LABEL_INBOX.to_string(),
+                    label_value(node),
+                )])),
+                annotations: Some(BTreeMap::from([(
+                    ANNOTATION_NODE.to_string(),
+                    node.to_string(),
+                )])),
+                ..ObjectMeta::default()
+            },
+            data: Some(desired.clone()),
+            ..ConfigMap::default()
+        };
+        match self.api.create(&PostParams::default(), &inbox).await {
+            Ok(_) => Ok(Some(desired.clone())),
+            // Written by another replica, or another scope's controller,
+            // since this one looked: learn what it holds and patch the
+            // difference.
+            Err(kube::Error::Api(status)) if status.code == 409 => {
+                let held = self.scope.of(self.api.get(&name).await?.data);
+                match merge_patch(&held, desired) {
+                    None => Ok(Some(held)),
+                    Some(patch) => {
+                        self.api
+                            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                            .await?;
+                        Ok(Some(desired.clone()))
+                    }
+                }
+            }
+            Err(error) => Err(error),
+        }
+    }
+}
+
+/// The node an inbox is for, in full (its label may be shortened).
+const ANNOTATION_NODE: &str = "genswap.dev/node";
+
+/// What one node's write ended with.
+struct Written {
+    node: String,
+    /// What the inbox now holds (`None`: it does not exist), or the error.
+    result: Result<Option<Entries>, kube::Error>,
+}
+
+async fn keep_while_leading(
+    inboxes: &Inboxes,
+    index: &InboxIndex,
+    leadership: &Leadership,
+    written: &mut HashMap<String, Entries>,
+) {
+    let mut in_flight: JoinSet<Written> = JoinSet::new();
+    let mut writing: BTreeSet<String> = BTreeSet::new();
+    let mut retries: JoinSet<String> = JoinSet::new();
+    loop {
+        if !leadership.is_leader() {
+            in_flight.abort_all();
+            debug!("no longer leading; the inboxes are left to the next leader");
+            return;
+        }
+        let mut deferred = Vec::new();
+        for node in index.take_dirty() {
+            if writing.contains(&node) {
+                // Written again once the write in flight ends.
+                deferred.push(node);
+                continue;
+            }
+            let desired = index.desired(&node);
+            let before = written.get(&node).cloned();
+            if before.as_ref().unwrap_or(&Entries::new()) == &desired {
+                continue;
+            }
+            writing.insert(node.clone());
+            let inboxes = inboxes.clone();
+            let leadership = leadership.clone();
+            in_flight.spawn(async move {
+                let result = if leadership.is_leader() {
+                    inboxes.write(&node, before.as_ref(), &desired).await
+                } else {
+                    Ok(before)
+                };
+                Written { node, result }
+            });
+        }
+        if !deferred.is_empty() {
+            index.lock().dirty.extend(deferred);
+        }
+        tokio::select! {
+            () = index.changed.notified() => {}
+            Some(done) = in_flight.join_next(), if !in_flight.is_empty() => {
+                let Ok(Written { node, result }) = done else { continue };
+                writing.remove(&node);
+                match result {
+                    Ok(Some(entries)) => {
+                        written.insert(node.clone(), entries);
+                    }
+                    Ok(None) => {
+                        written.remove(&node);
+                    }
+                    Err(error) => {
+                        warn!(%node, %error, "writing the node's inbox failed; retrying");
+                        retries.spawn(async move {
+                            tokio::time::sleep(RETRY_AFTER).await;
+                            node
+                        });
+                        continue;
+                    }
+                }
+                // Whatever changed while it was written.
+                index.mark([node]);
+            }
+            Some(Ok(node)) = retries.join_next(), if !retries.is_empty() => index.mark([node]),
+            () = leadership.until(false) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attempt(name: &str, node: &str, uid: &str) -> DeserializeGuard<SwapAttempt> {
+        let mut attempt: SwapAttempt =
+            serde_json::from_value(test_cluster::objects::swap_attempt(name, node, 1))
+                .expect("a SwapAttempt");
+        attempt.metadata.namespace = Some("apps".into());
+        attempt.metadata.uid = Some(uid.into());
+        DeserializeGuard(Ok(attempt))
+    }
+
+    fn entries(pairs: &[(&str, &str)]) -> Entries {
+        pairs
+            .iter()
+            .map(|(uid, entry)| (uid.to_string(), entry.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn an_attempt_is_filed_under_its_node_and_leaves_on_delete() {
+        let index = InboxIndex::new();
+        index.observe(&watcher::Event::Init);
+        index.observe(&watcher::Event::InitDone);
+        let a = attempt("web-n1-1", "n1", "u1");
+        index.observe(&watcher::Event::Apply(a));
+        index.observe(&watcher::Event::Apply(attempt("web-n2-1", "n2", "u2")));
+        assert_eq!(index.desired("n1"), entries(&[("u1", "apps/web-n1-1")]));
+        assert_eq!(index.take_dirty(), vec!["n1".to_string(), "n2".to_string()]);
+        index.observe(&watcher::Event::Delete(attempt("web-n1-1", "n1", "u1")));
+        assert_eq!(index.desired("n1"), Entries::new());
+        assert_eq!(index.take_dirty(), vec!["n1".to_string()]);
+    }
+
+    #[test]
+    fn nothing_is_written_before_the_first_list_and_a_relist_marks_old_and_new_nodes() {
+        let index = InboxIndex::new();
+        index.observe(&watcher::Event::Apply(attempt("a", "gone", "u0")));
+        assert!(index.take_dirty().is_empty(), "not synced yet");
+        index.observe(&watcher::Event::Init);
+        index.observe(&watcher::Event::InitApply(attempt("b", "n1", "u1")));
+        index.observe(&watcher::Event::InitDone);
+        assert_eq!(
+            index.take_dirty(),
+            vec!["gone".to_string(), "n1".to_string()]
+        );
+        assert_eq!(index.desired("gone"), Entries::new());
+        assert_eq!(index.desired("n1"), entries(&[("u1", "apps/b")]));
+    }
+
+    #[test]
+    fn the_merge_patch_adds_and_removes_only_the_difference() {
+        let written = entries(&[("u1", "apps/a"), ("u2", "apps/b")]);
+        let desired = entries(&[("u2", "apps/b"), ("u3", "apps/c")]);
+        assert_eq!(
+            merge_patch(&written, &desired),
+            Some(serde_json::json!({"data": {"u1": null, "u3": "apps/c"}}))
+        );
+        assert_eq!(merge_patch(&desired, &desired), None);
+    }
+
+    #[test]
+    fn a_scoped_controller_keeps_only_its_namespaces_entries() {
+        let held = BTreeMap::from([
+            ("u1".to_string(), "apps/a".to_string()),
+            ("u2".to_string(), "other/b".to_string()),
+        ]);
+        assert_eq!(
+            Scope(Some("apps".into())).of(Some(held.clone())),
+            entries(&[("u1", "apps/a")])
+        );
+        assert_eq!(Scope(None).of(Some(held.clone())), held);
+    }
+}
