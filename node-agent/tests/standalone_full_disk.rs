@@ -39,11 +39,20 @@ impl SmallDisk {
 /// Writes a file into `dir` until its disk is full; returns its path.
 fn fill(dir: &Path) -> PathBuf {
     let path = dir.join("filler");
-    let mut file = std::fs::File::create(&path).expect("the filler");
+    std::fs::File::create(&path).expect("the filler");
+    top_up(&path);
+    path
+}
+
+/// Appends to `filler` until its disk is full again.
+fn top_up(filler: &Path) {
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(filler)
+        .expect("the filler");
     let chunk = vec![0u8; 4096];
     while file.write_all(&chunk).is_ok() {}
     let _ = file.sync_all();
-    path
 }
 
 impl Drop for SmallDisk {
@@ -119,8 +128,15 @@ async fn a_full_state_disk_runs_nothing_unreserved_and_never_gives_a_revision_tw
         "build-1 keeps serving"
     );
 
-    // A restart while the disk is still full: still nothing runs.
-    host.restart().await;
+    // A restart while the disk is still full: still nothing runs. Stopping
+    // frees a little of the disk, so it is filled again before the new run,
+    // and the old run's status document goes so that only the new run's
+    // can answer.
+    host.restart_after(|host| {
+        top_up(&filler);
+        std::fs::remove_file(host.status_path("web.yaml")).expect("the old run's status");
+    })
+    .await;
     let doc = host
         .status(
             "web.yaml",

@@ -552,6 +552,12 @@ impl Runner {
             instance
                 .attempts
                 .retain(|a| a.status.is_some() || saved.contains(&a.metadata.name));
+            // Nothing ran or was shown under the revisions this plan issued,
+            // so the next plan issues them again rather than skip past them.
+            let kept_rev = instance.saved.as_ref().map_or(0, |s| s.status.sched_rev);
+            if let Some(status) = instance.ig.status.as_mut() {
+                status.sched_rev = kept_rev;
+            }
             instance.requeue_at = Some(Instant::now() + STATE_RETRY);
         }
         self.write_status(key).await;

@@ -137,6 +137,18 @@ impl StandaloneHost {
     /// [`StandaloneHost::restart`] on a node that now has `labels`.
     pub async fn restart_labelled(&mut self, labels: BTreeMap<String, String>) {
         self.end_runner().await;
+        self.relaunch(labels);
+    }
+
+    /// [`StandaloneHost::restart`], calling `between` while no run is up
+    /// (to change the disk under a stopped agent).
+    pub async fn restart_after(&mut self, between: impl FnOnce(&StandaloneHost)) {
+        self.end_runner().await;
+        between(self);
+        self.relaunch(self.labels.clone());
+    }
+
+    fn relaunch(&mut self, labels: BTreeMap<String, String>) {
         self.labels = labels;
         let (host, stop, runner) = launch(&self.host.settings, &self.dir, true, &self.labels);
         self.host = host;
@@ -242,6 +254,11 @@ impl StandaloneHost {
     /// The state dir.
     pub fn state_dir(&self) -> &Path {
         &self.host.settings.state_dir
+    }
+
+    /// Where standalone mode writes `file`'s status document.
+    pub fn status_path(&self, file: &str) -> PathBuf {
+        standalone::status_path(&self.dir, file)
     }
 
     /// Stops standalone mode (which stops every instance) and checks it
