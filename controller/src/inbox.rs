@@ -47,6 +47,10 @@ pub type Entries = BTreeMap<String, String>;
 /// How long a node whose inbox write failed waits before it is tried again.
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 
+/// Inbox writes in flight at once (as many as reconciles): a relist of a
+/// large fleet marks every node at once.
+pub const WRITES_AT_ONCE: usize = 16;
+
 #[derive(Debug, Default)]
 struct Listed {
     by_node: HashMap<String, Entries>,
@@ -378,8 +382,8 @@ async fn keep_while_leading(
         }
         let mut deferred = Vec::new();
         for node in index.take_dirty() {
-            if writing.contains(&node) {
-                // Written again once the write in flight ends.
+            if writing.contains(&node) || writing.len() >= WRITES_AT_ONCE {
+                // Written once a write in flight ends.
                 deferred.push(node);
                 continue;
             }

@@ -121,6 +121,23 @@ async fn expect_inbox(inboxes: &Api<ConfigMap>, node: &str, expected: Option<&[(
     }
 }
 
+/// Creates `node`'s inbox as another writer would, with one entry.
+async fn create_by_hand(inboxes: &Api<ConfigMap>, node: &str, (uid, entry): (&str, &str)) {
+    let inbox: ConfigMap = serde_json::from_value(json!({
+        "metadata": {
+            "name": inbox_name(node),
+            "labels": {"genswap.dev/inbox-node": node},
+            "annotations": {"genswap.dev/node": node},
+        },
+        "data": {uid: entry},
+    }))
+    .expect("a ConfigMap");
+    inboxes
+        .create(&PostParams::default(), &inbox)
+        .await
+        .unwrap_or_else(|e| panic!("create the inbox of {node}: {e}"));
+}
+
 async fn plane() -> Option<Client> {
     let Some(plane) = ControlPlane::shared() else {
         println!("skipped: no control plane can start here (../shared/kube)");
@@ -183,19 +200,7 @@ async fn inboxes_follow_the_attempts_and_a_new_leader_repairs_what_it_lists() {
         )
         .await
         .expect("patch n1's inbox");
-    let by_hand: ConfigMap = serde_json::from_value(json!({
-        "metadata": {
-            "name": inbox_name("n2"),
-            "labels": {"genswap.dev/inbox-node": "n2"},
-            "annotations": {"genswap.dev/node": "n2"},
-        },
-        "data": {"u8": "apps/old"},
-    }))
-    .expect("a ConfigMap");
-    inboxes
-        .create(&PostParams::default(), &by_hand)
-        .await
-        .expect("create n2's inbox");
+    create_by_hand(&inboxes, "n2", ("u8", "apps/old")).await;
     let _keeper = Keeper::start(&client, &home.name, Scope(None), &index);
     expect_inbox(
         &inboxes,
@@ -212,19 +217,7 @@ async fn a_scoped_controller_writes_its_own_entries_and_leaves_the_rest() {
     let home = OwnNamespace::create(&client, "scoped").await;
     let inboxes: Api<ConfigMap> = Api::namespaced(client.clone(), &home.name);
     // Another scope's controller got there first.
-    let theirs: ConfigMap = serde_json::from_value(json!({
-        "metadata": {
-            "name": inbox_name("n1"),
-            "labels": {"genswap.dev/inbox-node": "n1"},
-            "annotations": {"genswap.dev/node": "n1"},
-        },
-        "data": {"t1": "theirs/x"},
-    }))
-    .expect("a ConfigMap");
-    inboxes
-        .create(&PostParams::default(), &theirs)
-        .await
-        .expect("create n1's inbox");
+    create_by_hand(&inboxes, "n1", ("t1", "theirs/x")).await;
 
     let index = InboxIndex::new();
     index.observe(&Event::Init);
