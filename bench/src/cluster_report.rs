@@ -123,13 +123,14 @@ fn burst_table(burst: &ClusterReport) -> String {
 
 fn fanout_table(runs: &[FanoutRun]) -> String {
     let mut out = String::from(
-        "\n## Watch fan-out: N agent watches, attempts for 3 of the nodes\n\n*node-field*: a SwapAttempt per attempt, each watch `spec.nodeName=<node>` (today); *object-name*: one object per node, each watch `metadata.name=<node>`, an attempt a write to it.\n\n| scope | watches | opened in | attempts | created and delivered in | API server CPU | per attempt | idle, watches open | etcd CPU | create sent -> event at its watch, p50 / p99 | misdelivered | API server RSS: before / watching / after | watcher RSS |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+        "\n## Watch fan-out: N agent watches, attempts for 3 of the nodes\n\n*node-field*: a SwapAttempt per attempt, each watch `spec.nodeName=<node>` (the agent without `--inbox-namespace`); *inbox*: a SwapAttempt per attempt filed by the controller's inbox keeping in its node's ConfigMap, each agent watching its inbox by name and reading each attempt it names (the chart; create sent -> the agent has read the attempt); *object-name*: one object per node, each watch `metadata.name=<node>`, an attempt a write to it.\n\n| scope | watches | opened in | attempts | created and delivered in | API server CPU | per attempt | idle, watches open | etcd CPU | create sent -> event at its watch, p50 / p99 | misdelivered | API server RSS: before / watching / after | watcher RSS |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     for run in runs {
         out.push_str(&format!(
             "| {} | {} | {} | {} | {} | {:.0} ms ({:.0} % of a core) | {:.2} ms | {:.1} % | {:.0} ms | {} / {} ms | {} | {} / {} / {} MiB | {} MiB |\n",
             match run.scope {
                 Some(Scope::ObjectName) => "object-name",
+                Some(Scope::Inbox) => "inbox",
                 _ => "node-field",
             },
             run.watches,

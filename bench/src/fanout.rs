@@ -1,7 +1,9 @@
 //! Watch fan-out on a real API server: what fleet size costs the server
 //! when every node agent watches SwapAttempts with a field selector on
 //! `spec.nodeName`. The watch cache indexes `spec.nodeName` for Pods only;
-//! for a custom resource every event is matched against every watch.
+//! for a custom resource every event is matched against every watch. The
+//! same fleet is measured with the design that replaced it, the node inbox,
+//! run by the controller's and the agent's own code.
 //!
 //! For each fleet size N, on a control plane of its own: this process
 //! opens N watches (one HTTP connection each, as N agents would), each
@@ -17,9 +19,14 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt};
+use genswap_controller::inbox::{InboxIndex, Scope as InboxScope, keep_inboxes};
+use genswap_controller::leader::Leadership;
+use genswap_controller::metrics::Metrics;
 use genswap_crds::SwapAttempt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::core::DeserializeGuard;
 use kube::runtime::watcher;
+use node_agent::kube::inbox::{InboxSource, attempts_from_inbox};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -50,6 +57,11 @@ pub enum Scope {
     /// watch cache keeps those watches by namespace and name), an attempt
     /// being a write to that object.
     ObjectName,
+    /// What the chart runs: a SwapAttempt per attempt, seen by one watch
+    /// (the controller's), which files it in its node's inbox ConfigMap
+    /// (`genswap_controller::inbox`); each agent watches its inbox by name
+    /// and reads each attempt it names (`node_agent::kube::inbox`).
+    Inbox,
 }
 
 /// What to run.
@@ -153,6 +165,9 @@ async fn one(
                 .map_err(|e| BenchError::Agent(format!("create {}: {e}", node_name(n))))?;
         }
     }
+    // The controller's side of the inbox: its one attempt watch, and the
+    // task that keeps every node's inbox, as leader.
+    let _controller = (scope == Scope::Inbox).then(|| keep_inboxes_as_leader(client.clone()));
     // Let the server settle after its start before its memory is read.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let rss_before = rss_kib(server);
@@ -167,12 +182,25 @@ async fn one(
         // As an agent watches: a list, then a watch, with this node's
         // field selector (kube-runtime's watcher, as node-agent uses).
         let node = node_name(i);
-        let selector = match scope {
-            Scope::NodeField => format!("spec.nodeName={node}"),
-            Scope::ObjectName => format!("metadata.name={node}"),
+        let mut events = match scope {
+            Scope::NodeField | Scope::ObjectName => {
+                let selector = match scope {
+                    Scope::ObjectName => format!("metadata.name={node}"),
+                    _ => format!("spec.nodeName={node}"),
+                };
+                let config = watcher::Config::default().fields(&selector);
+                watcher(attempts.clone(), config).boxed()
+            }
+            Scope::Inbox => attempts_from_inbox(
+                client.clone(),
+                InboxSource {
+                    inbox_namespace: NAMESPACE.to_string(),
+                    node_name: node.clone(),
+                    attempts_namespace: Some(NAMESPACE.to_string()),
+                },
+            )
+            .boxed(),
         };
-        let config = watcher::Config::default().fields(&selector);
-        let mut events = watcher(attempts.clone(), config).boxed();
         let delivered = Arc::clone(&delivered);
         let misdelivered = Arc::clone(&misdelivered);
         let listed_by_task = Arc::clone(&listed);
@@ -189,7 +217,7 @@ async fn one(
                             misdelivered.fetch_add(1, Ordering::Relaxed);
                         }
                         let key = match scope {
-                            Scope::NodeField => attempt.metadata.name,
+                            Scope::NodeField | Scope::Inbox => attempt.metadata.name,
                             Scope::ObjectName => attempt
                                 .metadata
                                 .annotations
@@ -261,7 +289,7 @@ async fn one(
             let attempts = attempts.clone();
             async move {
                 let _one_writer = match scope {
-                    Scope::NodeField => None,
+                    Scope::NodeField | Scope::Inbox => None,
                     Scope::ObjectName => {
                         let index = (0..BUSY_NODES).find(|n| node_name(*n) == *node);
                         match index {
@@ -272,7 +300,7 @@ async fn one(
                 };
                 let at = Instant::now();
                 match scope {
-                    Scope::NodeField => {
+                    Scope::NodeField | Scope::Inbox => {
                         let attempt: SwapAttempt = serde_json::from_value(
                             test_cluster::objects::swap_attempt(name, node, *rev),
                         )
@@ -353,6 +381,45 @@ async fn one(
         task.abort();
     }
     Ok(run)
+}
+
+/// The controller's inbox keeping ([`genswap_controller::inbox`]) fed by
+/// one watch of every attempt, as the controller runs it; stopped when the
+/// returned guard drops.
+fn keep_inboxes_as_leader(client: kube::Client) -> AbortOnDrop {
+    let index = InboxIndex::new();
+    let observed = index.clone();
+    let all: Api<DeserializeGuard<SwapAttempt>> = Api::namespaced(client.clone(), NAMESPACE);
+    let watch = tokio::spawn(async move {
+        let mut events = watcher(all, watcher::Config::default()).boxed();
+        while let Some(event) = events.next().await {
+            match event {
+                Ok(event) => observed.observe(&event),
+                Err(_) => tokio::time::sleep(Duration::from_secs(1)).await,
+            }
+        }
+    });
+    let leadership = Leadership::follower(Arc::new(Metrics::new()));
+    leadership.set(true);
+    let keep = tokio::spawn(keep_inboxes(
+        client,
+        NAMESPACE.to_string(),
+        InboxScope(None),
+        index,
+        leadership,
+    ));
+    AbortOnDrop(vec![watch, keep])
+}
+
+/// Tasks aborted when dropped.
+struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
 }
 
 fn node_name(i: usize) -> String {

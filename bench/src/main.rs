@@ -132,9 +132,10 @@ struct ClusterArgs {
     /// Fleet sizes of the watch fan-out.
     #[arg(long, value_delimiter = ',', default_values_t = [10, 1000, 5000])]
     watches: Vec<usize>,
-    /// How the fan-out's watches are scoped: today's `node-field`, and
-    /// `object-name` (one object per node) measured beside it.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [fanout::Scope::NodeField, fanout::Scope::ObjectName])]
+    /// How the fan-out's watches are scoped: `node-field` (the agent
+    /// without `--inbox-namespace`), `inbox` (what the chart runs) and
+    /// `object-name` (one object per node, the probe that led to the inbox).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [fanout::Scope::NodeField, fanout::Scope::Inbox])]
     scopes: Vec<fanout::Scope>,
     /// Only the burst, the fan-out, or the cost of one write.
     #[arg(long, value_enum)]
