@@ -171,6 +171,7 @@ fn burst(igs: usize, write_latency: Duration, window: Duration, rt: &Runtimes) -
             identity: "bench".into(),
             concurrency: 16,
             event_window: window,
+            progress_hold: genswap_controller::reconciler::PROGRESS_HOLD,
             // The in-memory server keeps genswap objects only; the real
             // server's run (genswap-bench cluster) counts inbox writes.
             inbox_namespace: None,

@@ -3,8 +3,11 @@
 //!
 //! 1. status, by server-side apply on `/status` carrying the object's
 //!    resourceVersion: the write is the reservation of `status.schedRev`, and
-//!    a 409 means another writer got there first, so nothing is created;
-//! 2. the SwapAttempts, only after the reservation stands (a create that
+//!    a 409 means another writer got there first, so nothing is created. A
+//!    status that only records progress may be put off
+//!    ([`StatusWrite::PutOff`]); a reservation never is;
+//! 2. the SwapAttempts, only after the reservation stands, or from revisions
+//!    this replica reserved earlier and has not issued (a create that
 //!    fails burns its revision; the next plan issues a higher one);
 //! 3. deletions of old attempts;
 //! 4. Events on the InstanceGeneration, queued for [`crate::events`] to
@@ -25,7 +28,7 @@ use tracing::{debug, info, warn};
 
 use crate::events::Queued;
 use crate::reconciler::Context;
-use crate::scheduler::{Plan, PlanEvent};
+use crate::scheduler::{OwnReservation, Plan, PlanEvent};
 
 /// The field manager of every status write.
 pub const FIELD_MANAGER: &str = "genswap-controller";
@@ -59,6 +62,8 @@ pub enum ApplyError {
     },
     #[error("plan creates two attempts with schedRev {sched_rev}")]
     DuplicateRevision { sched_rev: i64 },
+    #[error("plan reserves status.schedRev {planned} of {name} but its status write was put off")]
+    ReservationPutOff { name: String, planned: i64 },
     #[error(
         "reserving status.schedRev of {name} at resourceVersion {resource_version} conflicted; nothing was created"
     )]
@@ -98,13 +103,23 @@ impl ApplyError {
             }
             ApplyError::RevisionWentBackwards { .. }
             | ApplyError::RevisionNotReserved { .. }
-            | ApplyError::DuplicateRevision { .. } => "plan_invariant",
+            | ApplyError::DuplicateRevision { .. }
+            | ApplyError::ReservationPutOff { .. } => "plan_invariant",
             ApplyError::ReservationConflict { .. } => "conflict",
             ApplyError::StatusWrite { .. } => "status_write",
             ApplyError::Create { .. } => "create",
             ApplyError::Delete { .. } => "delete",
         }
     }
+}
+
+/// Whether the plan's status goes out now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatusWrite {
+    Now,
+    /// Not written: a later plan derives it again. Only for a plan whose
+    /// status may wait.
+    PutOff,
 }
 
 /// The write that was next when leadership was lost.
@@ -141,20 +156,34 @@ pub async fn apply_plan(
     ctx: &Context,
     ig: &InstanceGeneration,
     plan: &Plan,
+    status_write: StatusWrite,
 ) -> Result<Applied, ApplyError> {
     let name = ig.name_any();
     let namespace = ig
         .namespace()
         .ok_or_else(|| ApplyError::MissingNamespace { name: name.clone() })?;
     let previous = ig.status.as_ref();
-    check_revisions(&name, previous.map_or(0, |s| s.sched_rev), plan)?;
+    let previous_rev = previous.map_or(0, |s| s.sched_rev);
+    let own = ctx
+        .own_reservation(ig)
+        .filter(|own| own.reserved == previous_rev);
+    check_revisions(&name, previous_rev, own, plan)?;
+    let put_off = status_write == StatusWrite::PutOff;
+    if put_off && plan.status.sched_rev != previous_rev {
+        return Err(ApplyError::ReservationPutOff {
+            name,
+            planned: plan.status.sched_rev,
+        });
+    }
 
     let mut done = Summary::default();
     let status_changed = match previous {
         Some(previous) => previous != &plan.status,
         None => plan.status != InstanceGenerationStatus::default(),
     };
-    if status_changed {
+    if put_off {
+        debug!(%name, "status records only progress; put off");
+    } else if status_changed {
         if !ctx.leadership.is_leader() {
             return Ok(stepped_down(Write::Status, done));
         }
@@ -173,6 +202,19 @@ pub async fn apply_plan(
     // revision, so none waits on another's round trip.
     if !plan.create.is_empty() && !ctx.leadership.is_leader() {
         return Ok(stepped_down(Write::Create, done));
+    }
+    // Issued, whether its create succeeds or burns it.
+    let newest_created = plan.create.iter().map(|a| a.spec.sched_rev).max();
+    if done.status_written && plan.status.sched_rev > previous_rev {
+        ctx.note_reservation(
+            ig,
+            OwnReservation {
+                issued: newest_created.unwrap_or(plan.status.sched_rev),
+                reserved: plan.status.sched_rev,
+            },
+        );
+    } else if let (Some(own), Some(issued)) = (own, newest_created) {
+        ctx.note_reservation(ig, OwnReservation { issued, ..own });
     }
     let created = futures::future::join_all(
         plan.create
@@ -231,7 +273,10 @@ pub async fn apply_plan(
             _ => None,
         })
         .collect();
-    for event in plan.events.iter().chain(&failure_events) {
+    // An Event goes out when it is first planned; while the status that
+    // records it is put off, later plans derive it again.
+    let fresh = ctx.events_not_yet_recorded(ig, &plan.events, put_off);
+    for event in fresh.iter().chain(&failure_events) {
         if !ctx.leadership.is_leader() {
             return Ok(stepped_down(Write::Event, done));
         }
@@ -267,8 +312,16 @@ fn stepped_down(next: Write, done: Summary) -> Applied {
 }
 
 /// Refuses a plan that would reissue a revision: the adapter is the last
-/// line before the API server, so it checks the scheduler's promise.
-fn check_revisions(name: &str, previous: i64, plan: &Plan) -> Result<(), ApplyError> {
+/// line before the API server, so it checks the scheduler's promise. An
+/// attempt's revision is above what the status reserved before, or within
+/// what this replica reserved itself and has not issued (`own`, still the
+/// status's `schedRev`).
+fn check_revisions(
+    name: &str,
+    previous: i64,
+    own: Option<OwnReservation>,
+    plan: &Plan,
+) -> Result<(), ApplyError> {
     let reserved = plan.status.sched_rev;
     if reserved < previous {
         return Err(ApplyError::RevisionWentBackwards {
@@ -277,14 +330,15 @@ fn check_revisions(name: &str, previous: i64, plan: &Plan) -> Result<(), ApplyEr
             planned: reserved,
         });
     }
+    let lowest_free = own.map_or(previous, |own| own.issued.min(previous));
     let mut seen = HashSet::new();
     for attempt in &plan.create {
         let sched_rev = attempt.spec.sched_rev;
-        if sched_rev <= previous || sched_rev > reserved {
+        if sched_rev <= lowest_free || sched_rev > reserved {
             return Err(ApplyError::RevisionNotReserved {
                 attempt: attempt.name_any(),
                 sched_rev,
-                previous,
+                previous: lowest_free,
                 reserved,
             });
         }

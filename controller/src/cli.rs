@@ -12,6 +12,7 @@ use thiserror::Error;
 use tracing_subscriber::EnvFilter;
 
 use crate::events::DEFAULT_WINDOW;
+use crate::reconciler::PROGRESS_HOLD;
 
 /// The genswap cluster controller: turns InstanceGenerations into
 /// SwapAttempts and aggregates their outcomes into status.
@@ -55,6 +56,12 @@ pub struct Args {
     /// once. Warnings are never held.
     #[arg(long, env = "GENSWAP_EVENT_WINDOW_SECONDS", default_value_t = DEFAULT_WINDOW.as_secs())]
     pub event_window_seconds: u64,
+    /// A status write that only records progress while attempts are in
+    /// flight (no reservation, no condition changing) is put off up to
+    /// this long, so the outcome that ends them carries it; 0 writes every
+    /// status at once.
+    #[arg(long, env = "GENSWAP_PROGRESS_HOLD_SECONDS", default_value_t = PROGRESS_HOLD.as_secs())]
+    pub progress_hold_seconds: u64,
     /// Log line format.
     #[arg(long, env = "GENSWAP_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -104,6 +111,11 @@ impl Args {
     /// How long an IG's Normal Events are folded.
     pub fn event_window(&self) -> Duration {
         Duration::from_secs(self.event_window_seconds)
+    }
+
+    /// How long a progress-only status write may be put off.
+    pub fn progress_hold(&self) -> Duration {
+        Duration::from_secs(self.progress_hold_seconds)
     }
 
     /// The identity from the flag or POD_NAME, else the host name.

@@ -105,6 +105,7 @@ async fn run(args: Args) -> Result<(), MainError> {
             identity: lease_settings.identity.clone(),
             concurrency: args.concurrency,
             event_window: args.event_window(),
+            progress_hold: args.progress_hold(),
             inbox_namespace: Some(lease_settings.namespace.clone()),
         },
         metrics,

@@ -77,6 +77,7 @@ pub struct Metrics {
     attempts_issued: Family<AttemptLabels, Counter>,
     outcomes: Family<OutcomeLabels, Counter>,
     plans_deferred: Family<DeferLabels, Counter>,
+    status_writes_put_off: Counter,
     reconcile_duration: Histogram,
     leader: Gauge,
 }
@@ -96,6 +97,7 @@ impl Metrics {
         let attempts_issued = Family::<AttemptLabels, Counter>::default();
         let outcomes = Family::<OutcomeLabels, Counter>::default();
         let plans_deferred = Family::<DeferLabels, Counter>::default();
+        let status_writes_put_off = Counter::default();
         // 1 ms .. ~16 s: a reconcile is a few API calls at most.
         let reconcile_duration = Histogram::new(exponential_buckets(0.001, 2.0, 15));
         let leader = Gauge::default();
@@ -124,6 +126,11 @@ impl Metrics {
             "Reconciles that put off planning until the watch caches caught up, by reason",
             plans_deferred.clone(),
         );
+        registry.register(
+            "status_writes_put_off",
+            "Reconciles that put off a status write recording only progress while attempts were in flight",
+            status_writes_put_off.clone(),
+        );
         registry.register_with_unit(
             "reconcile_duration",
             "Time one reconcile took, reads and writes included",
@@ -142,6 +149,7 @@ impl Metrics {
             attempts_issued,
             outcomes,
             plans_deferred,
+            status_writes_put_off,
             reconcile_duration,
             leader,
         }
@@ -202,6 +210,11 @@ impl Metrics {
             .inc();
     }
 
+    /// Counts one status write put off.
+    pub fn status_write_put_off(&self) {
+        self.status_writes_put_off.inc();
+    }
+
     /// Sets the leader gauge.
     pub fn set_leader(&self, leader: bool) {
         self.leader.set(i64::from(leader));
@@ -233,6 +246,7 @@ mod tests {
         metrics.attempt_issued(Cause::Install, Mode::Overlap);
         metrics.outcome_recorded(Outcome::Done, Mode::Hold);
         metrics.plan_deferred(Deferral::OwnCreateUnseen);
+        metrics.status_write_put_off();
         metrics.set_leader(true);
         let text = metrics.encode().expect("registry encodes");
         for line in [
@@ -241,6 +255,7 @@ mod tests {
             "genswap_controller_attempts_issued_total{cause=\"install\",mode=\"overlap\"} 1",
             "genswap_controller_outcomes_total{outcome=\"done\",mode=\"hold\"} 1",
             "genswap_controller_plans_deferred_total{reason=\"own_create_unseen\"} 1",
+            "genswap_controller_status_writes_put_off_total 1",
             "genswap_controller_reconcile_duration_seconds_count 1",
             "genswap_controller_leader 1",
         ] {

@@ -2,7 +2,7 @@
 //! apply the plan. The planner is a parameter so the adapter can be tested
 //! with a fixed plan; production uses [`crate::scheduler::plan`].
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -25,7 +25,7 @@ use crate::expectations::{CaughtUp, Expectations, IgKey};
 use crate::leader::Leadership;
 use crate::metrics::{Deferral, Metrics};
 use crate::observe;
-use crate::scheduler::{self, Plan};
+use crate::scheduler::{self, OwnReservation, Plan, PlanEvent, Revisions};
 
 /// The InstanceGeneration as the controller watches it: one that fails to
 /// deserialize is still delivered (as an error) instead of breaking the
@@ -33,8 +33,11 @@ use crate::scheduler::{self, Plan};
 pub type WatchedIg = DeserializeGuard<InstanceGeneration>;
 
 /// The pure scheduler, or a stand-in for tests.
-pub type Planner =
-    Arc<dyn Fn(&InstanceGeneration, &[Arc<SwapAttempt>], &[Node], Timestamp) -> Plan + Send + Sync>;
+pub type Planner = Arc<
+    dyn Fn(&InstanceGeneration, &[Arc<SwapAttempt>], &[Node], Timestamp, Revisions) -> Plan
+        + Send
+        + Sync,
+>;
 
 /// The source of `now` handed to the planner.
 pub type Clock = Arc<dyn Fn() -> Timestamp + Send + Sync>;
@@ -47,6 +50,13 @@ pub const RESYNC_PERIOD: Duration = Duration::from_secs(10 * 60);
 /// replica's own writes (the watch event normally comes first and wakes the
 /// reconcile sooner).
 pub const CATCH_UP_RETRY: Duration = Duration::from_secs(1);
+
+/// How long a status write that only records progress may be put off
+/// while attempts are in flight (`scheduler::pacing`): the outcome that
+/// ends them usually comes sooner and carries it. Long enough for the
+/// waves of a small rollout one node at a time (an attempt of the burst
+/// bench takes one to three seconds); conditions never wait.
+pub const PROGRESS_HOLD: Duration = Duration::from_secs(5);
 
 /// How long a reconcile waits in place for the SwapAttempt and Node caches'
 /// first list before it gives its slot back and retries.
@@ -93,6 +103,13 @@ pub struct Context {
     planner: Planner,
     clock: Clock,
     failures: Mutex<HashMap<ObjectRef<WatchedIg>, u32>>,
+    /// Revisions this replica reserved ahead and has not issued, by IG.
+    reservations: Mutex<HashMap<IgKey, OwnReservation>>,
+    /// Since when each IG's progress-only status write has been put off.
+    held: Mutex<HashMap<IgKey, Instant>>,
+    /// The Events recorded for each IG since its last status write.
+    recorded: Mutex<HashMap<IgKey, HashSet<(String, String)>>>,
+    progress_hold: Duration,
 }
 
 impl Context {
@@ -116,10 +133,21 @@ impl Context {
             nodes,
             caches,
             expectations: Expectations::default(),
-            planner: Arc::new(scheduler::plan::<Arc<SwapAttempt>>),
+            planner: Arc::new(scheduler::plan_with::<Arc<SwapAttempt>>),
             clock: Arc::new(Timestamp::now),
             failures: Mutex::new(HashMap::new()),
+            reservations: Mutex::new(HashMap::new()),
+            held: Mutex::new(HashMap::new()),
+            recorded: Mutex::new(HashMap::new()),
+            progress_hold: PROGRESS_HOLD,
         }
+    }
+
+    /// Replaces how long a progress-only status write may be put off
+    /// (zero: never).
+    pub fn with_progress_hold(mut self, hold: Duration) -> Self {
+        self.progress_hold = hold;
+        self
     }
 
     /// Replaces the planner.
@@ -167,6 +195,92 @@ impl Context {
         )
     }
 
+    /// How revisions are handed out for `ig`: ahead, and from what this
+    /// replica reserved earlier.
+    fn revisions(&self, ig: &InstanceGeneration) -> Revisions {
+        let own = self
+            .reservations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&key_of(ig))
+            .copied();
+        Revisions { own, ahead: true }
+    }
+
+    /// Records what `ig`'s reservation in hand is after a plan's writes.
+    pub(crate) fn note_reservation(&self, ig: &InstanceGeneration, own: OwnReservation) {
+        self.reservations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(key_of(ig), own);
+    }
+
+    /// This replica's reservation in hand for `ig`, if it has one.
+    pub(crate) fn own_reservation(&self, ig: &InstanceGeneration) -> Option<OwnReservation> {
+        self.revisions(ig).own
+    }
+
+    /// Whether `ig`'s progress-only status write may still be put off; the
+    /// first put-off starts the clock. Returns how much longer, if so.
+    fn hold_progress(&self, ig: &InstanceGeneration, now: Instant) -> Option<Duration> {
+        if self.progress_hold.is_zero() {
+            return None;
+        }
+        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        let since = *held.entry(key_of(ig)).or_insert(now);
+        let left = (since + self.progress_hold).saturating_duration_since(now);
+        (!left.is_zero()).then_some(left)
+    }
+
+    fn release_progress(&self, ig: &InstanceGeneration) {
+        self.held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&key_of(ig));
+    }
+
+    /// Of `events`, those not recorded since `ig`'s last status write; the
+    /// status is written with them unless `put_off`.
+    pub(crate) fn events_not_yet_recorded(
+        &self,
+        ig: &InstanceGeneration,
+        events: &[PlanEvent],
+        put_off: bool,
+    ) -> Vec<PlanEvent> {
+        let mut recorded = self.recorded.lock().unwrap_or_else(PoisonError::into_inner);
+        let key = key_of(ig);
+        let seen = recorded.entry(key.clone()).or_default();
+        let fresh = events
+            .iter()
+            .filter(|e| !seen.contains(&(e.reason.clone(), e.message.clone())))
+            .cloned()
+            .collect();
+        if put_off {
+            seen.extend(events.iter().map(|e| (e.reason.clone(), e.message.clone())));
+        } else {
+            recorded.remove(&key);
+        }
+        fresh
+    }
+
+    /// Forgets what this replica knows of `ig`'s writes.
+    fn forget(&self, ig: &InstanceGeneration) {
+        let key = key_of(ig);
+        self.expectations.forget(&key);
+        self.reservations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&key);
+        self.held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&key);
+        self.recorded
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&key);
+    }
+
     fn clear_failures(&self, object: &ObjectRef<WatchedIg>) {
         self.failures
             .lock()
@@ -196,12 +310,12 @@ pub async fn reconcile(
     };
     if !ctx.leadership.is_leader() {
         debug!(ig = %ig.name_any(), "follower; not planning");
-        ctx.expectations.forget(&key_of(ig));
+        ctx.forget(ig);
         return Ok(Action::await_change());
     }
     if ig.meta().deletion_timestamp.is_some() {
         debug!(ig = %ig.name_any(), "being deleted; not planning");
-        ctx.expectations.forget(&key_of(ig));
+        ctx.forget(ig);
         return Ok(Action::await_change());
     }
     if let Some(retry) = wait_for_caches(ig, &ctx).await {
@@ -209,13 +323,29 @@ pub async fn reconcile(
     }
     let attempts = ctx.attempts.attempts_of(ig);
     let nodes = observe::nodes(&ctx.nodes);
-    let plan = (ctx.planner)(ig, &attempts, &nodes, (ctx.clock)());
-    let applied = apply::apply_plan(&ctx, ig, &plan).await?;
+    let plan = (ctx.planner)(ig, &attempts, &nodes, (ctx.clock)(), ctx.revisions(ig));
+    let put_off = if plan.status_may_wait {
+        ctx.hold_progress(ig, Instant::now())
+    } else {
+        None
+    };
+    if put_off.is_some() {
+        ctx.metrics.status_write_put_off();
+    }
+    let status = match put_off {
+        Some(_) => apply::StatusWrite::PutOff,
+        None => apply::StatusWrite::Now,
+    };
+    let applied = apply::apply_plan(&ctx, ig, &plan, status).await?;
     ctx.clear_failures(&ObjectRef::from_obj(&*object));
     match applied {
         Applied::Complete(summary) => {
             debug!(ig = %ig.name_any(), ?summary, "plan applied");
-            Ok(Action::requeue(plan.requeue_after.unwrap_or(RESYNC_PERIOD)))
+            if summary.status_written || put_off.is_none() {
+                ctx.release_progress(ig);
+            }
+            let next = plan.requeue_after.unwrap_or(RESYNC_PERIOD);
+            Ok(Action::requeue(put_off.map_or(next, |left| left.min(next))))
         }
         // The new leader plans from what reached the API server.
         Applied::SteppedDown { .. } => Ok(Action::await_change()),

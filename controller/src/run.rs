@@ -56,6 +56,9 @@ pub struct Settings {
     /// How long an IG's Normal Events are held to go out as one Event
     /// ([`crate::event_fold`]); zero writes each alone at once.
     pub event_window: Duration,
+    /// How long a status write that only records progress may be put off
+    /// ([`crate::reconciler::PROGRESS_HOLD`]); zero writes every one at once.
+    pub progress_hold: Duration,
     /// Where the per-node inboxes are kept ([`crate::inbox`]); none are
     /// written when `None`.
     pub inbox_namespace: Option<String>,
@@ -142,15 +145,18 @@ pub async fn run_controller(
         metrics.clone(),
         settings.event_window,
     );
-    let ctx = Arc::new(Context::new(
-        write_client,
-        metrics,
-        leadership.clone(),
-        events,
-        attempt_index,
-        node_store,
-        caches,
-    ));
+    let ctx = Arc::new(
+        Context::new(
+            write_client,
+            metrics,
+            leadership.clone(),
+            events,
+            attempt_index,
+            node_store,
+            caches,
+        )
+        .with_progress_hold(settings.progress_hold),
+    );
 
     info!(
         namespace = settings.namespace.as_deref().unwrap_or("<all>"),

@@ -15,6 +15,8 @@ use genswap_controller::shutdown;
 use support::cluster::{Cluster, Kind, NS, Shared, client, eventually, lock, node, seeded};
 
 const DEADLINE: Duration = Duration::from_secs(30);
+/// Shorter than the default: the story below waits for it twice.
+const PROGRESS_HOLD: Duration = Duration::from_secs(1);
 /// Longer than any test here runs: Normal Events are written only when the
 /// controller stops.
 const EVENT_WINDOW: Duration = Duration::from_secs(600);
@@ -52,7 +54,8 @@ async fn the_controller_follows_its_watches_and_writes_only_as_leader() {
     }
 
     // The agent reports the canary done: its watch event re-plans the IG,
-    // which records the outcome and issues the next node.
+    // which issues the next node from the canary's reservation; the status
+    // recording the outcome waits for the progress hold (n2 in flight).
     lock(&cluster).report_done("web-n1-1", 1);
     eventually("the attempt on n2", &cluster, DEADLINE, |c| {
         c.get(Kind::Attempt, "web-n2-2").is_some()
@@ -171,6 +174,7 @@ fn start(
             identity: "replica-a".into(),
             concurrency: 4,
             event_window: EVENT_WINDOW,
+            progress_hold: PROGRESS_HOLD,
             // The fake serves genswap objects only; the inboxes are
             // tested against the real API server (tests/inbox_apiserver.rs).
             inbox_namespace: None,

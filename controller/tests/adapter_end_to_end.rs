@@ -6,15 +6,24 @@ mod support;
 
 use std::sync::Arc;
 
-use genswap_controller::reconciler::reconcile;
+use genswap_controller::reconciler::{Planner, reconcile};
 use genswap_controller::scheduler;
 use genswap_crds::InstanceGeneration;
 use support::fake_api::FakeCluster;
 use support::*;
 
-/// A controller process: fresh caches, fresh client, the real planner.
+/// A controller process: fresh caches, fresh client, the real planner
+/// reserving exactly what each plan issues (every reservation a write, so
+/// each failure below meets one).
 fn start(cluster: &FakeCluster) -> (Harness, tokio::task::JoinHandle<()>) {
-    let (mut h, verifier) = harness(Arc::new(scheduler::plan), true);
+    let dense: Planner =
+        Arc::new(|ig, attempts, nodes, now, _| scheduler::plan(ig, attempts, nodes, now));
+    start_with(cluster, dense)
+}
+
+/// A controller process with `planner`.
+fn start_with(cluster: &FakeCluster, planner: Planner) -> (Harness, tokio::task::JoinHandle<()>) {
+    let (mut h, verifier) = harness(planner, true);
     h.add_node(node("n1", &[("pool", "a")]));
     h.add_node(node("n2", &[("pool", "a")]));
     let server = cluster.serve(verifier);
@@ -135,6 +144,91 @@ async fn a_revision_is_never_issued_twice_across_failed_creates_stale_writers_an
         1,
         "an outcome is recorded once, even across a restart: {reasons:?}"
     );
+}
+
+/// A controller process as production runs it: the real planner through
+/// the context's own revisions (reserving ahead), three nodes, canary 1.
+fn start_production(cluster: &FakeCluster) -> (Harness, tokio::task::JoinHandle<()>) {
+    let (mut h, server) = start_with(cluster, Arc::new(scheduler::plan_with));
+    h.add_node(node("n3", &[("pool", "a")]));
+    (h, server)
+}
+
+#[tokio::test]
+async fn a_rollout_reserves_ahead_issues_its_later_wave_without_a_status_write_and_a_restart_skips_what_was_left()
+ {
+    let cluster = FakeCluster::new(ig("1", None));
+    let (mut a, server) = start_production(&cluster);
+    let writes = |cluster: &FakeCluster| cluster.with(|s| s.status_writes);
+    let sched_rev = |cluster: &FakeCluster| cluster.ig().status.map(|s| s.sched_rev);
+
+    // The canary's reservation covers the two nodes waiting for it.
+    reconcile_once(&mut a, &cluster).await.expect("issue n1");
+    assert_eq!(cluster.with(|s| s.create_requests.clone()), vec![1]);
+    assert_eq!((sched_rev(&cluster), writes(&cluster)), (Some(3), 1));
+
+    // The canary is done: n2 (maxParallel 1) gets revision 2 from that
+    // reservation, with no status write; the outcome's status waits for
+    // n2's, its Event does not.
+    cluster.report("web-n1-1", "done", 1);
+    reconcile_once(&mut a, &cluster).await.expect("issue n2");
+    assert_eq!(cluster.with(|s| s.create_requests.clone()), vec![1, 2]);
+    assert_eq!((sched_rev(&cluster), writes(&cluster)), (Some(3), 1));
+
+    // n2 done: n3 gets the last reserved revision; still no write.
+    cluster.report("web-n2-2", "done", 1);
+    reconcile_once(&mut a, &cluster).await.expect("issue n3");
+    assert_eq!(cluster.with(|s| s.create_requests.clone()), vec![1, 2, 3]);
+    assert_eq!(writes(&cluster), 1, "progress waits for n3");
+
+    // The last outcome: Ready, and the whole story in one write.
+    cluster.report("web-n3-3", "done", 1);
+    reconcile_once(&mut a, &cluster).await.expect("all done");
+    assert_eq!(writes(&cluster), 2);
+    let status = cluster.ig().status.expect("a status");
+    assert_eq!(status.ready.as_deref(), Some("3/3"));
+    assert!(
+        status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True"),
+        "{:?}",
+        status.conditions
+    );
+    stop(a, server).await;
+    let reasons = cluster.with(|s| s.event_reasons.clone());
+    assert_eq!(
+        reasons.iter().filter(|r| *r == "SwapDone").count(),
+        3,
+        "each outcome's Event once, though its status waited: {reasons:?}"
+    );
+
+    // A release: its canary's reservation covers n2 and n3 again (4..6).
+    // The process restarts before the next wave: revisions 5 and 6 were
+    // this process's alone and are skipped, never issued; the new one
+    // reserves 7..8 for n2 and the node still waiting.
+    cluster.with(|s| {
+        s.ig.spec.build.id = "b2".into();
+        s.ig.metadata.generation = Some(2);
+    });
+    let (mut b, server) = start_production(&cluster);
+    reconcile_once(&mut b, &cluster)
+        .await
+        .expect("issue n1's release");
+    assert_eq!(sched_rev(&cluster), Some(6));
+    stop(b, server).await;
+    cluster.report("web-n1-4", "done", 2);
+    let (mut c, server) = start_production(&cluster);
+    reconcile_once(&mut c, &cluster)
+        .await
+        .expect("issue the rest");
+    stop(c, server).await;
+    assert_eq!(
+        cluster.with(|s| s.create_requests.clone()),
+        vec![1, 2, 3, 4, 7],
+        "every revision once, in order; 5 and 6 left unissued"
+    );
+    assert_eq!(sched_rev(&cluster), Some(8));
 }
 
 #[tokio::test]

@@ -32,7 +32,7 @@ fn issuing_plan() -> Plan {
             "AttemptIssued",
             "schedRev 5 on n1 (install, overlap)",
         )],
-        requeue_after: None,
+        ..Plan::default()
     }
 }
 
@@ -126,7 +126,7 @@ async fn a_cache_still_behind_our_own_write_is_not_planned_from() {
 fn counting_planner(plans: Vec<Plan>) -> (Planner, Arc<Mutex<usize>>) {
     let calls = Arc::new(Mutex::new(0));
     let counter = calls.clone();
-    let planner: Planner = Arc::new(move |_: &_, _: &[_], _: &[_], _| {
+    let planner: Planner = Arc::new(move |_: &_, _: &[_], _: &[_], _, _| {
         let mut calls = counter.lock().expect("counter lock");
         let plan = plans[(*calls).min(plans.len() - 1)].clone();
         *calls += 1;
@@ -307,7 +307,7 @@ async fn events_are_recorded_with_their_reasons_and_types_after_the_deletes() {
             event(false, "AttemptIssued", "schedRev 8 on n1"),
             event(false, "AttemptIssued", "schedRev 9 on n2"),
         ],
-        requeue_after: None,
+        ..Plan::default()
     };
     apply_fixed(ig("100", Some(status(7))), plan).await;
 }
@@ -334,7 +334,7 @@ async fn events_alone_are_recorded_without_any_other_write() {
 async fn a_follower_sends_nothing_and_does_not_plan() {
     let planned = Arc::new(Mutex::new(0));
     let counter = planned.clone();
-    let planner = Arc::new(move |_: &_, _: &[_], _: &[_], _| {
+    let planner = Arc::new(move |_: &_, _: &[_], _: &[_], _, _| {
         *counter.lock().expect("counter lock") += 1;
         issuing_plan()
     });
@@ -501,7 +501,8 @@ async fn the_planner_sees_the_objects_own_attempts_and_every_node() {
         move |_: &_,
               attempts: &[Arc<genswap_crds::SwapAttempt>],
               nodes: &[k8s_openapi::api::core::v1::Node],
-              now| {
+              now,
+              _| {
             assert_eq!(now, fixed_now(), "the injected clock is used");
             let mut seen = record.lock().expect("record lock");
             seen.0 = attempts

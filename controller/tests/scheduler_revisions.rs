@@ -14,13 +14,17 @@ use genswap_crds::{Cause, Mode};
 use scheduler_support::*;
 
 /// A controller restart: a new process builds its view from the stored
-/// objects alone. Everything `plan` reads is in them.
+/// objects alone (its reservation in hand is gone). Everything `plan` reads
+/// is in them.
 fn restart(world: &World) -> World {
     let mut fresh = World::new(world.ig.clone(), world.nodes.clone());
     fresh.attempts = world.attempts.clone();
     fresh.now = world.now;
+    fresh.ahead = world.ahead;
     // Kept only to go on checking uniqueness; the scheduler never sees it.
     fresh.issued = world.issued.clone();
+    fresh.issued_in_hand = world.issued_in_hand;
+    fresh.put_off = world.put_off;
     fresh
 }
 
@@ -90,19 +94,33 @@ impl Rng {
 #[test]
 fn revisions_stay_unique_through_a_long_mixed_run() {
     for seed in [1_u64, 7, 42, 1234, 99_991] {
-        run_mixed(seed, 1500);
+        run_mixed(seed, 1500, false);
     }
 }
 
-fn run_mixed(seed: u64, steps: usize) {
+/// The same, as the controller plans: reserving ahead, issuing from its
+/// reservation in hand, progress writes put off at random, restarts
+/// losing the reservation.
+#[test]
+fn revisions_stay_unique_and_increasing_when_reserved_ahead_and_progress_waits() {
+    for seed in [3_u64, 11, 42, 4321, 77_777] {
+        run_mixed(seed, 1500, true);
+    }
+}
+
+fn run_mixed(seed: u64, steps: usize, ahead: bool) {
     let mut rng = Rng(seed);
     let mut s = spec("b1");
     s.rollout.canary_nodes = 1;
     s.rollout.max_parallel = 2;
     let mut world = World::new(ig(s), nodes(&["a", "b", "c", "d"]));
+    world.ahead = ahead;
     let mut builds = 1;
+    // Ahead, a third of the steps more end an attempt done, so rollouts
+    // get past their canary and issue from the reservation in hand.
+    let kinds = if ahead { 18 } else { 12 };
     for step in 0..steps {
-        match rng.below(12) {
+        match rng.below(kinds) {
             0 => {
                 builds += 1;
                 let build = format!("b{builds}");
@@ -155,9 +173,26 @@ fn run_mixed(seed: u64, steps: usize) {
             9 => {
                 world.reconcile_dropping_creates();
             }
+            10 if ahead && rng.below(2) == 0 => {
+                // An attempt ends, and another replica leads for the
+                // reconcile that issues the next wave, knowing nothing of
+                // this one's reservation in hand (its creates may fail,
+                // leaving only its raised schedRev); then this one leads
+                // again, still remembering it.
+                finish_oldest_open(&mut world);
+                let remembered = world.own.take();
+                if rng.below(2) == 0 {
+                    world.reconcile();
+                } else {
+                    world.reconcile_dropping_creates();
+                }
+                world.own = remembered;
+            }
             10 => world = restart(&world),
-            _ => world.advance(i64::try_from(rng.below(400)).expect("small")),
+            11 => world.advance(i64::try_from(rng.below(400)).expect("small")),
+            _ => finish_oldest_open(&mut world),
         }
+        world.put_off_progress = ahead && rng.below(2) == 0;
         let plan = world.reconcile();
         check_no_held_build_started(&world, &plan, seed, step);
     }
@@ -171,6 +206,26 @@ fn run_mixed(seed: u64, steps: usize) {
         "seed {seed}: the run should issue many attempts, issued {}",
         world.issued.len()
     );
+    if ahead {
+        assert!(
+            world.issued_in_hand > 10 && world.put_off > 10,
+            "seed {seed}: the run should issue from reservations in hand ({}) and put progress off ({})",
+            world.issued_in_hand,
+            world.put_off
+        );
+    }
+}
+
+fn finish_oldest_open(world: &mut World) {
+    let open = world
+        .attempts
+        .iter()
+        .filter(|a| a.status.is_none())
+        .map(|a| a.spec.sched_rev)
+        .min();
+    if let Some(rev) = open {
+        world.finish_rev(rev, done());
+    }
 }
 
 /// Outside an armed retry no attempt starts a (build, mode) the plan's own

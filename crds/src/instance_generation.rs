@@ -164,7 +164,9 @@ fn yes() -> bool {
 pub struct InstanceGenerationStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// The newest scheduler revision issued; reserved before an attempt is created.
+    /// The newest scheduler revision reserved: written before an attempt
+    /// carrying it is created, and possibly ahead of the nodes still
+    /// waiting their turn; a reservation left unused is never issued.
     #[serde(default)]
     pub sched_rev: i64,
     #[serde(default, skip_serializing_if = "Option::is_none")]

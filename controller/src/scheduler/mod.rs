@@ -40,6 +40,8 @@ mod failure_book;
 mod history;
 mod naming;
 mod outcomes;
+mod pacing;
+mod revisions;
 mod rollout;
 mod supervision;
 
@@ -60,6 +62,7 @@ pub use naming::{
     LABEL_INBOX, LABEL_INSTANCE, LABEL_NODE, attempt_name, inbox_entry, inbox_name, label_value,
     parse_inbox_entry,
 };
+pub use revisions::{OwnReservation, Revisions};
 pub use rollout::{abandoned_backoff, effective_mode, selects};
 
 use failure_book::FailureBook;
@@ -87,10 +90,16 @@ pub struct Plan {
     /// Names of attempts to delete (older than the newest few per node, or on
     /// nodes no longer selected).
     pub delete: Vec<String>,
-    /// The status to write. `status.sched_rev` is the newest revision issued,
-    /// including those in `create`.
+    /// The status to write. `status.sched_rev` is the newest revision
+    /// reserved: every revision in `create`, and with [`Revisions::ahead`]
+    /// one for each node still waiting its turn.
     pub status: InstanceGenerationStatus,
-    /// Kubernetes Events to record on the InstanceGeneration.
+    /// The status only records progress while attempts are in flight: its
+    /// write may be put off until their outcomes (`pacing`).
+    pub status_may_wait: bool,
+    /// Kubernetes Events to record on the InstanceGeneration. Those read
+    /// from the attempts (an outcome, a restart) come again from every plan
+    /// until a status write records what they report.
     pub events: Vec<PlanEvent>,
     /// When to look again even if nothing changes (abandoned-attempt backoff).
     pub requeue_after: Option<Duration>,
@@ -107,12 +116,24 @@ pub struct PlanEvent {
 }
 
 /// Plans one InstanceGeneration. `attempts` are the SwapAttempts it owns;
-/// `nodes` are all Nodes (the scheduler applies the selector).
+/// `nodes` are all Nodes (the scheduler applies the selector). Each plan
+/// reserves exactly the revisions it issues.
 pub fn plan<A: Borrow<SwapAttempt>>(
     ig: &InstanceGeneration,
     attempts: &[A],
     nodes: &[Node],
     now: Timestamp,
+) -> Plan {
+    plan_with(ig, attempts, nodes, now, Revisions::default())
+}
+
+/// [`plan`], handing out revisions as `revisions` says (`revisions`).
+pub fn plan_with<A: Borrow<SwapAttempt>>(
+    ig: &InstanceGeneration,
+    attempts: &[A],
+    nodes: &[Node],
+    now: Timestamp,
+    revisions: Revisions,
 ) -> Plan {
     let ctx = Context::new(ig, now);
     let previous = ig.status.as_ref();
@@ -152,10 +173,10 @@ pub fn plan<A: Borrow<SwapAttempt>>(
 
     let decisions = rollout::decide(&ctx, &slots, &book);
 
-    let mut sched_rev = status.sched_rev.max(newest_rev);
+    let mut issuer = revisions::Issuer::new(revisions, status.sched_rev, newest_rev);
     let mut create = Vec::with_capacity(decisions.issues.len());
     for issue in &decisions.issues {
-        sched_rev += 1;
+        let sched_rev = issuer.issue();
         let slot = &slots[issue.slot];
         events.push(PlanEvent {
             warning: false,
@@ -191,17 +212,19 @@ pub fn plan<A: Borrow<SwapAttempt>>(
     }
     status.ready = Some(format!("{}/{}", progress.ready, progress.selected));
     status.listeners = genswap_crds::listeners_summary(&ctx.spec.listeners);
-    status.sched_rev = sched_rev;
+    status.sched_rev = issuer.sched_rev(progress.waiting);
     status.observed_generation = ctx.generation;
     status.desired = Some(ctx.desired.clone());
     conditions::write(&mut status.conditions, &ctx, progress, &book);
     status.nodes = node_entries;
     status.held_down = book.into_entries();
+    let status_may_wait = pacing::status_may_wait(previous, &status, progress.in_flight, &events);
 
     Plan {
         create,
         delete,
         status,
+        status_may_wait,
         events,
         requeue_after: decisions.requeue_after,
     }

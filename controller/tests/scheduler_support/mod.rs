@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use genswap_controller::scheduler::{self, Plan};
+use genswap_controller::scheduler::{self, OwnReservation, Plan, Revisions};
 use genswap_crds::{
     Cause, InstanceGeneration, InstanceGenerationSpec, InstanceGenerationStatus, Mode,
     NodeGeneration, Outcome, ServingStatus, SwapAttempt, SwapAttemptStatus,
@@ -164,6 +164,18 @@ pub struct World {
     pub issued: Vec<i64>,
     /// The generation counter of each node's agent.
     generations: BTreeMap<String, i64>,
+    /// Plans reserve ahead and issue from the controller's reservation in
+    /// hand (`own`), as the controller does; off: every plan reserves
+    /// exactly what it issues, as standalone mode does.
+    pub ahead: bool,
+    pub own: Option<OwnReservation>,
+    /// Whether a status that may wait is put off (the controller's
+    /// progress hold still running).
+    pub put_off_progress: bool,
+    /// Attempts issued with no reservation write, and status writes put
+    /// off: what the ahead mode did.
+    pub issued_in_hand: usize,
+    pub put_off: usize,
 }
 
 impl World {
@@ -175,12 +187,30 @@ impl World {
             now: T0,
             issued: Vec::new(),
             generations: BTreeMap::new(),
+            ahead: false,
+            own: None,
+            put_off_progress: false,
+            issued_in_hand: 0,
+            put_off: 0,
         }
     }
 
     /// The plan for the stored objects, without applying it.
     pub fn plan(&self) -> Plan {
-        scheduler::plan(&self.ig, &self.attempts, &self.nodes, at(self.now))
+        if !self.ahead {
+            return scheduler::plan(&self.ig, &self.attempts, &self.nodes, at(self.now));
+        }
+        let revisions = Revisions {
+            own: self.own,
+            ahead: true,
+        };
+        scheduler::plan_with(
+            &self.ig,
+            &self.attempts,
+            &self.nodes,
+            at(self.now),
+            revisions,
+        )
     }
 
     /// One reconcile: plan, write status, create, delete.
@@ -202,6 +232,10 @@ impl World {
         plan
     }
 
+    /// The status write as the adapter makes it: refused unless every
+    /// create is above what was reserved before or within the reservation
+    /// in hand; put off when it may wait and the hold runs; then the
+    /// reservation in hand updated.
     fn write_status(&mut self, plan: &Plan) {
         let previous = self.status().sched_rev;
         assert!(
@@ -209,15 +243,38 @@ impl World {
             "status.schedRev went back from {previous} to {}",
             plan.status.sched_rev
         );
+        let own = self.own.filter(|own| own.reserved == previous);
+        let lowest_free = own.map_or(previous, |own| own.issued);
         for attempt in &plan.create {
             assert!(
-                attempt.spec.sched_rev > previous,
-                "rev {} issued at or below the reserved {previous}",
+                attempt.spec.sched_rev > lowest_free,
+                "rev {} issued at or below {lowest_free}, the newest issued or reserved by another",
                 attempt.spec.sched_rev
             );
             assert!(attempt.spec.sched_rev <= plan.status.sched_rev);
         }
-        self.ig.status = Some(plan.status.clone());
+        let put_off = self.put_off_progress && plan.status_may_wait;
+        if plan.status.sched_rev == previous {
+            self.issued_in_hand += plan.create.len();
+        }
+        if put_off {
+            assert_eq!(
+                plan.status.sched_rev, previous,
+                "a status that may wait reserves nothing"
+            );
+            self.put_off += 1;
+        } else {
+            self.ig.status = Some(plan.status.clone());
+        }
+        let newest_created = plan.create.iter().map(|a| a.spec.sched_rev).max();
+        if !put_off && plan.status.sched_rev > previous {
+            self.own = Some(OwnReservation {
+                issued: newest_created.unwrap_or(plan.status.sched_rev),
+                reserved: plan.status.sched_rev,
+            });
+        } else if let (Some(own), Some(issued)) = (own, newest_created) {
+            self.own = Some(OwnReservation { issued, ..own });
+        }
     }
 
     fn store(&mut self, mut attempt: SwapAttempt) {

@@ -31,6 +31,8 @@ pub struct State {
     pub fail_next_creates: usize,
     /// Status writes refused for a stale resourceVersion.
     pub conflicts: usize,
+    /// Status writes accepted.
+    pub status_writes: usize,
     next_resource_version: u64,
 }
 
@@ -48,6 +50,7 @@ impl FakeCluster {
             create_requests: Vec::new(),
             fail_next_creates: 0,
             conflicts: 0,
+            status_writes: 0,
             next_resource_version: 2,
         })))
     }
@@ -176,6 +179,7 @@ impl State {
         let status: InstanceGenerationStatus =
             serde_json::from_value(body["status"].clone()).expect("applied status deserializes");
         self.ig.status = Some(status);
+        self.status_writes += 1;
         self.ig.metadata.resource_version = Some(self.next_resource_version.to_string());
         self.next_resource_version += 1;
         respond(StatusCode::OK, &self.ig)

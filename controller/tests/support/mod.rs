@@ -128,7 +128,7 @@ pub fn fixed_now() -> Timestamp {
 
 /// A planner that always returns `plan`, whatever it is given.
 pub fn fixed_planner(plan: Plan) -> Planner {
-    Arc::new(move |_, _, _, _| plan.clone())
+    Arc::new(move |_, _, _, _, _| plan.clone())
 }
 
 /// The controller and replica every harness writes Events as.
