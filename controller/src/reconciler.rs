@@ -53,10 +53,10 @@ pub const CATCH_UP_RETRY: Duration = Duration::from_secs(1);
 
 /// How long a status write that only records progress may be put off
 /// while attempts are in flight (`scheduler::pacing`): the outcome that
-/// ends them usually comes sooner and carries it. Long enough for the
-/// waves of a small rollout one node at a time (an attempt of the burst
-/// bench takes one to three seconds); conditions never wait.
-pub const PROGRESS_HOLD: Duration = Duration::from_secs(5);
+/// ends them usually comes sooner and carries it. As long as the Event
+/// window: what only reports progress reaches the API server at most that
+/// late, in one write; conditions never wait.
+pub const PROGRESS_HOLD: Duration = Duration::from_secs(10);
 
 /// How long a reconcile waits in place for the SwapAttempt and Node caches'
 /// first list before it gives its slot back and retries.
