@@ -268,7 +268,6 @@ async fn run(command: Command) -> Result<(), BenchError> {
             kinds: args.kinds.clone(),
             clients: (4, 4),
             builds: 8,
-            plot: Some(out.join("latency.png")),
             keep: args.keep_samples.clone(),
         };
         println!(
@@ -277,7 +276,11 @@ async fn run(command: Command) -> Result<(), BenchError> {
             zero::Load::Fixed(args.rate).name(),
             zero::Load::Saturation.name()
         );
-        Some(zero::run(&binaries, &mount, &options).await?)
+        let (report, panels) = zero::run(&binaries, &mount, &options).await?;
+        let plot = out.join("latency.png");
+        plot::render(&plot, &panels)?;
+        println!("plot: {}", plot.display());
+        Some(report)
     } else {
         None
     };

@@ -9,7 +9,7 @@ use plotters::style::{FontStyle, register_font};
 
 use crate::BenchError;
 use crate::loadgen::{Group, Sample};
-use crate::zero::{Kind, SwapRecord, Via};
+use crate::zero::{Kind, Panel, SwapRecord, Via};
 
 /// The span of time shown per panel, from one second before the first swap.
 const WINDOW_S: f64 = 8.0;
@@ -20,10 +20,7 @@ const FONT_PATHS: [&str; 2] = [
 ];
 
 /// Writes the PNG at `path`.
-pub fn render(
-    path: &Path,
-    panels: &[(Kind, Via, Vec<Sample>, Vec<SwapRecord>)],
-) -> Result<(), BenchError> {
+pub fn render(path: &Path, panels: &[Panel]) -> Result<(), BenchError> {
     load_font()?;
     let plot_error = |e: String| BenchError::Plot(format!("{}: {e}", path.display()));
     let columns = 2usize;

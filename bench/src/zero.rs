@@ -164,8 +164,6 @@ pub struct ZeroOptions {
     pub clients: (usize, usize),
     /// Distinct builds cycled through (consecutive swaps always differ).
     pub builds: usize,
-    /// Where the plot goes.
-    pub plot: Option<PathBuf>,
     /// Where each run's raw samples (CSV) and swap records (JSON) are
     /// kept; dropped after the analysis when `None`.
     pub keep: Option<PathBuf>,
@@ -258,20 +256,26 @@ pub struct ZeroReport {
 }
 
 /// Runs the benchmark and returns its figures.
+/// One panel of the latency plot: a run's kind and path, its samples and
+/// its swaps.
+pub type Panel = (Kind, Via, Vec<Sample>, Vec<SwapRecord>);
+
+/// Runs every (load, path, kind); returns the report and the panels worth
+/// plotting (the fixed-rate runs, direct and through the pooled nginx).
 pub async fn run(
     binaries: &Binaries,
     cgroup_parent: &Path,
     options: &ZeroOptions,
-) -> Result<ZeroReport, BenchError> {
+) -> Result<(ZeroReport, Vec<Panel>), BenchError> {
     let sandbox = sandbox::create(cgroup_parent, "zero")?;
     let dirs = AgentDirs::create(&sandbox)?;
     let builds = make_builds(&dirs.staging, options.builds.max(2))?;
     let mut agent = Agent::start(&binaries.agent, &dirs, true)?;
     let result = run_with(&sandbox, &mut agent, &builds, binaries, options).await;
     let stopped = agent.stop();
-    let report = result?;
+    let ran = result?;
     stopped?;
-    Ok(report)
+    Ok(ran)
 }
 
 struct Setup<'a> {
@@ -349,7 +353,7 @@ async fn run_with(
     builds: &[testapp::Build],
     binaries: &Binaries,
     options: &ZeroOptions,
-) -> Result<ZeroReport, BenchError> {
+) -> Result<(ZeroReport, Vec<Panel>), BenchError> {
     let plain = Managed::install(agent, APP, None, builds).await?;
     let listening = if options.kinds.iter().any(|k| k.listener()) {
         let port = crate::nginx::free_port()?;
@@ -396,7 +400,7 @@ async fn run_with(
     let naive_switches = SwitchWatch::start(&naive_dir, "app.sock")?;
 
     let mut report = ZeroReport::default();
-    let mut plotted: Vec<(Kind, Via, Vec<Sample>, Vec<SwapRecord>)> = Vec::new();
+    let mut plotted: Vec<Panel> = Vec::new();
     for load in &options.loads {
         for via in &options.vias {
             for kind in &options.kinds {
@@ -410,14 +414,10 @@ async fn run_with(
             }
         }
     }
-    if let Some(plot) = &options.plot {
-        crate::plot::render(plot, &plotted)?;
-        println!("plot: {}", plot.display());
-    }
     let Setup { naive, nginx, .. } = setup;
     nginx.stop();
     naive.stop();
-    Ok(report)
+    Ok((report, plotted))
 }
 
 async fn run_one(

@@ -30,11 +30,11 @@ use std::time::{Duration, Instant};
 
 use cluster::{Kind, NS, Shared, client_with_latency, lock, node};
 use genswap_controller::events::DEFAULT_WINDOW;
-use genswap_controller::http::Readiness;
 use genswap_controller::leader::Leadership;
 use genswap_controller::metrics::Metrics;
 use genswap_controller::run::{Settings, run_controller};
 use genswap_controller::shutdown;
+use genswap_runtime::http::Readiness;
 use serde_json::{Value, json};
 
 const DEADLINE: Duration = Duration::from_secs(300);
@@ -171,7 +171,7 @@ fn burst(igs: usize, write_latency: Duration, window: Duration, rt: &Runtimes) -
             identity: "bench".into(),
             concurrency: 16,
             event_window: window,
-            progress_hold: genswap_controller::reconciler::PROGRESS_HOLD,
+            progress_hold: genswap_controller::context::PROGRESS_HOLD,
             // The in-memory server keeps genswap objects only; the real
             // server's run (genswap-bench cluster) counts inbox writes.
             inbox_namespace: None,

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use genswap_controller::attempt_index::AttemptIndex;
-use genswap_controller::scheduler::{LABEL_INSTANCE, label_value, plan};
+use genswap_core::scheduler::{LABEL_INSTANCE, label_value, plan};
 use genswap_crds::{InstanceGeneration, SwapAttempt};
 use k8s_openapi::api::core::v1::Node;
 use kube::core::DeserializeGuard;

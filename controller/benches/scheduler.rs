@@ -15,7 +15,7 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use genswap_controller::scheduler::plan;
+use genswap_core::scheduler::plan;
 
 #[path = "support/fleet.rs"]
 mod fleet;

@@ -26,12 +26,9 @@ use serde_json::{Value, json};
 use thiserror::Error;
 use tracing::{debug, info, warn};
 
+use crate::context::Context;
 use crate::events::Queued;
-use crate::reconciler::Context;
-use crate::scheduler::{OwnReservation, Plan, PlanEvent};
-
-/// The field manager of every status write.
-pub const FIELD_MANAGER: &str = "genswap-controller";
+use genswap_core::scheduler::{OwnReservation, Plan, PlanEvent};
 
 /// Reason of the Warning recorded when an attempt could not be created.
 pub const REASON_CREATE_FAILED: &str = "AttemptCreateFailed";

@@ -24,7 +24,7 @@ use kube::core::DeserializeGuard;
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 
-use crate::scheduler::{LABEL_INSTANCE, label_value};
+use genswap_core::scheduler::{LABEL_INSTANCE, label_value};
 
 /// Whose attempts: an IG's uid, or (for an object without one) its label.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

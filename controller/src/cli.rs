@@ -11,8 +11,8 @@ use kube::config::{InferConfigError, KubeConfigOptions, Kubeconfig, KubeconfigEr
 use thiserror::Error;
 use tracing_subscriber::EnvFilter;
 
+use crate::context::PROGRESS_HOLD;
 use crate::events::DEFAULT_WINDOW;
-use crate::reconciler::PROGRESS_HOLD;
 
 /// The genswap cluster controller: turns InstanceGenerations into
 /// SwapAttempts and aggregates their outcomes into status.

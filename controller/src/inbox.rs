@@ -39,7 +39,9 @@ use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
 use crate::leader::Leadership;
-use crate::scheduler::{LABEL_INBOX, inbox_entry, inbox_name, label_value, parse_inbox_entry};
+use genswap_core::scheduler::{
+    LABEL_INBOX, inbox_entry, inbox_name, label_value, parse_inbox_entry,
+};
 
 /// An inbox's entries: attempt uid → `<namespace>/<name>`.
 pub type Entries = BTreeMap<String, String>;

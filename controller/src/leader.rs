@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use crate::metrics::Metrics;
-use crate::watch_backoff::reconnecting;
+use genswap_runtime::watch_backoff::reconnecting;
 
 /// Whether this replica may write, shared by the lease task and the reconciler.
 #[derive(Clone, Debug)]

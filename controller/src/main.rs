@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use clap::Parser;
 use genswap_controller::cli::{self, Args, SetupError, WRITE_TIMEOUT};
-use genswap_controller::http::{self, HttpError, Readiness};
 use genswap_controller::leader::{self, Leadership, LeaseError, LeaseSettings};
 use genswap_controller::metrics::Metrics;
 use genswap_controller::run::{self, Settings};
 use genswap_controller::shutdown;
+use genswap_runtime::http::{self, HttpError, Readiness};
 use kube::Client;
 use thiserror::Error;
 use tracing::{error, info};

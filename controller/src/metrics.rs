@@ -6,6 +6,7 @@
 use std::time::Instant;
 
 use genswap_crds::{Cause, Mode, Outcome};
+use genswap_runtime::http::Exposition;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -16,9 +17,6 @@ use prometheus_client::registry::{Registry, Unit};
 
 /// The prefix of every metric name.
 pub const PREFIX: &str = "genswap_controller";
-
-/// The content type `/metrics` answers with.
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Labels of `reconcile_errors_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -218,6 +216,12 @@ impl Metrics {
     /// Sets the leader gauge.
     pub fn set_leader(&self, leader: bool) {
         self.leader.set(i64::from(leader));
+    }
+}
+
+impl Exposition for Metrics {
+    fn encode_text(&self) -> Result<String, std::fmt::Error> {
+        self.encode()
     }
 }
 

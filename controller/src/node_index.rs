@@ -13,8 +13,8 @@ use kube::ResourceExt;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 
-use crate::reconciler::WatchedIg;
-use crate::scheduler::selects;
+use crate::observe::WatchedIg;
+use genswap_core::scheduler::selects;
 
 /// A Node's labels.
 pub type Labels = BTreeMap<String, String>;

@@ -2,9 +2,16 @@
 //! attempts come from [`crate::attempt_index`]). No requests; the
 //! reflectors keep the caches current.
 
+use genswap_crds::InstanceGeneration;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::core::DeserializeGuard;
 use kube::runtime::reflector::Store;
+
+/// The InstanceGeneration as the controller watches it: one that fails to
+/// deserialize is still delivered (as an error) instead of breaking the
+/// watch for every other object.
+pub type WatchedIg = DeserializeGuard<InstanceGeneration>;
 
 /// Every cached Node, ordered by name.
 pub fn nodes(store: &Store<Node>) -> Vec<Node> {

@@ -31,16 +31,18 @@ use tracing::{debug, info, warn};
 use crate::attempt_index::AttemptIndex;
 use crate::cache_sync::{Cache, CacheSync};
 use crate::cli::WRITE_TIMEOUT;
+use crate::context::Context;
 use crate::events::EventQueue;
-use crate::http::Readiness;
 use crate::inbox::{InboxIndex, Scope, keep_inboxes};
 use crate::leader::Leadership;
 use crate::metrics::Metrics;
 use crate::node_index::{NodeLabelIndex, affected};
+use crate::observe::WatchedIg;
 use crate::observe::trim_node;
-use crate::reconciler::{Context, WatchedIg, error_policy, reconcile};
-use crate::scheduler::LABEL_INSTANCE;
-use crate::watch_backoff::{reconnecting, watch_backoff};
+use crate::reconciler::{error_policy, reconcile};
+use genswap_core::scheduler::LABEL_INSTANCE;
+use genswap_runtime::http::Readiness;
+use genswap_runtime::watch_backoff::{reconnecting, watch_backoff};
 
 /// The name this controller records Events under.
 pub const CONTROLLER_NAME: &str = "genswap-controller";
@@ -57,7 +59,7 @@ pub struct Settings {
     /// ([`crate::event_fold`]); zero writes each alone at once.
     pub event_window: Duration,
     /// How long a status write that only records progress may be put off
-    /// ([`crate::reconciler::PROGRESS_HOLD`]); zero writes every one at once.
+    /// ([`crate::context::PROGRESS_HOLD`]); zero writes every one at once.
     pub progress_hold: Duration,
     /// Where the per-node inboxes are kept ([`crate::inbox`]); none are
     /// written when `None`.

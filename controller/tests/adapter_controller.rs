@@ -7,11 +7,11 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use genswap_controller::http::Readiness;
 use genswap_controller::leader::Leadership;
 use genswap_controller::metrics::Metrics;
 use genswap_controller::run::{Settings, run_controller};
 use genswap_controller::shutdown;
+use genswap_runtime::http::Readiness;
 use support::cluster::{Cluster, Kind, NS, Shared, client, eventually, lock, node, seeded};
 
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -292,7 +292,7 @@ async fn after_a_long_outage_the_controller_converges_within_seconds_of_the_serv
     );
     // Three watches, each trying at most once per backoff ceiling once it
     // has doubled up to it: the down server was not hammered.
-    let per_watch = OUTAGE.as_millis() / genswap_controller::watch_backoff::CEILING.as_millis() + 4;
+    let per_watch = OUTAGE.as_millis() / genswap_runtime::watch_backoff::CEILING.as_millis() + 4;
     assert!(
         requests_while_down as u128 <= 3 * per_watch,
         "{requests_while_down} requests in {OUTAGE:?}"

@@ -6,8 +6,9 @@ mod support;
 
 use std::sync::Arc;
 
-use genswap_controller::reconciler::{Planner, reconcile};
-use genswap_controller::scheduler;
+use genswap_controller::context::Planner;
+use genswap_controller::reconciler::reconcile;
+use genswap_core::scheduler;
 use genswap_crds::InstanceGeneration;
 use support::fake_api::FakeCluster;
 use support::*;

@@ -4,10 +4,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use genswap_controller::http::{self, Readiness};
 use genswap_controller::leader::Leadership;
 use genswap_controller::metrics::Metrics;
 use genswap_controller::shutdown;
+use genswap_runtime::http::{self, Readiness};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 

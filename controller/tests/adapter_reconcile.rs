@@ -9,11 +9,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use genswap_controller::cache_sync::{Cache, CacheSync};
+use genswap_controller::context::Planner;
 use genswap_controller::metrics::Metrics;
 use genswap_controller::reconciler::{
-    CATCH_UP_RETRY, Planner, RESYNC_PERIOD, backoff_delay, error_policy, reconcile,
+    CATCH_UP_RETRY, RESYNC_PERIOD, backoff_delay, error_policy, reconcile,
 };
-use genswap_controller::scheduler::Plan;
+use genswap_core::scheduler::Plan;
 use genswap_crds::{InstanceGeneration, InstanceGenerationStatus};
 use http::StatusCode;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};

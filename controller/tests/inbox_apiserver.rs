@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use genswap_controller::inbox::{InboxIndex, Scope, keep_inboxes};
 use genswap_controller::leader::Leadership;
 use genswap_controller::metrics::Metrics;
-use genswap_controller::scheduler::inbox_name;
+use genswap_core::scheduler::inbox_name;
 use genswap_crds::SwapAttempt;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};

@@ -3,7 +3,7 @@
 
 mod scheduler_support;
 
-use genswap_controller::scheduler::HISTORY_KEPT;
+use genswap_core::scheduler::HISTORY_KEPT;
 use genswap_crds::{Cause, InstanceGenerationStatus};
 use scheduler_support::*;
 

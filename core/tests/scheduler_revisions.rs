@@ -9,7 +9,7 @@
 
 mod scheduler_support;
 
-use genswap_controller::scheduler::effective_mode;
+use genswap_core::scheduler::effective_mode;
 use genswap_crds::{Cause, Mode};
 use scheduler_support::*;
 
@@ -232,7 +232,7 @@ fn finish_oldest_open(world: &mut World) {
 /// failure book holds down on that node.
 fn check_no_held_build_started(
     world: &World,
-    plan: &genswap_controller::scheduler::Plan,
+    plan: &genswap_core::scheduler::Plan,
     seed: u64,
     step: usize,
 ) {

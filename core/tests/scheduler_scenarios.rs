@@ -8,7 +8,7 @@ mod scheduler_support;
 
 use std::time::Duration;
 
-use genswap_controller::scheduler::{LABEL_INSTANCE, LABEL_NODE, plan};
+use genswap_core::scheduler::{LABEL_INSTANCE, LABEL_NODE, plan};
 use genswap_crds::{Cause, InstanceGenerationStatus, Mode, Outcome, SocketLayout};
 use scheduler_support::*;
 

@@ -1,6 +1,6 @@
 //! The requests each verb makes, and what their failures mean to a human.
 
-use genswap_controller::scheduler::{LABEL_INSTANCE, label_value};
+use genswap_core::scheduler::{LABEL_INSTANCE, label_value};
 use genswap_crds::{InstanceGeneration, SwapAttempt};
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, Client};

@@ -279,7 +279,7 @@ mod tests {
 
     use super::*;
     use crate::cgroup::Controller;
-    use crate::health::Observation;
+    use crate::observation::Observation;
     use crate::spawn::SetupStep;
 
     fn io_error() -> io::Error {

@@ -26,7 +26,7 @@ use tokio::io::AsyncReadExt;
 use tokio::time::Instant;
 
 use crate::cgroup::Cgroup;
-use crate::probe::Observation;
+use crate::observation::Observation;
 use crate::spawn::{DEFAULT_PATH, Output, SpawnSpec};
 
 /// The prefix of a command cgroup's name, below its generation's cgroup.

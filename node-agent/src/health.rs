@@ -22,9 +22,11 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use thiserror::Error;
 
+pub use crate::probe::Healthy;
 pub use crate::probe::http_get::HOST;
 use crate::probe::{Endpoint, Probe, ProbeError};
-pub use crate::probe::{Healthy, Observation};
+
+use crate::observation::Observation;
 
 /// How long [`get`] waits for the whole answer.
 pub const DEFAULT_GET_TIMEOUT: Duration = Duration::from_secs(10);

@@ -458,6 +458,16 @@ mod tests {
     use super::*;
     use clap::Parser;
 
+    #[test]
+    fn the_default_run_dir_fits_every_generation_socket_of_the_longest_key() {
+        let run_dir = Path::new(DEFAULT_RUN_DIR);
+        disk_name::check_run_dir(run_dir).expect("the default run dir fits");
+        let name = format!("{}.{}", "b".repeat(126), "c".repeat(126));
+        let longest = crate::gate::InstanceKey::new("a".repeat(63), name).expect("the longest key");
+        let socket = crate::switch::RunLayout::new(run_dir).generation_socket(&longest, u64::MAX);
+        assert!(disk_name::socket_path_fits(&socket), "{}", socket.display());
+    }
+
     #[derive(Parser, Debug)]
     struct Cli {
         #[command(flatten)]

@@ -68,9 +68,10 @@ use genswap_crds::{
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::disk_name::temp_name;
 use crate::disk_name::{self, DiskName};
 use crate::gate::InstanceKey;
-use crate::switch::{fsync_dir, temp_name};
+use crate::switch::fsync_dir;
 
 /// How far a write must have reached the disk before it returns (see the
 /// module docs).

@@ -408,7 +408,7 @@ impl Launch {
                 let pid = u32::try_from(child.as_raw()).map_err(|_| Errno::EOVERFLOW)?;
                 Ok(Child {
                     pid,
-                    pidfd: crate::spawn::pidfd_open(pid).ok(),
+                    pidfd: pidfd_open(pid).ok(),
                 })
             }
         }
@@ -537,6 +537,22 @@ fn reap_now(pid: u32) {
     if let Ok(pid) = libc::pid_t::try_from(pid) {
         let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
     }
+}
+
+/// A descriptor for `pid` that stays bound to that process (never to a
+/// later one reusing the number): pidfd_open(2).
+pub(crate) fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    let pid = nix::libc::pid_t::try_from(pid)
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor
+    // (close-on-exec) or -1; no memory is passed.
+    let fd = unsafe { nix::libc::syscall(nix::libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let fd = i32::try_from(fd).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
+    // SAFETY: the kernel just returned this descriptor and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 #[cfg(test)]

@@ -11,9 +11,12 @@
 //! - [`switch`]: repointing `current.sock`.
 //! - [`gate`]: the attempt gate the adapters implement.
 //! - [`classify`]: the one outcome classifier every step's error goes through.
+//! - [`attempt_status`]: an engine result as a SwapAttempt's status, the one
+//!   mapping both adapters report with.
 //! - [`engine`]: the swap itself, overlap, hold and worker, step by step.
 #![deny(rust_2018_idioms)]
 
+pub mod attempt_status;
 pub mod cgroup;
 pub mod classify;
 pub mod command;
@@ -33,6 +36,7 @@ pub mod listeners;
 pub mod logs;
 pub mod metrics;
 pub mod notify;
+pub mod observation;
 pub mod ownership;
 pub mod paths;
 pub mod probe;

@@ -31,9 +31,6 @@ use crate::disk_name::DiskName;
 use crate::gate::InstanceKey;
 use crate::spawn::{ActivatedSocket, Output, SpawnSpec};
 
-/// The agent's cgroup under the root where the keepers run, one child per
-/// instance.
-pub const KEEPER_CGROUP: &str = "listeners";
 /// The subcommand the agent's binary runs as a keeper.
 pub const KEEPER_COMMAND: &str = "listener-keeper";
 /// How long a keeper's `cgroup.kill` may take to show `populated 0`.
@@ -93,7 +90,7 @@ impl KeeperSite {
     pub fn new(program: impl Into<PathBuf>, cgroups: &CgroupManager) -> KeeperSite {
         KeeperSite {
             program: program.into(),
-            dir: cgroups.root().join(KEEPER_CGROUP),
+            dir: cgroups.root().join(crate::cgroup::KEEPER_CGROUP),
             mount: cgroups.mount().map(Path::to_path_buf),
         }
     }
@@ -182,7 +179,7 @@ impl KeeperSite {
 /// membership of `cgroup` is checked, so a pid reused since is never hit.
 /// One already gone is fine.
 fn kill_keeper(cgroup: &Cgroup, pid: u32) {
-    let Ok(pidfd) = crate::spawn::pidfd_open(pid) else {
+    let Ok(pidfd) = crate::launch::pidfd_open(pid) else {
         return;
     };
     if !cgroup.pids().unwrap_or_default().contains(&pid) {

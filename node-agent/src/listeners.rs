@@ -182,7 +182,7 @@ impl Listeners {
         if specs.is_empty() {
             return Vec::new();
         }
-        let pidfd = match crate::spawn::pidfd_open(pid) {
+        let pidfd = match crate::launch::pidfd_open(pid) {
             Ok(pidfd) => pidfd,
             Err(error) => return vec![format!("cannot open a pidfd of {pid}: {error}")],
         };
@@ -218,7 +218,7 @@ impl Listeners {
         };
         let mut taken: Vec<Held> = Vec::new();
         for pid in site.pids(instance) {
-            let Ok(pidfd) = crate::spawn::pidfd_open(pid) else {
+            let Ok(pidfd) = crate::launch::pidfd_open(pid) else {
                 continue;
             };
             for fd in 3..3 + KEEPER_FDS_READ {

@@ -5,7 +5,7 @@
 //! [`SwapResult`] with [`AgentMetrics::record_result`], keeps the gauges
 //! current, flips [`Readiness`] as it gains the node and reads its source, and
 //! runs [`serve`] on a listener from [`bind`]. The endpoints themselves are
-//! the controller's ([`genswap_controller::http`]), over the agent's metrics
+//! the controller's ([`genswap_runtime::http`]), over the agent's metrics
 //! and readiness.
 //!
 //! Metrics (OpenMetrics text, every name prefixed `genswap_agent_`):
@@ -34,8 +34,8 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use genswap_controller::http::{self, Exposition, ReadinessCheck};
 use genswap_crds::{Mode, Outcome};
+use genswap_runtime::http::{self, Exposition, ReadinessCheck};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -50,9 +50,9 @@ use crate::engine::SwapResult;
 /// The prefix of every metric name.
 pub const PREFIX: &str = "genswap_agent";
 
-pub use genswap_controller::http::{HttpError, bind};
 /// The content type `/metrics` answers with.
-pub use genswap_controller::metrics::CONTENT_TYPE;
+pub use genswap_runtime::http::CONTENT_TYPE;
+pub use genswap_runtime::http::{HttpError, bind};
 
 /// The default `--metrics-addr`: loopback only, since the agent runs with
 /// host networking.

@@ -27,17 +27,13 @@ use tokio::net::UnixDatagram;
 use tokio::sync::watch;
 
 use crate::cgroup::Cgroup;
-use crate::probe::Observation;
+use crate::observation::Observation;
 
 /// The variable that names the socket.
 pub const ENV_NOTIFY_SOCKET: &str = "NOTIFY_SOCKET";
 /// The watchdog's interval, in microseconds, as `sd_watchdog_enabled(3)`
 /// reads it.
 pub const ENV_WATCHDOG_USEC: &str = "WATCHDOG_USEC";
-/// A generation's notify socket's file name in the instance's run dir.
-pub fn notify_socket_name(generation: u64) -> String {
-    format!("gen-{generation}.notify")
-}
 
 /// What a generation has said so far.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

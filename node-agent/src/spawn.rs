@@ -47,7 +47,7 @@ use std::ffi::CString;
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -60,7 +60,9 @@ use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
 use crate::cgroup::Cgroup;
-use crate::launch::{self, ChildStep, ExecImage, Launch, LaunchError, Launched, SETUP_FD_FLOOR};
+use crate::launch::{
+    self, ChildStep, ExecImage, Launch, LaunchError, Launched, SETUP_FD_FLOOR, pidfd_open,
+};
 
 /// The `PATH` a generation gets unless its spec sets one.
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -1083,20 +1085,6 @@ pub(crate) async fn pid_exited(pid: u32) -> bool {
             false
         }
     }
-}
-
-pub(crate) fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
-    let pid = nix::libc::pid_t::try_from(pid)
-        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor
-    // (close-on-exec) or -1; no memory is passed.
-    let fd = unsafe { nix::libc::syscall(nix::libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let fd = i32::try_from(fd).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
-    // SAFETY: the kernel just returned this descriptor and nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 fn observe(pid: u32) -> Result<Observed, VerifyError> {

@@ -30,7 +30,8 @@ use sha2::{Digest, Sha256};
 use thiserror::Error;
 use tokio::sync::mpsc;
 
-use crate::switch::{fsync_dir, temp_name};
+use crate::disk_name::temp_name;
+use crate::switch::fsync_dir;
 
 /// The prefix of every store entry's file name.
 pub const ENTRY_PREFIX: &str = "sha256-";

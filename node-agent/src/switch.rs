@@ -17,17 +17,16 @@
 //! what it named before. For the one classifier (SPEC §5.4) it is `stale`: a
 //! fault of the host, not of the build.
 
-use std::ffi::OsString;
 use std::fs;
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use thiserror::Error;
 
-use crate::disk_name::{self, DiskName};
+use crate::disk_name::{
+    self, DiskName, generation_socket_name, parse_generation_socket_name, temp_name,
+};
 use crate::gate::InstanceKey;
 
 /// The name of the link that always names the incumbent's socket.
@@ -152,20 +151,6 @@ impl RunLayout {
         generations.sort_unstable();
         Ok(generations)
     }
-}
-
-/// `gen-<N>.sock`.
-pub fn generation_socket_name(generation: u64) -> String {
-    format!("gen-{generation}.sock")
-}
-
-/// N from `gen-<N>.sock`; `None` for any other name.
-pub fn parse_generation_socket_name(name: &str) -> Option<u64> {
-    let digits = name.strip_prefix("gen-")?.strip_suffix(".sock")?;
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    digits.parse().ok()
 }
 
 /// Why `current.sock` did not move. In every case nothing switched.
@@ -296,18 +281,6 @@ fn create_temp_link(dir: &Path, target_name: &std::ffi::OsStr) -> Result<PathBuf
             Err(source) => return Err(SwitchError::CreateLink { link, source }),
         }
     }
-}
-
-/// `<base>.tmp-<pid>-<counter>-<nanos>`: unique within this process by the
-/// counter, across processes by the pid, across restarts by the clock.
-pub(crate) fn temp_name(base: &str) -> OsString {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let count = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    OsString::from(format!("{base}.tmp-{}-{count}-{nanos}", std::process::id()))
 }
 
 /// fsync of a directory, so a rename or create inside it is durable.

@@ -36,8 +36,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::channel::mpsc;
-use genswap_controller::watch_backoff;
 use genswap_crds::EnvVar;
+use genswap_runtime::watch_backoff;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};

@@ -7,7 +7,8 @@ use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use node_agent::health::{HealthError, Observation, get, wait_healthy};
+use node_agent::health::{HealthError, get, wait_healthy};
+use node_agent::observation::Observation;
 use node_agent::probe::ProbeError;
 use test_app::TestApp;
 

@@ -18,8 +18,9 @@ use genswap_crds::{ExecProbe, GrpcProbe, HttpGetProbe, ProbeAction, TcpSocketPro
 use node_agent::cgroup::{Cgroup, Tier};
 use node_agent::command::{CommandIdentity, GenerationCommands, command_cgroups};
 use node_agent::gate::InstanceKey;
-use node_agent::health::{HealthError, HealthPolicy, Observation, wait_for};
+use node_agent::health::{HealthError, HealthPolicy, wait_for};
 use node_agent::notify::{ENV_NOTIFY_SOCKET, NotifyWatch};
+use node_agent::observation::Observation;
 use node_agent::probe::{Endpoint, Generation, Healthy, Probe, ProbeError};
 use node_agent::spawn::{Output, SpawnSpec, spawn};
 use test_app::TestApp;

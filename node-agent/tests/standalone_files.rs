@@ -12,7 +12,7 @@ mod standalone_support;
 #[path = "support/swap_host.rs"]
 mod swap_host;
 
-use genswap_controller::scheduler;
+use genswap_core::scheduler;
 use genswap_crds::ConditionType;
 use node_agent::standalone::status::reasons;
 use standalone_support::{Manifest, NODE, StandaloneHost, key, labels};

@@ -86,7 +86,7 @@ async fn an_overlap_judged_by_ready_1_drops_nothing_and_a_silent_successor_fails
         host.engine
             .layout()
             .instance_dir(&host.instance)
-            .join(node_agent::notify::notify_socket_name(n))
+            .join(node_agent::disk_name::notify_socket_name(n))
     };
     assert!(
         notify_socket(1).exists(),

@@ -15,7 +15,8 @@ use axum::routing::get;
 use thiserror::Error;
 use tokio::net::TcpListener;
 
-use crate::metrics::{CONTENT_TYPE, Metrics};
+/// The content type `/metrics` answers with.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// What `/metrics` serves: a registry in the OpenMetrics text format.
 pub trait Exposition: Send + Sync + 'static {
@@ -26,12 +27,6 @@ pub trait Exposition: Send + Sync + 'static {
 pub trait ReadinessCheck: Clone + Send + Sync + 'static {
     /// `None` when ready; else what is missing, in words.
     fn not_ready_because(&self) -> Option<Cow<'static, str>>;
-}
-
-impl Exposition for Metrics {
-    fn encode_text(&self) -> Result<String, std::fmt::Error> {
-        self.encode()
-    }
 }
 
 /// Whether the watch caches have synced; `/readyz` answers from it.

@@ -6,7 +6,7 @@
 
 use std::collections::HashSet;
 
-use genswap_controller::scheduler::{Plan, plan};
+use genswap_core::scheduler::{Plan, plan};
 use genswap_crds::{
     InstanceGeneration, InstanceGenerationSpec, Outcome, SwapAttempt, SwapAttemptStatus,
 };

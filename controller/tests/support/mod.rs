@@ -12,14 +12,15 @@ pub use poll::poll_until;
 use std::sync::Arc;
 use std::time::Duration;
 
-use genswap_controller::apply::FIELD_MANAGER;
 use genswap_controller::attempt_index::AttemptIndex;
 use genswap_controller::cache_sync::CacheSync;
+use genswap_controller::context::FIELD_MANAGER;
+use genswap_controller::context::{Context, Planner};
 use genswap_controller::events::EventQueue;
 use genswap_controller::leader::Leadership;
 use genswap_controller::metrics::Metrics;
-use genswap_controller::reconciler::{Context, Planner, WatchedIg};
-use genswap_controller::scheduler::{Plan, PlanEvent};
+use genswap_controller::observe::WatchedIg;
+use genswap_core::scheduler::{Plan, PlanEvent};
 use genswap_crds::{InstanceGeneration, InstanceGenerationStatus, SwapAttempt};
 use http::{Method, Request, Response, StatusCode};
 use k8s_openapi::api::core::v1::Node;

@@ -39,7 +39,7 @@ pub const LABEL_INBOX: &str = "genswap.dev/inbox-node";
 const INBOX_PREFIX: &str = "genswap-inbox-";
 
 /// The ConfigMap that lists `node`'s attempts for its agent
-/// ([`crate::inbox`]): `genswap-inbox-<node>`, or a readable prefix and a
+/// (the controller's `inbox`): `genswap-inbox-<node>`, or a readable prefix and a
 /// digest of the node when that would pass 253 characters.
 pub fn inbox_name(node: &str) -> String {
     let name = format!("{INBOX_PREFIX}{node}");

@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use genswap_controller::scheduler::{self, OwnReservation, Plan, Revisions};
+use genswap_core::scheduler::{self, OwnReservation, Plan, Revisions};
 use genswap_crds::{
     Cause, InstanceGeneration, InstanceGenerationSpec, InstanceGenerationStatus, Mode,
     NodeGeneration, Outcome, ServingStatus, SwapAttempt, SwapAttemptStatus,

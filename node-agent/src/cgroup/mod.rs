@@ -66,12 +66,16 @@ pub use subtree::{processes_in, remove_subtree};
 /// agent's own, no instance's. Its shims outlive the agent on purpose.
 pub const SHIM_CGROUP: &str = "logs";
 
+/// The agent's cgroup under the root where the listener keepers
+/// (`crate::listener_keeper`) run, one child per instance.
+pub const KEEPER_CGROUP: &str = "listeners";
+
 /// Whether a directory under the root is the agent's own rather than an
 /// instance's (the log shims', the listener keepers'): never listed as an
 /// instance, never stopped by recovery. No disk name can equal one: a disk
 /// name has a dot.
 pub fn is_agent_cgroup(dir_name: &std::ffi::OsStr) -> bool {
-    dir_name == SHIM_CGROUP || dir_name == crate::listener_keeper::KEEPER_CGROUP
+    dir_name == SHIM_CGROUP || dir_name == KEEPER_CGROUP
 }
 
 use fs_util::io_error;

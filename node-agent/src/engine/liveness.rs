@@ -9,7 +9,8 @@ use std::time::Duration;
 use genswap_crds::LivenessSpec;
 use tokio::time::{Instant, sleep, sleep_until};
 
-use crate::probe::{Observation, Probe};
+use crate::observation::Observation;
+use crate::probe::Probe;
 
 /// Ends a generation's liveness task when the generation's handle goes.
 #[derive(Debug)]

@@ -221,7 +221,7 @@ pub(super) fn bind_notify(
     let path = engine
         .layout
         .instance_dir(instance)
-        .join(crate::notify::notify_socket_name(generation));
+        .join(crate::disk_name::notify_socket_name(generation));
     NotifyWatch::bind(&path, cgroup, owner_of(&spec.process))
         .map(Some)
         .map_err(|source| StepError::RunDir { path, source })
@@ -299,7 +299,7 @@ pub(super) async fn stop_generation(
         &running
             .record
             .socket
-            .with_file_name(crate::notify::notify_socket_name(running.record.n)),
+            .with_file_name(crate::disk_name::notify_socket_name(running.record.n)),
     );
     Ok(report)
 }

@@ -9,8 +9,8 @@ use std::future::Future;
 use std::sync::Arc;
 
 use futures::StreamExt;
-use genswap_controller::watch_backoff::reconnecting;
 use genswap_crds::{Outcome, ServingState, ServingStatus, SwapAttempt};
+use genswap_runtime::watch_backoff::reconnecting;
 use kube::Client;
 use kube::api::Api;
 use kube::runtime::reflector::{self, ObjectRef, Store, reflector};
@@ -24,6 +24,7 @@ use super::intake::{Decision, Intake};
 use super::report::{OutcomeReport, ReportTarget, Reporter, ServingTarget, error_chain};
 use super::retire::{self, Owner};
 use super::{KubeAgentConfig, KubeAgentError};
+use crate::attempt_status::serving_status;
 use crate::engine::{
     Attempt, Cancel, Engine, EngineError, ServingChange, Supervisor, SupervisorEvent,
     effective_mode,
@@ -32,7 +33,6 @@ use crate::gate::{InstanceKey, NewestRevisionGate};
 use crate::journal::unix_millis_now;
 use crate::metrics::{AgentMetrics, Readiness, Retirement};
 use crate::ownership::NodeLock;
-use crate::standalone::report::serving_status;
 
 /// Kubernetes mode over a given client: what [`super::run`] runs, and what
 /// tests run against a mocked API server.

@@ -27,7 +27,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use futures::stream::{self, BoxStream};
 use futures::{Stream, StreamExt, TryStreamExt};
-use genswap_controller::scheduler::{inbox_name, parse_inbox_entry};
+use genswap_core::scheduler::{inbox_name, parse_inbox_entry};
 use genswap_crds::SwapAttempt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::Api;

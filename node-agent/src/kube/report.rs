@@ -34,11 +34,11 @@ use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use thiserror::Error;
 
+use crate::attempt_status::{status_from_outcome_record, status_running};
 use crate::engine::{Cancel, Engine, SwapResult, effective_mode};
 use crate::gate::InstanceKey;
 use crate::journal::{Journal, JournalError, OutcomeRecord, Record, unix_millis_now};
 use crate::metrics::AgentMetrics;
-use crate::standalone::report::{status_from_outcome_record, status_running};
 
 /// The server-side apply field manager of every status write.
 pub const FIELD_MANAGER: &str = "genswap-node-agent";

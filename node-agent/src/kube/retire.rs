@@ -24,7 +24,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use genswap_controller::scheduler::selects;
+use genswap_core::scheduler::selects;
 use genswap_crds::{InstanceGeneration, SwapAttempt};
 use k8s_openapi::api::core::v1::{Namespace, Node};
 use kube::api::Api;

@@ -8,7 +8,8 @@ use hyper_util::rt::TokioIo;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
-use super::{Endpoint, Observation};
+use super::Endpoint;
+use crate::observation::Observation;
 
 /// One `Check` of `service` ("" is the server as a whole).
 pub(crate) async fn check(endpoint: &Endpoint, service: &str) -> Result<(), Observation> {

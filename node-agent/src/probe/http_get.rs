@@ -7,7 +7,8 @@ use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::TokioIo;
 use tokio::task::JoinHandle;
 
-use super::{Endpoint, Observation, ProbeError, Stream};
+use super::{Endpoint, ProbeError, Stream};
+use crate::observation::Observation;
 
 /// The `Host` header every request carries.
 pub const HOST: &str = "localhost";

@@ -8,7 +8,8 @@ use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-use crate::switch::{fsync_dir, temp_name};
+use crate::disk_name::temp_name;
+use crate::switch::fsync_dir;
 
 /// Writes `bytes` to `path` through a temp file in the same directory:
 /// written, fsynced, renamed over `path`, and the directory fsynced.

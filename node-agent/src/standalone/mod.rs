@@ -12,7 +12,7 @@
 //! - The host is one implicit Node ([`NodeIdentity`]: the host name or
 //!   `--node-name`, with `--node-label`s and `kubernetes.io/hostname`).
 //! - The controller's own scheduler
-//!   ([`genswap_controller::scheduler::plan`]) plans each instance: the
+//!   ([`genswap_core::scheduler::plan`]) plans each instance: the
 //!   attempts it creates are run through the [`Engine`] (at most one per
 //!   instance at a time, instances in parallel; the gate observes every
 //!   revision, so a newer attempt supersedes an older one), each result
@@ -47,7 +47,6 @@
 
 pub(crate) mod files;
 pub mod manifests;
-pub mod report;
 mod runner;
 pub mod state;
 pub mod status;
@@ -63,7 +62,6 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use thiserror::Error;
 
-pub use report::{status_from_outcome_record, status_from_result};
 pub use status::{AttemptReport, STATUS_SUBDIR, StatusDocument};
 pub use wait::{WaitError, wait_for_no_status, wait_for_status};
 

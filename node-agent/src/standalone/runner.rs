@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use genswap_controller::scheduler;
+use genswap_core::scheduler;
 use genswap_crds::{ConditionType, InstanceGeneration, SwapAttempt, set_condition};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
@@ -18,11 +18,11 @@ use tokio::time::Instant;
 
 use super::files::{blocking, remove_if_exists, replace_file};
 use super::manifests::{self, ManifestFile, Parsed};
-use super::report::{self, time_of};
 use super::state::{InstanceState, StateStore};
 use super::status::{self, StatusDocument, reasons};
 use super::watch::{DirChange, DirWatch};
 use super::{STATUS_SUBDIR, StandaloneConfig, StandaloneError};
+use crate::attempt_status::{self, time_of};
 use crate::engine::{
     Attempt, Cancel, Engine, EngineError, ServingChange, SupervisorEvent, SwapResult,
 };
@@ -252,7 +252,7 @@ impl Runner {
                 })
             {
                 tracing::info!(instance = %key, sched_rev, outcome = ?outcome.outcome, "an outcome from before the restart, kept by the intent journal");
-                attempt.status = Some(report::status_from_outcome_record(outcome));
+                attempt.status = Some(attempt_status::status_from_outcome_record(outcome));
             }
             self.pending_acks.push((key, sched_rev));
         }
@@ -609,7 +609,7 @@ impl Runner {
             spec: next.spec.clone(),
             restart: None,
         };
-        let mut running = report::status_running(SystemTime::now());
+        let mut running = attempt_status::status_running(SystemTime::now());
         running.effective_mode = Some(attempt.effective_mode());
         next.status = Some(running);
         let sched_rev = attempt.spec.sched_rev;
@@ -676,7 +676,7 @@ impl Runner {
         else {
             return;
         };
-        status.serving = Some(report::serving_status(
+        status.serving = Some(attempt_status::serving_status(
             &change.supervised,
             change.last_exit.as_ref(),
         ));
@@ -713,8 +713,9 @@ impl Runner {
             .iter_mut()
             .find(|a| a.spec.sched_rev == sched_rev)
         {
-            let mut status = report::status_from_result(&result);
-            status.serving = serving.map(|change| report::serving_status(&change.supervised, None));
+            let mut status = attempt_status::status_from_result(&result);
+            status.serving =
+                serving.map(|change| attempt_status::serving_status(&change.supervised, None));
             attempt.status = Some(status);
         }
         match instance.removal {

@@ -211,7 +211,7 @@ mod tests {
 
     #[test]
     fn a_refused_file_is_stalled_with_its_reason_and_reads_back() {
-        let now = super::super::report::time_of(SystemTime::now());
+        let now = crate::attempt_status::time_of(SystemTime::now());
         let doc = for_refused(
             "bad.yaml",
             None,

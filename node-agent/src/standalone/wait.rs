@@ -148,7 +148,7 @@ mod tests {
     use crate::standalone::status::{STATUS_SUBDIR, render};
 
     fn doc() -> StatusDocument {
-        let now = crate::standalone::report::time_of(std::time::SystemTime::now());
+        let now = crate::attempt_status::time_of(std::time::SystemTime::now());
         crate::standalone::status::for_refused(
             "app.yaml",
             None,

@@ -122,7 +122,7 @@ impl Node {
     pub fn keeper_pids(&self) -> Vec<u32> {
         let dir = self
             .cgroup_root()
-            .join(node_agent::listener_keeper::KEEPER_CGROUP)
+            .join(node_agent::cgroup::KEEPER_CGROUP)
             .join(node_agent::disk_name::DiskName::of(&self.key).as_str());
         fs::read_to_string(dir.join("cgroup.procs"))
             .map(|text| text.lines().filter_map(|l| l.trim().parse().ok()).collect())

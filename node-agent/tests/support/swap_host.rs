@@ -168,7 +168,7 @@ impl SwapHost {
         self.tree
             .path()
             .join("genswap")
-            .join(node_agent::listener_keeper::KEEPER_CGROUP)
+            .join(node_agent::cgroup::KEEPER_CGROUP)
             .join(node_agent::disk_name::DiskName::of(&self.instance))
     }
 
