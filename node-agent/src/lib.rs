@@ -40,6 +40,7 @@ pub mod observation;
 pub mod ownership;
 pub mod paths;
 pub mod probe;
+pub mod process;
 pub mod sandbox;
 pub mod spawn;
 pub mod stage;

@@ -395,7 +395,7 @@ pub(super) async fn exited(
         Process::Spawned(child) => child.wait().await.map_err(StepError::Spawn),
         Process::Forked { pid } => {
             let pid = *pid;
-            if !crate::spawn::pid_exited(pid).await {
+            if !crate::process::pid_exited(pid).await {
                 // Not watchable: its cgroup emptying says it instead.
                 wait_empty(&running.cgroup).await?;
             }

@@ -260,7 +260,7 @@ impl Notices {
         let (sender, instance) = (self.sender.clone(), instance.clone());
         let (generation, pid) = (running.record.n, running.process.pid());
         runtime.spawn(async move {
-            if crate::spawn::pid_exited(pid).await {
+            if crate::process::pid_exited(pid).await {
                 let _ = sender.send(Notice::Exited(instance, generation));
             }
         });

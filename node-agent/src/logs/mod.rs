@@ -282,7 +282,7 @@ impl LogSink {
                         nix::sys::signal::Signal::SIGKILL,
                     );
                 }
-                crate::spawn::reap_when_exited(child);
+                crate::process::reap_when_exited(child);
                 return Err(LogError::NotReady {
                     exe: exe.clone(),
                     pid,
@@ -290,7 +290,7 @@ impl LogSink {
                 });
             }
         }
-        crate::spawn::reap_when_exited(child);
+        crate::process::reap_when_exited(child);
         Ok(GenerationOutput {
             stdout: out_write,
             stderr: err_write,
