@@ -16,7 +16,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use super::PlanEvent;
 
 /// Whether writing `next` over `previous` may wait for the outcomes of the
-/// `in_flight` attempts.
+/// `in_flight` attempts (a status that does not change has nothing to wait).
 pub(super) fn status_may_wait(
     previous: Option<&InstanceGenerationStatus>,
     next: &InstanceGenerationStatus,
@@ -26,7 +26,8 @@ pub(super) fn status_may_wait(
     let Some(previous) = previous else {
         return false;
     };
-    in_flight > 0
+    previous != next
+        && in_flight > 0
         && !events.iter().any(|event| event.warning)
         && previous.sched_rev == next.sched_rev
         && previous.observed_generation == next.observed_generation
@@ -83,6 +84,10 @@ mod tests {
         let before = status("1/3", "1/3 nodes serve b");
         let after = status("2/3", "2/3 nodes serve b");
         assert!(status_may_wait(Some(&before), &after, 1, &[]));
+        assert!(
+            !status_may_wait(Some(&before), &before, 1, &[]),
+            "nothing to write, nothing put off"
+        );
     }
 
     #[test]
