@@ -12,7 +12,8 @@ use std::time::Duration;
 use cgroup_guard::{TestCgroupTree, eventually, start_in};
 use nix::sys::signal::Signal;
 use node_agent::cgroup::{
-    CgroupError, CgroupManager, Controller, PREFERRED_MOUNT, Tier, cgroup2_mounts, discover_mount,
+    Cgroup, CgroupError, CgroupManager, Controller, InstanceCgroup, PREFERRED_MOUNT, Tier,
+    cgroup2_mounts, discover_mount,
 };
 use node_agent::disk_name::DiskName;
 use node_agent::gate::InstanceKey;
@@ -23,6 +24,23 @@ fn key(namespace: &str, name: &str) -> InstanceKey {
 }
 
 const LONG: Duration = Duration::from_secs(30);
+
+/// The instance `default/app`'s cgroup in `tree`.
+fn app(tree: &TestCgroupTree) -> InstanceCgroup {
+    tree.manager()
+        .instance(&key("default", "app"))
+        .expect("instance cgroup")
+}
+
+/// `default/app` and its generation `n`'s fresh cgroup, with no limits.
+async fn app_generation(tree: &TestCgroupTree, n: u64) -> (InstanceCgroup, Cgroup) {
+    let instance = app(tree);
+    let generation = instance
+        .create_generation(n, &Tier::default())
+        .await
+        .expect("generation cgroup");
+    (instance, generation)
+}
 
 #[test]
 fn discovery_finds_this_hosts_cgroup2_mount() {
@@ -109,10 +127,7 @@ async fn layout_is_root_instance_generation() {
 #[tokio::test]
 async fn a_requested_limit_without_its_controller_refuses_before_anything_exists() {
     let tree = TestCgroupTree::new("limit");
-    let instance = tree
-        .manager()
-        .instance(&key("default", "app"))
-        .expect("instance cgroup");
+    let instance = app(&tree);
     let subtree = fs::read_to_string(instance.path().join("cgroup.subtree_control"))
         .expect("subtree_control");
     let tier = Tier {
@@ -158,14 +173,7 @@ async fn a_requested_limit_without_its_controller_refuses_before_anything_exists
 #[tokio::test]
 async fn stop_proves_exit_of_a_process_that_obeys_the_signal() {
     let tree = TestCgroupTree::new("stop-term");
-    let instance = tree
-        .manager()
-        .instance(&key("default", "app"))
-        .expect("instance");
-    let generation = instance
-        .create_generation(1, &Tier::default())
-        .await
-        .expect("gen");
+    let (_instance, generation) = app_generation(&tree, 1).await;
     let mut child = start_in(generation.path(), "exec sleep 1000");
     eventually(LONG, "the process in its cgroup", || {
         generation.pids().map(|p| p.len() == 1).unwrap_or(false)
@@ -188,14 +196,7 @@ async fn stop_proves_exit_of_a_process_that_obeys_the_signal() {
 async fn stop_kills_a_tree_that_ignores_the_signal_at_the_timeout() {
     let tree = TestCgroupTree::new("stop-kill");
     let markers = tempfile::tempdir().expect("temp dir");
-    let instance = tree
-        .manager()
-        .instance(&key("default", "app"))
-        .expect("instance");
-    let generation = instance
-        .create_generation(1, &Tier::default())
-        .await
-        .expect("gen");
+    let (_instance, generation) = app_generation(&tree, 1).await;
     // Both the shell and the grandchild it forks ignore SIGTERM (and so do
     // their sleeps, which inherit SIG_IGN); each leaves a marker once its
     // trap is set, so the signal cannot arrive before it.
@@ -245,14 +246,7 @@ fn running(pid: u32) -> bool {
 #[tokio::test]
 async fn wait_empty_wakes_when_the_last_process_exits() {
     let tree = TestCgroupTree::new("wait");
-    let instance = tree
-        .manager()
-        .instance(&key("default", "app"))
-        .expect("instance");
-    let generation = instance
-        .create_generation(1, &Tier::default())
-        .await
-        .expect("gen");
+    let (_instance, generation) = app_generation(&tree, 1).await;
     let release = tempfile::tempdir().expect("temp dir");
     let go = release.path().join("go");
     let script = format!("while [ ! -e {} ]; do sleep 0.05; done", go.display());
@@ -284,14 +278,7 @@ async fn wait_empty_wakes_when_the_last_process_exits() {
 #[tokio::test]
 async fn kill_ends_a_forking_tree_with_proof() {
     let tree = TestCgroupTree::new("kill");
-    let instance = tree
-        .manager()
-        .instance(&key("default", "app"))
-        .expect("instance");
-    let generation = instance
-        .create_generation(3, &Tier::default())
-        .await
-        .expect("gen");
+    let (_instance, generation) = app_generation(&tree, 3).await;
     let _child = start_in(generation.path(), "sleep 1000 & sleep 1000 & wait");
     eventually(LONG, "three processes", || {
         generation.pids().map(|p| p.len() == 3).unwrap_or(false)
@@ -304,14 +291,7 @@ async fn kill_ends_a_forking_tree_with_proof() {
 #[tokio::test]
 async fn a_populated_generation_is_killed_and_made_fresh() {
     let tree = TestCgroupTree::new("fresh-pop");
-    let instance = tree
-        .manager()
-        .instance(&key("default", "app"))
-        .expect("instance");
-    let generation = instance
-        .create_generation(2, &Tier::default())
-        .await
-        .expect("gen");
+    let (instance, generation) = app_generation(&tree, 2).await;
     let mut leftover = start_in(generation.path(), "exec sleep 1000");
     eventually(LONG, "the leftover in its cgroup", || {
         generation.is_populated().unwrap_or(false)
@@ -335,10 +315,7 @@ async fn a_populated_generation_is_killed_and_made_fresh() {
 #[tokio::test]
 async fn an_empty_leftover_generation_is_recreated() {
     let tree = TestCgroupTree::new("fresh-empty");
-    let instance = tree
-        .manager()
-        .instance(&key("default", "app"))
-        .expect("instance");
+    let instance = app(&tree);
     let gen_dir = instance.path().join("gen-4");
     fs::create_dir(&gen_dir).expect("leftover gen-4");
     fs::create_dir(gen_dir.join("nested")).expect("a leftover child cgroup");
