@@ -170,11 +170,18 @@ impl Context {
     }
 
     /// Records what `ig`'s reservation in hand is after a plan's writes.
+    /// A used-up reservation is dropped rather than kept: it can issue
+    /// nothing, and an IG deleted later leaves no entry behind.
     pub(crate) fn note_reservation(&self, ig: &InstanceGeneration, own: OwnReservation) {
-        self.reservations
+        let mut reservations = self
+            .reservations
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(key_of(ig), own);
+            .unwrap_or_else(PoisonError::into_inner);
+        if own.issued < own.reserved {
+            reservations.insert(key_of(ig), own);
+        } else {
+            reservations.remove(&key_of(ig));
+        }
     }
 
     /// This replica's reservation in hand for `ig`, if it has one.
