@@ -144,6 +144,14 @@ fn retirements(agent: &RunningAgent, result: &str) -> bool {
         ))
 }
 
+/// Waits for the agent to count a retirement that stopped `web`, then checks
+/// its process exited and nothing answers for it.
+async fn assert_stopped(node: &TestNode, agent: &RunningAgent, serving: &Identity) {
+    eventually("the instance stopped", || retirements(agent, "stopped")).await;
+    assert!(!alive(serving.pid), "process {} exited", serving.pid);
+    assert_eq!(node.who_serves("web").await, None, "nothing answers");
+}
+
 /// A node whose agent installed `web` and reported it done.
 struct Serving {
     node: TestNode,
@@ -236,9 +244,7 @@ async fn deleting_the_instance_generation_stops_its_instance_with_proof_of_exit(
     // is gone, and so is its InstanceGeneration when read.
     feed.deleted(&install);
     answer_gone(&mut server, "web").await;
-    eventually("the instance stopped", || retirements(&agent, "stopped")).await;
-    assert_eq!(node.who_serves("web").await, None, "nothing answers");
-    assert!(!alive(serving.pid), "process {} exited", serving.pid);
+    assert_stopped(&node, &agent, &serving).await;
     assert!(!cgroup.exists(), "its cgroup is removed");
     assert_eq!(node.leftovers("web"), Vec::<std::path::PathBuf>::new());
     assert!(
@@ -307,9 +313,7 @@ async fn an_instance_whose_namespace_is_being_deleted_is_stopped_though_its_obje
     // A namespace's deletion took the attempts first: the object is still
     // there, with no deletion mark of its own yet, and selects this node.
     attempt_deleted_while_wanted(&mut server, &feed, &install, true).await;
-    eventually("the instance stopped", || retirements(&agent, "stopped")).await;
-    assert!(!alive(serving.pid), "process {} exited", serving.pid);
-    assert_eq!(node.who_serves("web").await, None, "nothing answers");
+    assert_stopped(&node, &agent, &serving).await;
     assert_eq!(node.leftovers("web"), Vec::<std::path::PathBuf>::new());
 
     finish(&node, agent, server).await;
@@ -334,8 +338,7 @@ async fn an_instance_kept_without_attempts_is_looked_at_again_and_stopped_once_i
     // The object is deleted afterwards, which no watch of the agent's
     // shows: the next look finds it gone.
     answer_gone(&mut server, "web").await;
-    eventually("the instance stopped", || retirements(&agent, "stopped")).await;
-    assert!(!alive(serving.pid), "process {} exited", serving.pid);
+    assert_stopped(&node, &agent, &serving).await;
 
     finish(&node, agent, server).await;
 }
@@ -354,9 +357,7 @@ async fn a_node_that_leaves_the_selector_stops_its_instance() {
     // The node was relabelled out of the selector: the controller deleted
     // its attempt, and the reads agree.
     attempt_deleted_on_node_labelled(&mut server, &feed, &install, json!({ "pool": "core" })).await;
-    eventually("the instance stopped", || retirements(&agent, "stopped")).await;
-    assert!(!alive(serving.pid), "process {} exited", serving.pid);
-    assert_eq!(node.who_serves("web").await, None, "nothing answers");
+    assert_stopped(&node, &agent, &serving).await;
 
     // Relabelled back, the node gets an install attempt with the object's
     // next revision, and it runs.
@@ -414,9 +415,7 @@ async fn an_instance_deleted_while_no_agent_ran_is_stopped_by_the_next() {
     let agent = node.start_agent(client);
     let _feed = list_and_watch(&mut server, &[]).await;
     answer_gone(&mut server, "web").await;
-    eventually("the instance stopped", || retirements(&agent, "stopped")).await;
-    assert!(!alive(serving.pid), "process {} exited", serving.pid);
-    assert_eq!(node.who_serves("web").await, None);
+    assert_stopped(&node, &agent, &serving).await;
 
     agent.stop().await.expect("clean stop");
     assert_eq!(unexpected(server).await, Vec::<String>::new());

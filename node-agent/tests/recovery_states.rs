@@ -149,6 +149,17 @@ fn journal_in_flight(host: &SwapHost, record: &Record) {
     journal.record(record).expect("journal the attempt");
 }
 
+/// A next engine over `host` that has run recovery, its report, and the
+/// outcome it gave the instance's attempt (see [`recovered`]).
+async fn restart_and_recover(
+    host: &SwapHost,
+) -> (std::sync::Arc<Engine>, RecoveryReport, (Outcome, bool)) {
+    let engine = restarted(host);
+    let report = engine.recover().await;
+    let outcome = recovered(&report, &engine, &host.instance);
+    (engine, report, outcome)
+}
+
 /// The outcome recovery gave the instance's attempt, checked against the
 /// journal: finished there, and pending exactly once.
 fn recovered(report: &RecoveryReport, engine: &Engine, key: &InstanceKey) -> (Outcome, bool) {
@@ -291,12 +302,8 @@ async fn an_overlap_cut_before_the_switch_stops_the_successor_and_keeps_the_incu
     );
     journal_in_flight(&host, &record);
 
-    let engine = restarted(&host);
-    let report = engine.recover().await;
-    assert_eq!(
-        recovered(&report, &engine, &host.instance),
-        (Outcome::Abandoned, true)
-    );
+    let (engine, _, outcome) = restart_and_recover(&host).await;
+    assert_eq!(outcome, (Outcome::Abandoned, true));
     assert!(!alive(successor_pid), "the successor was stopped");
     assert_eq!(serving(&host).await, Some(("v1".into(), 1)));
     assert_eq!(
@@ -335,10 +342,9 @@ async fn an_overlap_cut_before_the_exec_was_not_executed() {
     let record = release_record(&host.instance, Mode::Overlap, Some(v1), successor, &[]);
     journal_in_flight(&host, &record);
 
-    let engine = restarted(&host);
-    let report = engine.recover().await;
+    let (_engine, _, outcome) = restart_and_recover(&host).await;
     assert_eq!(
-        recovered(&report, &engine, &host.instance),
+        outcome,
         (Outcome::Abandoned, false),
         "the journal never reached spawning"
     );
@@ -371,12 +377,8 @@ async fn an_overlap_cut_after_the_switch_completes_the_retirement() {
     let run_dir = host.engine.layout().instance_dir(&host.instance);
     point_current(&run_dir, &successor.socket).expect("the switch happened");
 
-    let engine = restarted(&host);
-    let report = engine.recover().await;
-    assert_eq!(
-        recovered(&report, &engine, &host.instance),
-        (Outcome::Done, true)
-    );
+    let (engine, report, outcome) = restart_and_recover(&host).await;
+    assert_eq!(outcome, (Outcome::Done, true));
     let recovery = report.instance(&host.instance).expect("recovered");
     assert_eq!(
         recovery
@@ -440,10 +442,9 @@ async fn a_hold_cut_while_stopping_the_incumbent_finishes_the_stop() {
     );
     journal_in_flight(&host, &record);
 
-    let engine = restarted(&host);
-    let report = engine.recover().await;
+    let (engine, _, outcome) = restart_and_recover(&host).await;
     assert_eq!(
-        recovered(&report, &engine, &host.instance),
+        outcome,
         (Outcome::Abandoned, false),
         "the new build never ran"
     );
@@ -483,12 +484,8 @@ async fn a_hold_cut_before_the_new_build_was_healthy_is_down() {
     );
     journal_in_flight(&host, &record);
 
-    let engine = restarted(&host);
-    let report = engine.recover().await;
-    assert_eq!(
-        recovered(&report, &engine, &host.instance),
-        (Outcome::Down, true)
-    );
+    let (_engine, _, outcome) = restart_and_recover(&host).await;
+    assert_eq!(outcome, (Outcome::Down, true));
     assert!(!alive(successor_pid), "the unproven successor was stopped");
     assert_eq!(serving(&host).await, None);
     assert!(fs::symlink_metadata(current_link(&host)).is_err());
@@ -522,12 +519,8 @@ async fn a_hold_cut_after_the_new_build_was_healthy_is_done() {
     let run_dir = host.engine.layout().instance_dir(&host.instance);
     assert_eq!(current_generation(&run_dir), Some(1));
 
-    let engine = restarted(&host);
-    let report = engine.recover().await;
-    assert_eq!(
-        recovered(&report, &engine, &host.instance),
-        (Outcome::Done, true)
-    );
+    let (engine, report, outcome) = restart_and_recover(&host).await;
+    assert_eq!(outcome, (Outcome::Done, true));
     assert!(
         report
             .instance(&host.instance)

@@ -16,7 +16,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use genswap_crds::{ExecProbe, HttpGetProbe, LivenessSpec};
-use node_agent::engine::Attempt;
+use node_agent::engine::{Attempt, GenerationExit};
 use supervisor_watch::{DEADLINE, Watching};
 use swap_host::SwapHost;
 
@@ -37,6 +37,23 @@ fn liveness(probe: impl FnOnce(&mut LivenessSpec)) -> LivenessSpec {
 }
 
 /// A directory the `nobody` instance and its probes may write.
+/// SIGSTOPs `pid`: hung, as a deadlock looks from outside.
+fn hang(pid: u32) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(pid).expect("a pid")),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .expect("SIGSTOP the serving generation");
+}
+
+/// Why the liveness probe stopped the generation that `exit` reports.
+fn liveness_failure(exit: &GenerationExit) -> String {
+    exit.exit
+        .liveness_failed
+        .clone()
+        .expect("a liveness failure")
+}
+
 fn shared_dir(host: &SwapHost) -> PathBuf {
     let dir = host.staging.with_file_name("probe");
     std::fs::create_dir_all(&dir).expect("probe dir");
@@ -91,11 +108,7 @@ async fn exactly_failure_threshold_failures_in_a_row_stop_and_restart_the_genera
     let exit = watching.exit().await;
     assert_eq!(exit.exit.generation, 1);
     assert_eq!(exit.reason(), "liveness_failed");
-    let failure = exit
-        .exit
-        .liveness_failed
-        .clone()
-        .expect("a liveness failure");
+    let failure = liveness_failure(&exit);
     assert!(failure.contains("failed 3 times in a row"), "{failure}");
     assert_eq!(exit.exit.signal, Some(15), "stopped by its stop signal");
     let after_mark: Vec<String> = lines(&tries)
@@ -131,18 +144,10 @@ async fn a_hung_generation_is_found_by_its_liveness_probe_and_replaced() {
     host.install_with(1, "b1", tune).await;
     let before = host.who_serves().await.expect("b1 serves");
     let mut watching = Watching::start(&host.engine);
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(before.pid).expect("a pid")),
-        nix::sys::signal::Signal::SIGSTOP,
-    )
-    .expect("SIGSTOP the serving generation");
+    hang(before.pid);
 
     let exit = watching.exit().await;
-    let failure = exit
-        .exit
-        .liveness_failed
-        .clone()
-        .expect("a liveness failure");
+    let failure = liveness_failure(&exit);
     assert!(failure.contains("no answer within 1s"), "{failure}");
     assert_eq!(
         exit.exit.signal,
@@ -196,18 +201,10 @@ async fn a_generation_whose_watchdog_pings_stop_is_restarted_and_one_that_pings_
     );
     assert_eq!(host.who_serves().await.map(|i| i.pid), Some(before.pid));
 
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(before.pid).expect("a pid")),
-        nix::sys::signal::Signal::SIGSTOP,
-    )
-    .expect("SIGSTOP the serving generation");
+    hang(before.pid);
     let exit = watching.exit().await;
     assert_eq!(exit.exit.generation, 1);
-    let failure = exit
-        .exit
-        .liveness_failed
-        .clone()
-        .expect("a liveness failure");
+    let failure = liveness_failure(&exit);
     assert!(failure.contains("WATCHDOG=1"), "{failure}");
     assert!(failure.contains("failed 2 times in a row"), "{failure}");
     watching.restarted_as(2).await;
@@ -235,17 +232,9 @@ async fn the_next_agent_still_hears_the_watchdog_of_the_generation_it_adopts() {
         "a pinging generation was stopped: {quiet:?}"
     );
 
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(before.pid).expect("a pid")),
-        nix::sys::signal::Signal::SIGSTOP,
-    )
-    .expect("SIGSTOP the adopted generation");
+    hang(before.pid);
     let exit = watching.exit().await;
-    let failure = exit
-        .exit
-        .liveness_failed
-        .clone()
-        .expect("a liveness failure");
+    let failure = liveness_failure(&exit);
     assert!(failure.contains("WATCHDOG=1"), "{failure}");
     watching.restarted_as(2).await;
     drop(watching);

@@ -35,7 +35,7 @@ use node_agent::standalone::{StatusDocument, wait_for_status};
 use node_agent::switch::{CURRENT_SOCKET, RunLayout, current_generation};
 use tokio::task::JoinHandle;
 
-use crate::cgroup_guard::TestCgroupTree;
+use crate::cgroup_guard::{TestCgroupTree, instance_pids};
 use crate::swap_host::{Identity, NOBODY, ask, testapp_build};
 
 /// The manifest file every kill test writes.
@@ -274,10 +274,7 @@ impl Node {
 
     /// Every pid in the test's cgroup subtree.
     pub fn pids_in_tree(&self) -> Vec<u32> {
-        let mut pids = Vec::new();
-        collect_pids(self.tree.path(), &mut pids);
-        pids.sort_unstable();
-        pids
+        instance_pids(self.tree.path())
     }
 
     /// Asserts the end state of a recovery: exactly one generation of
@@ -319,12 +316,7 @@ impl Node {
                     current_generation(&RunLayout::new(&self.run_dir).instance_dir(&self.key)),
                     Some(n)
                 );
-                let mut inside = Vec::new();
-                collect_pids(
-                    &self.instance_cgroup().join(format!("gen-{n}")),
-                    &mut inside,
-                );
-                inside.sort_unstable();
+                let inside = instance_pids(&self.instance_cgroup().join(format!("gen-{n}")));
                 assert!(!inside.is_empty(), "generation {n} runs no process");
                 assert_eq!(
                     self.pids_in_tree(),
@@ -638,26 +630,6 @@ pub async fn poll_until(timeout: Duration, mut condition: impl FnMut() -> bool) 
             return false;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// The instances' processes under `dir`: the agent's own cgroups are not
-/// searched (the log shims', each outliving its generation by the moment it
-/// takes to read the end of its pipes, tested by `logs_shims`; the listener
-/// keepers', tested by the listener tests).
-fn collect_pids(dir: &Path, pids: &mut Vec<u32>) {
-    if let Ok(text) = fs::read_to_string(dir.join("cgroup.procs")) {
-        pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
-    }
-    if let Ok(entries) = fs::read_dir(dir) {
-        for entry in entries.filter_map(Result::ok) {
-            if node_agent::cgroup::is_agent_cgroup(&entry.file_name()) {
-                continue;
-            }
-            if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                collect_pids(&entry.path(), pids);
-            }
-        }
     }
 }
 

@@ -30,7 +30,7 @@ use node_agent::standalone::{
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::cgroup_guard::TestCgroupTree;
+use crate::cgroup_guard::{TestCgroupTree, instance_pids};
 use crate::swap_host::{DEADLINE, Identity, NOBODY, ask, testapp_build};
 
 /// The node name standalone mode runs as in the tests.
@@ -231,9 +231,7 @@ impl StandaloneHost {
 
     /// Every pid in the test's cgroup subtree.
     pub fn pids_in_tree(&self) -> Vec<u32> {
-        let mut pids = Vec::new();
-        collect_pids(self.tree.path(), &mut pids);
-        pids
+        instance_pids(self.tree.path())
     }
 
     /// The `gen-<N>` cgroups of the instance.
@@ -323,26 +321,6 @@ fn launch(
         }
     });
     (host, stop, runner)
-}
-
-/// The instances' processes under `dir`: the agent's own cgroups are not
-/// searched (the log shims', each outliving its generation by the moment it
-/// takes to read the end of its pipes, tested by `logs_shims`; the listener
-/// keepers', tested by the listener tests).
-fn collect_pids(dir: &Path, pids: &mut Vec<u32>) {
-    if let Ok(text) = fs::read_to_string(dir.join("cgroup.procs")) {
-        pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
-    }
-    if let Ok(entries) = fs::read_dir(dir) {
-        for entry in entries.filter_map(Result::ok) {
-            if node_agent::cgroup::is_agent_cgroup(&entry.file_name()) {
-                continue;
-            }
-            if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                collect_pids(&entry.path(), pids);
-            }
-        }
-    }
 }
 
 /// An InstanceGeneration manifest for a testapp build.

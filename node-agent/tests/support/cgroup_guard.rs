@@ -132,3 +132,29 @@ pub async fn eventually(timeout: Duration, what: &str, mut condition: impl FnMut
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// The instances' processes under `dir`, sorted: the agent's own cgroups
+/// are not searched (the log shims', each outliving its generation by the
+/// moment it takes to read the end of its pipes, tested by `logs_shims`;
+/// the listener keepers', tested by the listener tests).
+pub fn instance_pids(dir: &Path) -> Vec<u32> {
+    fn collect(dir: &Path, pids: &mut Vec<u32>) {
+        if let Ok(text) = fs::read_to_string(dir.join("cgroup.procs")) {
+            pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+        }
+        if let Ok(entries) = fs::read_dir(dir) {
+            for entry in entries.filter_map(Result::ok) {
+                if node_agent::cgroup::is_agent_cgroup(&entry.file_name()) {
+                    continue;
+                }
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    collect(&entry.path(), pids);
+                }
+            }
+        }
+    }
+    let mut pids = Vec::new();
+    collect(dir, &mut pids);
+    pids.sort_unstable();
+    pids
+}

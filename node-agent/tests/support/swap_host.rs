@@ -27,7 +27,7 @@ use node_agent::logs::{LogSettings, LogSink};
 use node_agent::stage::{Stager, StagerConfig, Store};
 use node_agent::switch::RunLayout;
 
-use crate::cgroup_guard::TestCgroupTree;
+use crate::cgroup_guard::{TestCgroupTree, instance_pids};
 
 /// Generous: the machine is shared and may be slow.
 pub const DEADLINE: Duration = Duration::from_secs(30);
@@ -174,9 +174,7 @@ impl SwapHost {
 
     /// The pids in the instance's listener keeper cgroup.
     pub fn keeper_pids(&self) -> Vec<u32> {
-        let mut pids = Vec::new();
-        collect_pids(&self.keeper_cgroup(), &mut pids);
-        pids
+        instance_pids(&self.keeper_cgroup())
     }
 
     /// The `gen-<N>` cgroups that exist, ascending.
@@ -200,9 +198,7 @@ impl SwapHost {
 
     /// Every instance pid anywhere in the test's cgroup subtree.
     pub fn pids_in_tree(&self) -> Vec<u32> {
-        let mut pids = Vec::new();
-        collect_pids(self.tree.path(), &mut pids);
-        pids
+        instance_pids(self.tree.path())
     }
 
     /// The generation sockets in the instance's run dir.
@@ -231,14 +227,8 @@ impl SwapHost {
         match generation {
             None => assert_eq!(self.pids_in_tree(), Vec::<u32>::new(), "processes left"),
             Some(n) => {
-                let mut inside = Vec::new();
-                collect_pids(
-                    &self.instance_cgroup().join(format!("gen-{n}")),
-                    &mut inside,
-                );
-                let mut everywhere = self.pids_in_tree();
-                everywhere.sort_unstable();
-                inside.sort_unstable();
+                let inside = instance_pids(&self.instance_cgroup().join(format!("gen-{n}")));
+                let everywhere = self.pids_in_tree();
                 assert_eq!(everywhere, inside, "processes outside generation {n}");
                 assert!(!inside.is_empty(), "generation {n} runs no process");
             }
@@ -291,26 +281,6 @@ impl SwapHost {
             .await
             .expect("stop the instance");
         self.assert_only(None);
-    }
-}
-
-/// The instances' processes under `dir`: the agent's own cgroups are not
-/// searched (the log shims', each outliving its generation by the moment it
-/// takes to read the end of its pipes, tested by `logs_shims`; the listener
-/// keepers', tested by the listener tests).
-fn collect_pids(dir: &Path, pids: &mut Vec<u32>) {
-    if let Ok(text) = fs::read_to_string(dir.join("cgroup.procs")) {
-        pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
-    }
-    if let Ok(entries) = fs::read_dir(dir) {
-        for entry in entries.filter_map(Result::ok) {
-            if node_agent::cgroup::is_agent_cgroup(&entry.file_name()) {
-                continue;
-            }
-            if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                collect_pids(&entry.path(), pids);
-            }
-        }
     }
 }
 
