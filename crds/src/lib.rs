@@ -27,8 +27,8 @@ pub use instance_generation::{
 pub use probes::*;
 pub use settings::*;
 pub use swap_attempt::{
-    HeldListener, LastExit, ServingState, ServingStatus, StepTiming, SwapAttempt, SwapAttemptSpec,
-    SwapAttemptStatus, describe_exit, exit_text, exited_clean, signal_name,
+    HeldListener, LastExit, ListenerHandover, ServingState, ServingStatus, StepTiming, SwapAttempt,
+    SwapAttemptSpec, SwapAttemptStatus, describe_exit, exit_text, exited_clean, signal_name,
 };
 
 /// The API group of every genswap resource.

@@ -116,6 +116,10 @@ pub struct SwapAttemptStatus {
     pub started_at: Option<Time>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<Time>,
+    /// How new connections to the instance's TCP listeners reached the
+    /// generations during this attempt (SPEC 6.3); absent without listeners.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listener_handover: Option<ListenerHandover>,
     /// How long each step took and how it ended, in the order they ran.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub steps: Vec<StepTiming>,
@@ -152,6 +156,29 @@ pub struct ServingStatus {
     /// so connections wait in their backlog.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub listeners: Vec<HeldListener>,
+}
+
+/// How new connections of a listener reach generations (SPEC 6.2, 6.3).
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[serde(rename_all = "camelCase")]
+pub enum ListenerHandover {
+    /// Each generation has its own socket, and a BPF program the agent
+    /// writes picks the serving one: a successor takes no connection
+    /// before the switch.
+    Steered,
+    /// One socket shared by every generation that runs: a successor may
+    /// accept connections before its health check ends.
+    Shared,
+}
+
+impl ListenerHandover {
+    /// As status, logs and metrics spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ListenerHandover::Steered => "steered",
+            ListenerHandover::Shared => "shared",
+        }
+    }
 }
 
 /// A listener held by the agent.
