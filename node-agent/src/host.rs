@@ -69,6 +69,11 @@ pub struct HostArgs {
     /// Let instances run as uid 0 (refused otherwise).
     #[arg(long, env = "GENSWAP_ALLOW_ROOT_INSTANCES")]
     pub allow_root_instances: bool,
+    /// `steered`: a TCP listener gets a socket per generation and a BPF
+    /// program picks the serving one, where the kernel allows it (SPEC
+    /// 6.3); `shared`: one socket for every generation (SPEC 6.2).
+    #[arg(long, env = "GENSWAP_LISTENER_HANDOVER", value_enum, default_value_t = HandoverArg::Steered)]
+    pub listener_handover: HandoverArg,
     /// `run` only: do not join the host's mount and cgroup namespaces
     /// (`/proc/1/ns/mnt`, `/proc/1/ns/cgroup`) at start. Set it when the
     /// agent already runs on the host rather than in a pod. `standalone`
@@ -127,6 +132,15 @@ pub enum Swaps {
     Off,
 }
 
+/// `--listener-handover=steered|shared`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum HandoverArg {
+    /// A socket per generation, steered by BPF where the kernel allows it.
+    Steered,
+    /// One socket shared by every generation.
+    Shared,
+}
+
 /// How log lines are written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
@@ -154,6 +168,10 @@ impl HostArgs {
                         self.restart_backoff_max_ms.max(self.restart_backoff_ms),
                     ),
                     reset_after: Duration::from_millis(self.restart_reset_ms),
+                },
+                listener_handover: match self.listener_handover {
+                    HandoverArg::Steered => genswap_crds::ListenerHandover::Steered,
+                    HandoverArg::Shared => genswap_crds::ListenerHandover::Shared,
                 },
             },
             logs: LogSettings {

@@ -45,4 +45,5 @@ pub mod sandbox;
 pub mod spawn;
 pub mod stage;
 pub mod standalone;
+pub mod steering;
 pub mod switch;

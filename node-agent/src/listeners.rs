@@ -4,12 +4,18 @@
 //! ([`crate::spawn::ActivatedSocket`]); closed when the instance is removed.
 //! A socket that never closes between generations is what lets a hold drop
 //! nothing: connections wait in its backlog while no generation runs.
+//!
+//! Where the kernel allows it, a TCP listener is steered (SPEC 6.3,
+//! [`crate::steering`]): a generation started beside the serving one gets
+//! a socket of its own in the same `SO_REUSEPORT` group, which receives no
+//! connection until [`Listeners::switch_to`] makes it the serving socket.
+//! Otherwise, and for unix listeners, every generation shares one socket.
 
 use std::collections::HashMap;
 use std::fs;
 use std::io;
 use std::net::SocketAddr;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -24,6 +30,18 @@ use thiserror::Error;
 use crate::gate::InstanceKey;
 use crate::listener_keeper::KeeperSite;
 use crate::spawn::ActivatedSocket;
+use crate::steering::{Handover, SERVING_SLOT, SteerError, Steering, StoredMaps};
+
+/// The sockets map's slot of a generation started beside the serving one:
+/// an instance has one such generation at a time.
+const BESIDE_SLOT: u32 = 1;
+/// The keeper's names of a steered listener's maps: `<name>+socks`,
+/// `<name>+probes` in its `LISTEN_FDNAMES` (a listener name has no `+`).
+const SOCKETS_MAP_SUFFIX: &str = "+socks";
+const PROBES_MAP_SUFFIX: &str = "+probes";
+/// How long a fresh steering waits for the maps of a program it replaced
+/// to be freed (the kernel frees them in the background).
+const OLD_MAPS_FREED: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Why a listener could not be held. Never the build's fault: nothing of
 /// it ran, and the address is the host's to give.
@@ -43,16 +61,54 @@ pub enum ListenerError {
         #[source]
         source: io::Error,
     },
+    #[error("listener {name}: {source}")]
+    Steer {
+        name: String,
+        #[source]
+        source: SteerError,
+    },
 }
 
 /// One held socket and the spec it was bound for.
 #[derive(Debug)]
 struct Held {
     spec: ListenerSpec,
+    /// The serving generation's socket; every generation's when shared.
     fd: Arc<OwnedFd>,
     /// Dropping it removes the unix listener's file: false for a second
     /// copy of a socket already held.
     owns_path: bool,
+    /// The program and maps that pick the serving socket, when steered.
+    steering: Option<Steering>,
+    /// The socket of a generation started beside the serving one.
+    beside: Option<Beside>,
+}
+
+/// A steered listener's socket for a generation not serving yet.
+#[derive(Debug)]
+struct Beside {
+    generation: u64,
+    fd: Arc<OwnedFd>,
+}
+
+impl Held {
+    fn new(spec: ListenerSpec, fd: OwnedFd, steering: Option<Steering>) -> Held {
+        Held {
+            spec,
+            fd: Arc::new(fd),
+            owns_path: true,
+            steering,
+            beside: None,
+        }
+    }
+
+    fn handover(&self) -> Handover {
+        if self.steering.is_some() {
+            Handover::Steered
+        } else {
+            Handover::Shared
+        }
+    }
 }
 
 impl Drop for Held {
@@ -65,9 +121,11 @@ impl Drop for Held {
 }
 
 /// Every instance's held listeners.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Listeners {
     held: Mutex<HashMap<InstanceKey, Vec<Held>>>,
+    /// Whether TCP listeners are to be steered where the kernel allows it.
+    wanted: Handover,
     /// Where copies outlive the agent ([`crate::listener_keeper`]); none
     /// for tests of this registry alone.
     keeper: Option<KeeperSite>,
@@ -80,6 +138,17 @@ pub struct Listeners {
 /// listeners, so a keeper that holds a removed one is read whole.
 const KEEPER_FDS_READ: i32 = 64;
 
+impl Default for Listeners {
+    fn default() -> Self {
+        Listeners {
+            held: Mutex::default(),
+            wanted: Handover::Steered,
+            keeper: None,
+            keeper_turn: tokio::sync::Mutex::default(),
+        }
+    }
+}
+
 impl Listeners {
     /// A registry whose held sockets a keeper process at `site` also holds.
     pub fn with_keeper(site: KeeperSite) -> Listeners {
@@ -87,6 +156,13 @@ impl Listeners {
             keeper: Some(site),
             ..Listeners::default()
         }
+    }
+
+    /// The same registry, steering TCP listeners only if `wanted` says so
+    /// (`shared`: never, whatever the kernel allows).
+    pub fn handover(mut self, wanted: Handover) -> Listeners {
+        self.wanted = wanted;
+        self
     }
 
     /// Makes sure each of `specs` is held for `instance`, binding those
@@ -118,16 +194,143 @@ impl Listeners {
         let mut bound = Vec::new();
         for spec in specs {
             if !have.iter().any(|h| h.spec == *spec) {
-                bound.push(Held {
-                    fd: Arc::new(bind_listener(spec)?),
-                    spec: spec.clone(),
-                    owns_path: true,
-                });
+                bound.push(self.bind_one(spec)?);
             }
         }
         let changed = !bound.is_empty();
         have.extend(bound);
         Ok(changed)
+    }
+
+    /// Binds `spec`, steered when wanted and the kernel allows it; shared
+    /// otherwise, and then the log says why.
+    fn bind_one(&self, spec: &ListenerSpec) -> Result<Held, ListenerError> {
+        let steering = match (self.wanted, &spec.tcp) {
+            (Handover::Steered, Some(_)) => match Steering::load() {
+                Ok(steering) => Some(steering),
+                Err(error) => {
+                    tracing::warn!(listener = %spec.name, %error, "listener handover: shared (a successor may accept connections before its health check ends)");
+                    None
+                }
+            },
+            _ => None,
+        };
+        let fd = bind_listener(spec, steering.is_some())?;
+        let steering = match steering {
+            Some(steering) => match steer_serving(&steering, &fd) {
+                Ok(()) => Some(steering),
+                Err(error) => {
+                    tracing::warn!(listener = %spec.name, %error, "listener handover: shared (a successor may accept connections before its health check ends)");
+                    // Bound into a group nothing steers: the kernel spreads
+                    // over its one socket, which is the shared handover.
+                    None
+                }
+            },
+            None => None,
+        };
+        Ok(Held::new(spec.clone(), fd, steering))
+    }
+
+    /// How new connections of `instance`'s listeners in `specs` reach its
+    /// generations: steered only if every TCP one is; `None` without any.
+    pub fn handover_of(&self, instance: &InstanceKey, specs: &[ListenerSpec]) -> Option<Handover> {
+        let held = self.lock();
+        let have = held.get(instance)?;
+        let tcp: Vec<&Held> = have
+            .iter()
+            .filter(|h| h.spec.tcp.is_some() && specs.contains(&h.spec))
+            .collect();
+        if specs.is_empty() {
+            return None;
+        }
+        if !tcp.is_empty() && tcp.iter().all(|h| h.handover() == Handover::Steered) {
+            Some(Handover::Steered)
+        } else {
+            Some(Handover::Shared)
+        }
+    }
+
+    /// The sockets `specs` name for generation `generation`, started while
+    /// another serves: a steered listener's is a new socket in its group
+    /// that receives nothing until [`switch_to`](Self::switch_to); a shared
+    /// one's is the serving socket.
+    pub fn activated_beside(
+        &self,
+        instance: &InstanceKey,
+        specs: &[ListenerSpec],
+        generation: u64,
+    ) -> Result<Vec<ActivatedSocket>, ListenerError> {
+        let mut held = self.lock();
+        let Some(have) = held.get_mut(instance) else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        for spec in specs {
+            let Some(h) = have.iter_mut().find(|h| h.spec == *spec) else {
+                continue;
+            };
+            let fd = match &h.steering {
+                Some(steering) => {
+                    let fd = Arc::new(bind_listener(spec, true)?);
+                    steering.place(BESIDE_SLOT, fd.as_fd()).map_err(|source| {
+                        ListenerError::Steer {
+                            name: spec.name.clone(),
+                            source,
+                        }
+                    })?;
+                    h.beside = Some(Beside {
+                        generation,
+                        fd: Arc::clone(&fd),
+                    });
+                    fd
+                }
+                None => Arc::clone(&h.fd),
+            };
+            out.push(ActivatedSocket {
+                name: spec.name.clone(),
+                fd,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The switch of `instance`'s steered listeners to `generation`'s
+    /// sockets: each one map update. Either every listener switches or,
+    /// on an error, each is put back and nothing did. The serving sockets
+    /// they replace are let go: the retiring generation keeps its own
+    /// copies until it exits, and then its queued connections move to the
+    /// serving socket ([`Steering::migrates`]).
+    pub async fn switch_to(
+        &self,
+        instance: &InstanceKey,
+        generation: u64,
+    ) -> Result<(), ListenerError> {
+        let switched = {
+            let mut held = self.lock();
+            let Some(have) = held.get_mut(instance) else {
+                return Ok(());
+            };
+            switch_all(have, generation)?
+        };
+        if switched {
+            self.refresh_keeper(instance).await;
+        }
+        Ok(())
+    }
+
+    /// Lets go of the sockets of generations started beside the serving
+    /// one that did not become it (their generation failed or was
+    /// stopped); what was queued on them was only the agent's own.
+    pub fn forget_beside(&self, instance: &InstanceKey) {
+        let mut held = self.lock();
+        for h in held.get_mut(instance).into_iter().flatten() {
+            if h.beside.take().is_some()
+                && let Some(steering) = &h.steering
+                && let Err(error) = steering.clear(BESIDE_SLOT)
+            {
+                tracing::warn!(listener = %h.spec.name, %error, "a failed generation's socket is left in the steering map");
+            }
+        }
     }
 
     /// The sockets `specs` name, in their order, for a generation's spawn.
@@ -157,6 +360,7 @@ impl Listeners {
     /// Closes the listeners of `instance` that `specs` no longer names
     /// (after a release that changed them is done).
     pub async fn keep_only(&self, instance: &InstanceKey, specs: &[ListenerSpec]) {
+        self.forget_beside(instance);
         let closed = self.lock().get_mut(instance).is_some_and(|have| {
             let before = have.len();
             have.retain(|h| specs.contains(&h.spec));
@@ -190,11 +394,7 @@ impl Listeners {
         let mut taken = Vec::new();
         for (fd, spec) in (3..).zip(specs) {
             match take_fd(&pidfd, fd).and_then(|owned| check_is(&owned, spec).map(|()| owned)) {
-                Ok(owned) => taken.push(Held {
-                    spec: spec.clone(),
-                    fd: Arc::new(owned),
-                    owns_path: true,
-                }),
+                Ok(owned) => taken.push(Held::new(spec.clone(), owned, None)),
                 Err(why) => {
                     problems.push(format!("listener {} (fd {fd} of {pid}): {why}", spec.name))
                 }
@@ -214,30 +414,50 @@ impl Listeners {
         specs: &[ListenerSpec],
     ) -> Vec<String> {
         let Some(site) = &self.keeper else {
+            self.steer_again(instance, HashMap::new());
             return Vec::new();
         };
         let mut taken: Vec<Held> = Vec::new();
+        let mut maps: HashMap<String, (Option<OwnedFd>, Option<OwnedFd>)> = HashMap::new();
         for pid in site.pids(instance) {
             let Ok(pidfd) = crate::launch::pidfd_open(pid) else {
                 continue;
             };
+            let names = fd_names(pid);
             for fd in 3..3 + KEEPER_FDS_READ {
                 let Ok(owned) = take_fd(&pidfd, fd) else {
                     continue;
                 };
+                let name = usize::try_from(fd - 3)
+                    .ok()
+                    .and_then(|i| names.get(i))
+                    .map(String::as_str)
+                    .unwrap_or_default();
+                if let Some(listener) = name.strip_suffix(SOCKETS_MAP_SUFFIX) {
+                    maps.entry(listener.to_owned()).or_default().0 = Some(owned);
+                    continue;
+                }
+                if let Some(listener) = name.strip_suffix(PROBES_MAP_SUFFIX) {
+                    maps.entry(listener.to_owned()).or_default().1 = Some(owned);
+                    continue;
+                }
                 let named = specs.iter().find(|spec| {
                     !taken.iter().any(|t| t.spec == **spec) && check_is(&owned, spec).is_ok()
                 });
                 if let Some(spec) = named {
-                    taken.push(Held {
-                        spec: spec.clone(),
-                        fd: Arc::new(owned),
-                        owns_path: true,
-                    });
+                    taken.push(Held::new(spec.clone(), owned, None));
                 }
             }
         }
         self.adopt(instance, taken);
+        let kept = maps
+            .into_iter()
+            .filter_map(|(name, pair)| match pair {
+                (Some(sockets), Some(probes)) => Some((name, StoredMaps { sockets, probes })),
+                _ => None,
+            })
+            .collect();
+        self.steer_again(instance, kept);
         let held = self.lock();
         let have = held.get(instance).map(Vec::as_slice).unwrap_or_default();
         specs
@@ -290,19 +510,36 @@ impl Listeners {
         }
     }
 
-    /// Every socket held for `instance`, in the order held.
+    /// Every socket held for `instance`, in the order held, each steered
+    /// one's maps after it: what its keeper holds.
     fn all_activated(&self, instance: &InstanceKey) -> Vec<ActivatedSocket> {
-        self.lock()
-            .get(instance)
-            .map(|have| {
-                have.iter()
-                    .map(|h| ActivatedSocket {
-                        name: h.spec.name.clone(),
-                        fd: Arc::clone(&h.fd),
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
+        let held = self.lock();
+        let mut out = Vec::new();
+        for h in held.get(instance).into_iter().flatten() {
+            out.push(ActivatedSocket {
+                name: h.spec.name.clone(),
+                fd: Arc::clone(&h.fd),
+            });
+            let Some(steering) = &h.steering else {
+                continue;
+            };
+            match steering.stored_maps() {
+                Ok(maps) => out.extend([
+                    ActivatedSocket {
+                        name: format!("{}{SOCKETS_MAP_SUFFIX}", h.spec.name),
+                        fd: Arc::new(maps.sockets),
+                    },
+                    ActivatedSocket {
+                        name: format!("{}{PROBES_MAP_SUFFIX}", h.spec.name),
+                        fd: Arc::new(maps.probes),
+                    },
+                ]),
+                Err(error) => {
+                    tracing::warn!(listener = %h.spec.name, %error, "the keeper does not hold the steering maps: the next agent steers the listener anew");
+                }
+            }
+        }
+        out
     }
 
     /// Adds what was taken back to what is held for `instance`.
@@ -317,6 +554,46 @@ impl Listeners {
             } else {
                 have.push(one);
             }
+        }
+    }
+
+    /// After the take-backs: each held listener its last agent bound for
+    /// steering is steered again, through the maps the keeper kept (the
+    /// group's program still reads them) when they name the socket taken
+    /// back as serving, else through a fresh program and maps.
+    fn steer_again(&self, instance: &InstanceKey, mut kept: HashMap<String, StoredMaps>) {
+        let mut held = self.lock();
+        for h in held.get_mut(instance).into_iter().flatten() {
+            let reuseport =
+                nix::sys::socket::getsockopt(h.fd.as_ref(), sockopt::ReusePort).unwrap_or(false);
+            if h.steering.is_some() || h.spec.tcp.is_none() || !reuseport {
+                continue;
+            }
+            if self.wanted != Handover::Steered {
+                // Told to share: whatever program the group has goes.
+                if let Err(error) = Steering::detach(h.fd.as_fd()) {
+                    tracing::warn!(listener = %h.spec.name, %error, "a listener taken back is still steered by its last agent's map");
+                }
+                continue;
+            }
+            let adopted = kept
+                .remove(&h.spec.name)
+                .map(|maps| Steering::adopt(maps, h.fd.as_fd()));
+            h.steering = match adopted {
+                Some(Ok(steering)) => Some(steering),
+                other => {
+                    if let Some(Err(error)) = other {
+                        tracing::info!(listener = %h.spec.name, %error, "the kept maps do not steer this listener; steering it anew");
+                    }
+                    match steer_anew(&h.fd) {
+                        Ok(steering) => Some(steering),
+                        Err(error) => {
+                            tracing::warn!(listener = %h.spec.name, %error, "listener handover: shared (a successor may accept connections before its health check ends)");
+                            None
+                        }
+                    }
+                }
+            };
         }
     }
 
@@ -340,8 +617,93 @@ impl Listeners {
     }
 }
 
-/// Binds and listens on what `spec` names.
-fn bind_listener(spec: &ListenerSpec) -> Result<OwnedFd, ListenerError> {
+/// Attaches `steering` to the group `fd` founded and makes it the serving
+/// socket.
+fn steer_serving(steering: &Steering, fd: &OwnedFd) -> Result<(), SteerError> {
+    steering.attach(fd.as_fd())?;
+    steering.place(SERVING_SLOT, fd.as_fd())
+}
+
+/// A fresh program and maps for the group `fd` is in, with `fd` serving:
+/// the group's old program is taken off first, and its maps freed, since a
+/// socket sits in one sockets map at most. Until the new program is on,
+/// the kernel spreads over the group: at an agent's start, that is the
+/// serving socket and at most a generation's that recovery stops.
+fn steer_anew(fd: &OwnedFd) -> Result<Steering, SteerError> {
+    let steering = Steering::load()?;
+    Steering::detach(fd.as_fd())?;
+    let started = std::time::Instant::now();
+    loop {
+        match steering.place(SERVING_SLOT, fd.as_fd()) {
+            Ok(()) => break,
+            Err(SteerError::Slot { source, .. })
+                if source.raw_os_error() == Some(nix::libc::EBUSY)
+                    && started.elapsed() < OLD_MAPS_FREED =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    steering.attach(fd.as_fd())?;
+    Ok(steering)
+}
+
+/// The names a process got its descriptors 3.. under (`LISTEN_FDNAMES`).
+fn fd_names(pid: u32) -> Vec<String> {
+    let environ = fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    let prefix = format!("{}=", crate::spawn::ENV_LISTEN_FDNAMES);
+    environ
+        .split(|b| *b == 0)
+        .filter_map(|entry| std::str::from_utf8(entry).ok())
+        .find_map(|entry| entry.strip_prefix(prefix.as_str()))
+        .map(|names| names.split(':').map(str::to_owned).collect())
+        .unwrap_or_default()
+}
+
+/// Makes each steered listener's socket of `generation` the serving one;
+/// on an error puts back those already switched. Whether any switched.
+fn switch_all(have: &mut [Held], generation: u64) -> Result<bool, ListenerError> {
+    let steer_error = |h: &Held| {
+        let name = h.spec.name.clone();
+        move |source| ListenerError::Steer { name, source }
+    };
+    let mut done: Vec<usize> = Vec::new();
+    for (i, h) in have.iter().enumerate() {
+        let (Some(steering), Some(beside)) = (&h.steering, &h.beside) else {
+            continue;
+        };
+        if beside.generation != generation {
+            continue;
+        }
+        // A socket is in one slot at most: out of its own first.
+        let switched = steering
+            .clear(BESIDE_SLOT)
+            .and_then(|()| steering.place(SERVING_SLOT, beside.fd.as_fd()));
+        if let Err(error) = switched {
+            for j in done {
+                let back = &have[j];
+                if let Some(steering) = &back.steering
+                    && let Err(again) = steering.place(SERVING_SLOT, back.fd.as_fd())
+                {
+                    tracing::error!(listener = %back.spec.name, error = %again, "a listener could not be switched back to the serving generation");
+                }
+            }
+            return Err(steer_error(h)(error));
+        }
+        done.push(i);
+    }
+    for &i in &done {
+        if let Some(beside) = have[i].beside.take() {
+            have[i].fd = beside.fd;
+        }
+    }
+    Ok(!done.is_empty())
+}
+
+/// Binds and listens on what `spec` names; a TCP socket `steered` joins
+/// (or founds) the `SO_REUSEPORT` group of its address.
+fn bind_listener(spec: &ListenerSpec, steered: bool) -> Result<OwnedFd, ListenerError> {
     let backlog = Backlog::new(spec.backlog.clamp(1, 65535)).unwrap_or(Backlog::MAXCONN);
     let fail = |op: &'static str, address: &str| {
         let name = spec.name.clone();
@@ -367,6 +729,12 @@ fn bind_listener(spec: &ListenerSpec) -> Result<OwnedFd, ListenerError> {
         // A restarted agent rebinds a port its predecessor's connections
         // still linger on.
         setsockopt(&fd, sockopt::ReuseAddr, &true).map_err(fail("set SO_REUSEADDR on", address))?;
+        // Only then: a group nothing steers would let any root process
+        // bind the port too and take a share of its connections.
+        if steered {
+            setsockopt(&fd, sockopt::ReusePort, &true)
+                .map_err(fail("set SO_REUSEPORT on", address))?;
+        }
         match parsed {
             SocketAddr::V4(v4) => bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrIn::from(v4)),
             SocketAddr::V6(v6) => {

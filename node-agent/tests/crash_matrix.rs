@@ -73,8 +73,11 @@ fn expected(point: &str) -> Expected {
         | "overlap.after_health"
         | "overlap.after_settle"
         | "overlap.before_switch" => (Outcome::Abandoned, true, true),
-        // The switch happened: the retirement is completed.
-        "overlap.after_switch"
+        // The switch happened (`current.sock` first, then the steered
+        // listeners): the retirement is completed, and the next agent steers
+        // the listeners to the generation the link names.
+        "overlap.after_link_switch"
+        | "overlap.after_switch"
         | "overlap.before_retire"
         | "overlap.after_retire"
         | "overlap.before_finish" => (Outcome::Done, true, true),
@@ -418,6 +421,8 @@ kill_matrix! {
     restart_after_health => "restart.after_health",
     #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
     restart_before_switch => "restart.before_switch",
+    #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
+    restart_after_link_switch => "restart.after_link_switch",
     restart_after_switch => "restart.after_switch",
     #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
     restart_before_finish => "restart.before_finish",
@@ -440,6 +445,7 @@ kill_matrix! {
     #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
     overlap_after_settle => "overlap.after_settle",
     overlap_before_switch => "overlap.before_switch",
+    overlap_after_link_switch => "overlap.after_link_switch",
     overlap_after_switch => "overlap.after_switch",
     #[ignore = "the full matrix: cargo test -p node-agent --test crash_matrix -- --ignored"]
     overlap_before_retire => "overlap.before_retire",

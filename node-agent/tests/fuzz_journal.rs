@@ -91,6 +91,7 @@ fn template() -> &'static Template {
                 executed: true,
                 clean_exit: false,
                 drain_ms: None,
+                listener_handover: None,
                 steps: Vec::new(),
                 started_at_ms: 1_750_000_000_000,
                 finished_at_ms: 1_750_000_001_000,

@@ -57,6 +57,7 @@ fn outcome(outcome: Outcome) -> OutcomeRecord {
         executed: true,
         clean_exit: false,
         drain_ms: Some(12),
+        listener_handover: None,
         steps: vec![StepTiming {
             step: "stage".into(),
             result: "ok".into(),

@@ -169,6 +169,7 @@ async fn finished_attempts_never_run_again_and_the_journal_is_delivered_first() 
         executed: true,
         clean_exit: false,
         drain_ms: Some(30),
+        listener_handover: None,
         steps: Vec::new(),
         started_at_ms: 1_750_000_000_000,
         finished_at_ms: 1_750_000_002_000,

@@ -71,6 +71,7 @@ fn result(outcome: Outcome, mode: Mode) -> SwapResult {
         executed: true,
         clean_exit: false,
         drain: Some(Duration::from_millis(20)),
+        listener_handover: None,
         steps: vec![
             StepRecord {
                 step: Step::Health,

@@ -59,6 +59,7 @@ fn done() -> OutcomeRecord {
         executed: true,
         clean_exit: false,
         drain_ms: Some(120),
+        listener_handover: None,
         steps: vec![
             StepTiming {
                 step: "stage".into(),

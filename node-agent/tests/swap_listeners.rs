@@ -11,7 +11,8 @@ mod swap_host;
 #[path = "support/tcp_client.rs"]
 mod tcp_client;
 
-use genswap_crds::{ListenerSpec, Mode, Outcome};
+use genswap_crds::{ListenerHandover, ListenerSpec, Mode, Outcome};
+use node_agent::engine::EngineConfig;
 use swap_host::SwapHost;
 use tcp_client::{Load, free_port, get, listener};
 
@@ -42,19 +43,24 @@ async fn a_hold_and_an_overlap_with_a_held_tcp_listener_drop_nothing() {
     let result = host.swap(&hold).await;
     assert_eq!(result.outcome, Outcome::Done, "{result:?}");
     assert!(get(port).expect("b2 answers").contains("build=b2"));
-    // An overlap: b3 shares the port with b2, then b2 drains.
+    assert_eq!(
+        host.keeper_pids(),
+        keeper,
+        "a hold hands the same socket on: the same keeper"
+    );
+    // An overlap: b3 gets its own socket in the port's group, and takes
+    // new connections from the switch on; then b2 drains.
     let b3 = host.build("b3");
     let mut overlap = host.attempt(3, &b3, "b3");
     overlap.spec.listeners = vec![listener(port)];
     let result = host.swap(&overlap).await;
     assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    assert_eq!(result.listener_handover, Some(ListenerHandover::Steered));
     load.finish_with_none_failed();
     assert!(get(port).expect("b3 answers").contains("build=b3"));
-    assert_eq!(
-        host.keeper_pids(),
-        keeper,
-        "the same set of listeners: the same keeper"
-    );
+    let keepers = host.keeper_pids();
+    assert_eq!(keepers.len(), 1, "one keeper holds the listener");
+    assert!(holds_a_socket(keepers[0]), "the keeper holds b3's socket");
 
     // Removed: the port is closed, the keeper is gone.
     host.tear_down().await;
@@ -162,9 +168,20 @@ async fn a_restarted_agent_takes_the_listener_back_and_its_hold_drops_nothing() 
 /// answers (here 500, for the 2 s the health check takes). Nothing is
 /// refused or reset, and once the attempt has failed only the incumbent
 /// answers.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failing_overlap_successor_answers_a_share_of_the_listener_until_it_is_stopped() {
-    let host = SwapHost::new("listen-fail");
+/// Installs b1 on a listener, then overlaps a build that answers 500 (its
+/// health check fails within 2 s) under a client's steady load. Returns
+/// the release's handover, how many requests were sent, and how many the
+/// failing build answered; asserts that none was refused or reset, and
+/// that b1 alone answers afterwards.
+async fn failing_successor_under_load(
+    tag: &str,
+    handover: ListenerHandover,
+) -> (Option<ListenerHandover>, u64, usize) {
+    let config = EngineConfig {
+        listener_handover: handover,
+        ..EngineConfig::default()
+    };
+    let host = SwapHost::with_config(tag, config);
     let port = free_port();
     let b1 = host.build("b1");
     let mut install = host.attempt(1, &b1, "b1");
@@ -192,20 +209,42 @@ async fn a_failing_overlap_successor_answers_a_share_of_the_listener_until_it_is
         "refused or reset: {:?}",
         &broken[..broken.len().min(5)]
     );
-    assert!(
-        !answered.is_empty(),
-        "the failing successor took a share of the {sent} requests"
-    );
-    eprintln!(
-        "measured: the failing successor answered {} of {sent} requests (500) in its 2 s health window; none refused or reset",
-        answered.len()
-    );
 
     let after = Load::start(port);
     let b1_again = host.who_serves().await.expect("b1 serves");
     assert_eq!(b1_again.build, "b1");
-    let (sent, failures) = after.finish();
-    assert!(sent > 0);
+    let (after_sent, failures) = after.finish();
+    assert!(after_sent > 0);
     assert_eq!(failures, Vec::<String>::new(), "only b1 answers now");
     host.tear_down().await;
+    (result.listener_handover, sent, answered.len())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_overlap_successor_on_a_steered_listener_takes_no_connection() {
+    let (handover, sent, answered) =
+        failing_successor_under_load("listen-fail-steered", ListenerHandover::Steered).await;
+    assert_eq!(handover, Some(ListenerHandover::Steered));
+    assert!(sent > 0);
+    assert_eq!(
+        answered, 0,
+        "the failing successor answered {answered} of {sent} requests"
+    );
+    eprintln!(
+        "measured: steered, the failing successor answered 0 of {sent} requests in its 2 s health window"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_overlap_successor_on_a_shared_listener_answers_a_share_until_it_is_stopped() {
+    let (handover, sent, answered) =
+        failing_successor_under_load("listen-fail-shared", ListenerHandover::Shared).await;
+    assert_eq!(handover, Some(ListenerHandover::Shared));
+    assert!(
+        answered > 0,
+        "the failing successor took a share of the {sent} requests"
+    );
+    eprintln!(
+        "measured: shared, the failing successor answered {answered} of {sent} requests (500) in its 2 s health window; none refused or reset"
+    );
 }

@@ -109,6 +109,7 @@ fn agent_exposition() -> String {
         executed: true,
         clean_exit: false,
         drain: None,
+        listener_handover: None,
         steps: vec![StepRecord {
             step: Step::Stage,
             result: StepOutcome::Ok,

@@ -85,6 +85,9 @@ pub(super) struct Run<'a> {
     pub(super) executed: bool,
     pub(super) generation: Option<u64>,
     pub(super) drain: Option<Duration>,
+    /// The successor starts while another generation serves: a steered
+    /// listener gives it a socket of its own.
+    pub(super) beside_serving: bool,
     /// A serving incumbent was stopped by this attempt: a build failure from
     /// here on is `down`.
     pub(super) incumbent_stopped: bool,
@@ -151,6 +154,7 @@ pub(super) async fn run(
         executed: false,
         generation: None,
         drain: None,
+        beside_serving: false,
         incumbent_stopped: false,
         record,
         serving_now: None,
@@ -179,7 +183,11 @@ pub(super) async fn run(
                 .await;
             run.done(finished).await
         }
-        Err(ended) => run.end(ended, true).await,
+        Err(ended) => {
+            // A socket bound for the successor that did not take over.
+            engine.listeners.forget_beside(&attempt.instance);
+            run.end(ended, true).await
+        }
     };
     if claim.serving.is_none() {
         parts::remove_empty_instance(engine, &attempt.instance);
@@ -202,6 +210,7 @@ fn refused_at_intake(mode: Mode, started_at: SystemTime, error: StepError) -> Sw
         executed: false,
         clean_exit: false,
         drain: None,
+        listener_handover: None,
         steps: vec![StepRecord {
             step: Step::Admit,
             result: outcome,
@@ -447,7 +456,14 @@ impl<'a> Run<'a> {
             .step(
                 Step::Spawn,
                 false,
-                spawn_successor(self.ctx(), &successor, staged, tier, log_shim),
+                spawn_successor(
+                    self.ctx(),
+                    &successor,
+                    staged,
+                    tier,
+                    log_shim,
+                    self.beside_serving,
+                ),
             )
             .await;
         let mut running = match spawned {
@@ -570,6 +586,10 @@ impl<'a> Run<'a> {
             executed: self.executed,
             clean_exit: finished.clean_exit,
             drain: self.drain,
+            listener_handover: self
+                .engine
+                .listeners
+                .handover_of(&self.attempt.instance, &self.attempt.spec.listeners),
             steps: std::mem::take(&mut self.steps),
             started_at: self.started_at,
             finished_at: SystemTime::now(),
@@ -595,6 +615,10 @@ impl<'a> Run<'a> {
             executed: self.executed,
             clean_exit: false,
             drain: self.drain,
+            listener_handover: self
+                .engine
+                .listeners
+                .handover_of(&self.attempt.instance, &self.attempt.spec.listeners),
             steps: std::mem::take(&mut self.steps),
             started_at: self.started_at,
             finished_at: SystemTime::now(),
@@ -632,6 +656,7 @@ impl<'a> Run<'a> {
             executed: result.executed,
             clean_exit: result.clean_exit,
             drain_ms: result.drain_ms(),
+            listener_handover: result.listener_handover,
             steps: result.step_timings(),
             started_at_ms: millis_since_epoch(result.started_at),
             finished_at_ms: millis_since_epoch(result.finished_at),
@@ -683,6 +708,7 @@ async fn spawn_successor(
     staged: &Staged,
     tier: &Tier,
     log_shim: LogShimStart,
+    beside_serving: bool,
 ) -> Result<Running, StepError> {
     let key = &ctx.attempt.instance;
     let instance = ctx.engine.cgroups.instance(key)?;
@@ -712,10 +738,22 @@ async fn spawn_successor(
             None
         }
     };
-    let listeners = ctx
-        .engine
-        .listeners
-        .activated(key, &ctx.attempt.spec.listeners);
+    let specs = &ctx.attempt.spec.listeners;
+    let listeners = if beside_serving {
+        match ctx
+            .engine
+            .listeners
+            .activated_beside(key, specs, successor.n)
+        {
+            Ok(listeners) => listeners,
+            Err(error) => {
+                parts::remove_cgroup(&cgroup);
+                return Err(StepError::Listener(error));
+            }
+        }
+    } else {
+        ctx.engine.listeners.activated(key, specs)
+    };
     let notify = match parts::bind_notify(ctx.engine, key, &ctx.attempt.spec, successor.n, &cgroup)
     {
         Ok(notify) => notify,

@@ -93,6 +93,9 @@ pub struct EngineConfig {
     pub swaps_on: bool,
     /// How restarts of exited generations back off.
     pub restart_backoff: RestartBackoff,
+    /// `steered`: TCP listeners get a socket per generation where the
+    /// kernel allows it (SPEC 6.3); `shared`: never (SPEC 6.2).
+    pub listener_handover: genswap_crds::ListenerHandover,
 }
 
 impl Default for EngineConfig {
@@ -101,6 +104,7 @@ impl Default for EngineConfig {
             allow_root: false,
             swaps_on: true,
             restart_backoff: RestartBackoff::default(),
+            listener_handover: genswap_crds::ListenerHandover::Steered,
         }
     }
 }
@@ -274,6 +278,8 @@ impl Engine {
         // The log shim's program is the agent's own binary: the keeper's too.
         let keeper =
             crate::listener_keeper::KeeperSite::new(&parts.logs.settings().shim, &parts.cgroups);
+        let listeners =
+            crate::listeners::Listeners::with_keeper(keeper).handover(config.listener_handover);
         Self {
             cgroups: parts.cgroups,
             layout: parts.layout,
@@ -282,7 +288,7 @@ impl Engine {
             logs: parts.logs,
             config,
             instances: Mutex::new(HashMap::new()),
-            listeners: crate::listeners::Listeners::with_keeper(keeper),
+            listeners,
             notices: supervise::Notices::new(),
         }
     }

@@ -75,6 +75,7 @@ async fn after_admission(
     run.step(Step::Journal, false, write).await?;
     crate::failpoint!(run.crash_scope(), "after_journal");
 
+    run.beside_serving = claim.serving.is_some();
     let mut successor = match run.start_successor(staged, tier).await? {
         Started::Serving(running) => *running,
         // Only workers exit cleanly on purpose, and workers never overlap.
@@ -87,7 +88,8 @@ async fn after_admission(
     };
 
     let started = Instant::now();
-    let switched = switch(run, &mut successor).await;
+    let incumbent_socket = claim.serving.as_ref().map(|s| s.record.socket.clone());
+    let switched = switch(run, &mut successor, incumbent_socket.as_deref()).await;
     if let Err(error) = switched {
         let ended = run.note(Step::Switch, started, Err::<(), _>(error));
         run.clean_up(successor).await;
@@ -196,11 +198,18 @@ fn restore_parent(run: &mut Run<'_>, raise: Option<ParentRaise>) -> Option<Strin
 }
 
 /// SPEC 5.5 step 8: the gate again, the successor still alive, then
-/// `current.sock` repointed. If the link cannot move, nothing switched.
-/// No journal write comes first: recovery reads where the link points, and
-/// the link's rename is durable on its own. The new serving generation goes
+/// `current.sock` repointed and the steered listeners switched (SPEC 6.3).
+/// If the link cannot move, nothing switched; if a listener cannot, the
+/// link goes back to the incumbent and nothing switched either.
+/// No journal write comes first: recovery reads where the link points
+/// (and steers the listeners of the generation it finds there), and the
+/// link's rename is durable on its own. The new serving generation goes
 /// to the journal with the next write.
-async fn switch(run: &mut Run<'_>, successor: &mut Running) -> Result<(), StepError> {
+async fn switch(
+    run: &mut Run<'_>,
+    successor: &mut Running,
+    incumbent_socket: Option<&std::path::Path>,
+) -> Result<(), StepError> {
     run.ctx().check_gate(GatePoint::Switch)?;
     if let Some(status) = parts::has_exited(successor) {
         return Err(StepError::Exited {
@@ -214,6 +223,21 @@ async fn switch(run: &mut Run<'_>, successor: &mut Running) -> Result<(), StepEr
     crate::failpoint!(run.crash_scope(), "before_switch");
     let instance_dir = run.engine.layout.instance_dir(&run.attempt.instance);
     parts::switch_current(run.attempt, &instance_dir, &successor.record.socket)?;
+    crate::failpoint!(run.crash_scope(), "after_link_switch");
+    let key = &run.attempt.instance;
+    if let Err(error) = run
+        .engine
+        .listeners
+        .switch_to(key, successor.record.n)
+        .await
+    {
+        if let Some(incumbent) = incumbent_socket
+            && let Err(back) = parts::switch_current(run.attempt, &instance_dir, incumbent)
+        {
+            tracing::error!(instance = %key, error = %reason_of(&back), "current.sock could not be put back to the incumbent after its listeners would not switch");
+        }
+        return Err(StepError::Listener(error));
+    }
     crate::failpoint!(run.crash_scope(), "after_switch");
     successor.record.serving_since_ms = Some(unix_millis_now());
     run.serving_now = Some(Some(successor.record.clone()));

@@ -146,6 +146,9 @@ pub struct SwapResult {
     /// attempt stopped (the retiring one in an overlap, the incumbent in a
     /// hold); `None` when nothing was stopped.
     pub drain: Option<Duration>,
+    /// How the attempt's TCP listeners reached generations (SPEC 6.3);
+    /// `None` without listeners.
+    pub listener_handover: Option<genswap_crds::ListenerHandover>,
     /// Every step that ran, in order.
     pub steps: Vec<StepRecord>,
     /// When the engine took the attempt.

@@ -245,6 +245,8 @@ pub struct OutcomeRecord {
     pub clean_exit: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drain_ms: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listener_handover: Option<genswap_crds::ListenerHandover>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub steps: Vec<StepTiming>,
     pub started_at_ms: i64,

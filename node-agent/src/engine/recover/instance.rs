@@ -349,6 +349,7 @@ impl Engine {
                 executed: decision.executed,
                 clean_exit: false,
                 drain_ms: drain.map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
+                listener_handover: None,
                 steps: Vec::new(),
                 started_at_ms: record.started_at_ms,
                 finished_at_ms: unix_millis_now(),
