@@ -19,6 +19,7 @@
 //! | `genswap_agent_generation_exits_total` | counter | `reason` | serving generations that exited between attempts: `exited` (by themselves, with a code), `signaled`, `oom_killed`, `unknown` (adopted after an agent restart: not this agent's child), `liveness_failed` (stopped by the agent after its liveness probe failed) |
 //! | `genswap_agent_generation_restarts_total` | counter | `reason` | restarts that served, by the `reason` of the exit that caused them (the labels above) |
 //! | `genswap_agent_log_records_dropped_total` | counter | `instance` | records of instances' output their log shims could not write (a full disk), read from the `<N>.dropped` files at each scrape |
+//! | `genswap_agent_listener_handovers_total` | counter | `handover` | attempts with listeners that ended, by how new connections reached generations (SPEC 6.3): `steered` (a socket per generation, the BPF map picks), `shared` (one socket; the kernel refused BPF, or `--listener-handover=shared`) |
 //! | `genswap_agent_retirements_total` | counter | `result` | serving instances no attempt named any more, looked up: `stopped` (the InstanceGeneration was deleted or no longer selects this node), `kept` (it exists and selects this node), `failed` (the lookup or the stop failed; tried again) |
 //!
 //! `/healthz` answers 200 while the process serves HTTP. `/readyz` answers
@@ -83,6 +84,12 @@ struct InstanceLabels {
     instance: String,
 }
 
+/// Labels of `listener_handovers_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HandoverLabels {
+    handover: String,
+}
+
 /// Labels of `retirements_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RetirementLabels {
@@ -132,6 +139,7 @@ pub struct AgentMetrics {
     log_drops: Family<InstanceLabels, Counter>,
     generation_exits: Family<ExitLabels, Counter>,
     generation_restarts: Family<ExitLabels, Counter>,
+    listener_handovers: Family<HandoverLabels, Counter>,
     /// The log dir whose drop counters are read at each scrape, and the
     /// count last read from each file: the counter grows by the difference,
     /// so it keeps counting when old generations' files are deleted.
@@ -193,6 +201,12 @@ impl AgentMetrics {
             "Attempt outcomes not yet accepted by the API server (or written to the status file)",
             journal_backlog.clone(),
         );
+        let listener_handovers = Family::<HandoverLabels, Counter>::default();
+        registry.register(
+            "listener_handovers",
+            "Attempts with listeners that ended, by how new connections reached generations",
+            listener_handovers.clone(),
+        );
         registry.register(
             "retirements",
             "Serving instances no attempt named any more, by what their InstanceGeneration lookup led to",
@@ -208,6 +222,7 @@ impl AgentMetrics {
             log_drops,
             generation_exits,
             generation_restarts,
+            listener_handovers,
             log_dir: None,
             drops_seen: Mutex::new(HashMap::new()),
         }
@@ -281,6 +296,13 @@ impl AgentMetrics {
     /// Counts an attempt the engine ran and observes each step's duration.
     pub fn record_result(&self, result: &SwapResult) {
         self.record_outcome(result.outcome, result.effective_mode);
+        if let Some(handover) = result.listener_handover {
+            self.listener_handovers
+                .get_or_create(&HandoverLabels {
+                    handover: handover.as_str().to_string(),
+                })
+                .inc();
+        }
         for step in &result.steps {
             self.step_duration
                 .get_or_create(&StepLabels {

@@ -90,10 +90,13 @@ fn result(outcome: Outcome, mode: Mode) -> SwapResult {
 }
 
 #[tokio::test]
-async fn metrics_name_attempts_steps_generations_and_backlog() {
+async fn metrics_name_attempts_steps_generations_handovers_and_backlog() {
     let metrics = Arc::new(AgentMetrics::new());
     metrics.record_result(&result(Outcome::Done, Mode::Overlap));
-    metrics.record_result(&result(Outcome::Done, Mode::Overlap));
+    metrics.record_result(&SwapResult {
+        listener_handover: Some(genswap_crds::ListenerHandover::Steered),
+        ..result(Outcome::Done, Mode::Overlap)
+    });
     metrics.record_outcome(Outcome::Abandoned, Mode::Hold);
     metrics.set_generations_running(2);
     metrics.backlog_added();
@@ -109,6 +112,7 @@ async fn metrics_name_attempts_steps_generations_and_backlog() {
         r#"genswap_agent_step_duration_seconds_bucket{le="0.512",step="health"} 2"#,
         r#"genswap_agent_step_duration_seconds_bucket{le="0.256",step="health"} 0"#,
         "genswap_agent_generations_running 2",
+        r#"genswap_agent_listener_handovers_total{handover="steered"} 1"#,
         "genswap_agent_journal_backlog 1",
         "# EOF",
     ] {
