@@ -9,6 +9,8 @@
 //! - [`health`]: the HTTP health check over a generation's own socket.
 //! - [`journal`]: the per-instance intent journal.
 //! - [`switch`]: repointing `current.sock`.
+//! - [`steering`]: the BPF program and maps that pick which socket of a
+//!   listener new connections reach (SPEC 6.3).
 //! - [`gate`]: the attempt gate the adapters implement.
 //! - [`classify`]: the one outcome classifier every step's error goes through.
 //! - [`attempt_status`]: an engine result as a SwapAttempt's status, the one
