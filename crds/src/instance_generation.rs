@@ -33,7 +33,6 @@ use crate::swap_attempt::LastExit;
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[x_kube(validation = Rule::new(PROBE_LISTENERS_RULE).message("a probe's listener must name one of spec.listeners"))]
-#[x_kube(validation = Rule::new(OVERLAP_PROBE_RULE).message(OVERLAP_PROBE_MESSAGE))]
 #[x_kube(validation = Rule::new(WATCHDOG_RULE).message("liveness.watchdog needs health.notify: WATCHDOG=1 arrives on the NOTIFY_SOCKET the agent gives a generation whose health probe is notify"))]
 #[serde(rename_all = "camelCase")]
 pub struct InstanceGenerationSpec {
@@ -101,20 +100,6 @@ const PROBE_LISTENERS_RULE: &str = concat!(
     " && (!has(self.liveness) || !has(self.liveness.httpGet) || !has(self.liveness.httpGet.listener) || (has(self.listeners) && self.listeners.exists(l, l.name == self.liveness.httpGet.listener)))",
     " && (!has(self.liveness) || !has(self.liveness.grpc) || !has(self.liveness.grpc.listener) || (has(self.listeners) && self.listeners.exists(l, l.name == self.liveness.grpc.listener)))",
 );
-
-/// A health probe through a listener judges whichever generation the
-/// kernel hands the connection to: during an overlap that may be the
-/// incumbent. Attempts that always run as a hold (a worker, `demand: hold`,
-/// a fixed socket) have one generation at a time.
-const OVERLAP_PROBE_RULE: &str = concat!(
-    "!((!has(self.mode) || self.mode == 'overlap')",
-    " && (!has(self.kind) || self.kind == 'instance')",
-    " && (!has(self.demand) || self.demand != 'hold')",
-    " && (!has(self.socket) || !has(self.socket.layout) || self.socket.layout != 'fixed')",
-    " && has(self.health)",
-    " && ((has(self.health.httpGet) && has(self.health.httpGet.listener)) || (has(self.health.grpc) && has(self.health.grpc.listener))))",
-);
-const OVERLAP_PROBE_MESSAGE: &str = "a health probe through a listener may reach the old generation during an overlap, so it cannot judge the new one: with mode overlap use exec, notify, the generation socket (path, or httpGet or grpc with neither port nor listener) or a port only the new generation binds; or set mode: hold";
 
 /// The watchdog's messages come on the notify socket, which only a
 /// `notify` health probe makes.

@@ -30,7 +30,7 @@ use thiserror::Error;
 use crate::gate::InstanceKey;
 use crate::listener_keeper::KeeperSite;
 use crate::spawn::ActivatedSocket;
-use crate::steering::{Handover, SERVING_SLOT, SteerError, Steering, StoredMaps};
+use crate::steering::{Handover, ProbeRoute, SERVING_SLOT, SteerError, Steering, StoredMaps};
 
 /// The sockets map's slot of a generation started beside the serving one:
 /// an instance has one such generation at a time.
@@ -79,7 +79,7 @@ struct Held {
     /// copy of a socket already held.
     owns_path: bool,
     /// The program and maps that pick the serving socket, when steered.
-    steering: Option<Steering>,
+    steering: Option<Arc<Steering>>,
     /// The socket of a generation started beside the serving one.
     beside: Option<Beside>,
 }
@@ -97,7 +97,7 @@ impl Held {
             spec,
             fd: Arc::new(fd),
             owns_path: true,
-            steering,
+            steering: steering.map(Arc::new),
             beside: None,
         }
     }
@@ -316,6 +316,30 @@ impl Listeners {
             self.refresh_keeper(instance).await;
         }
         Ok(())
+    }
+
+    /// How the agent's probes reach `generation`, started beside the
+    /// serving one, through each steered listener: by listener name.
+    pub fn probe_routes(
+        &self,
+        instance: &InstanceKey,
+        generation: u64,
+    ) -> std::collections::BTreeMap<String, ProbeRoute> {
+        let held = self.lock();
+        held.get(instance)
+            .into_iter()
+            .flatten()
+            .filter_map(|h| {
+                let steering = h.steering.as_ref()?;
+                let beside = h.beside.as_ref()?;
+                (beside.generation == generation).then(|| {
+                    (
+                        h.spec.name.clone(),
+                        ProbeRoute::new(Arc::clone(steering), BESIDE_SLOT),
+                    )
+                })
+            })
+            .collect()
     }
 
     /// Lets go of the sockets of generations started beside the serving
@@ -580,13 +604,13 @@ impl Listeners {
                 .remove(&h.spec.name)
                 .map(|maps| Steering::adopt(maps, h.fd.as_fd()));
             h.steering = match adopted {
-                Some(Ok(steering)) => Some(steering),
+                Some(Ok(steering)) => Some(Arc::new(steering)),
                 other => {
                     if let Some(Err(error)) = other {
                         tracing::info!(listener = %h.spec.name, %error, "the kept maps do not steer this listener; steering it anew");
                     }
                     match steer_anew(&h.fd) {
-                        Ok(steering) => Some(steering),
+                        Ok(steering) => Some(Arc::new(steering)),
                         Err(error) => {
                             tracing::warn!(listener = %h.spec.name, %error, "listener handover: shared (a successor may accept connections before its health check ends)");
                             None

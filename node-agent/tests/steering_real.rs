@@ -5,8 +5,10 @@
 //! connections spread over every socket), so a program that chose nothing
 //! could not pass.
 //!
-//! Needs `CAP_BPF` or root: CI runs as root, and the agent's fallback when
-//! the kernel refuses is tested in the listeners' own tests.
+//! Needs `CAP_BPF` or root: CI runs as root, here and again in the pure
+//! cgroup v2 guest (`tests/tests/vm_cgroup_v2.rs`), whose kernel is
+//! Debian's rather than the host's. The last test takes those rights away
+//! to check the agent's fallback.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, UdpSocket};

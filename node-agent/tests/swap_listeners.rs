@@ -248,3 +248,83 @@ async fn a_failing_overlap_successor_on_a_shared_listener_answers_a_share_until_
         "measured: shared, the failing successor answered {answered} of {sent} requests (500) in its 2 s health window; none refused or reset"
     );
 }
+
+/// An overlap's release of `build` (answering `status`) health-checked by
+/// an httpGet through the listener, on a node serving b1 on it.
+async fn probed_through_the_listener(
+    tag: &str,
+    handover: ListenerHandover,
+    status: &str,
+) -> (
+    SwapHost,
+    genswap_crds::ListenerSpec,
+    node_agent::engine::SwapResult,
+) {
+    let config = EngineConfig {
+        listener_handover: handover,
+        ..EngineConfig::default()
+    };
+    let host = SwapHost::with_config(tag, config);
+    let port = free_port();
+    let web = listener(port);
+    let b1 = host.build("b1");
+    let mut install = host.attempt(1, &b1, "b1");
+    install.spec.listeners = vec![web.clone()];
+    assert_eq!(host.swap(&install).await.outcome, Outcome::Done);
+
+    let b2 = host.build("b2");
+    let mut release = host.attempt(2, &b2, "b2");
+    release.spec.listeners = vec![web.clone()];
+    release.spec.health = genswap_crds::HealthSpec {
+        http_get: Some(genswap_crds::HttpGetProbe {
+            path: "/".into(),
+            port: None,
+            listener: Some(web.name.clone()),
+        }),
+        timeout_seconds: 2,
+        ..genswap_crds::HealthSpec::default()
+    };
+    release.spec.process.env.push(genswap_crds::EnvVar {
+        name: testapp::knob::STATUS.into(),
+        value: status.into(),
+    });
+    let result = host.swap(&release).await;
+    (host, web, result)
+}
+
+/// Through a steered listener the agent's probe reaches the successor, not
+/// the incumbent answering 200 beside it: a successor answering 500 fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overlap_probe_through_a_steered_listener_judges_the_successor() {
+    let (host, _, result) =
+        probed_through_the_listener("listen-probe-bad", ListenerHandover::Steered, "500").await;
+    assert_eq!(result.outcome, Outcome::Failed, "{result:?}");
+    swap_host::assert_says(&result.reason, &["500"]);
+    assert_eq!(host.who_serves().await.expect("b1 serves").build, "b1");
+    host.tear_down().await;
+
+    let (host, web, result) =
+        probed_through_the_listener("listen-probe-good", ListenerHandover::Steered, "200").await;
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    let port: u16 = web
+        .tcp
+        .as_deref()
+        .and_then(|a| a.rsplit(':').next())
+        .and_then(|p| p.parse().ok())
+        .expect("a port");
+    assert!(get(port).expect("b2 answers").contains("build=b2"));
+    host.tear_down().await;
+}
+
+/// Through a shared listener the probe could reach either generation: the
+/// overlap is refused before anything starts, and b1 serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overlap_probe_through_a_shared_listener_is_refused_before_anything_starts() {
+    let (host, _, result) =
+        probed_through_the_listener("listen-probe-shared", ListenerHandover::Shared, "200").await;
+    assert_eq!(result.outcome, Outcome::Abandoned, "{result:?}");
+    assert!(!result.executed, "nothing of b2 ran");
+    swap_host::assert_says(&result.reason, &["listenerHandover: shared", "mode: hold"]);
+    assert_eq!(host.who_serves().await.expect("b1 serves").build, "b1");
+    host.tear_down().await;
+}

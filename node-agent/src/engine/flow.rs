@@ -402,7 +402,11 @@ impl<'a> Run<'a> {
             return Err(StepError::Admission(AdmissionRefusal::NotAServer));
         }
         let n = self.reserve_generation(staged).await?;
-        self.preflight(n).await
+        let tier = self.preflight(n).await?;
+        if self.mode == Mode::Overlap && incumbent.is_some() {
+            parts::check_probe_listener_steered(self.engine, self.attempt)?;
+        }
+        Ok(tier)
     }
 
     /// The checks that can refuse a start before anything changes on the

@@ -129,9 +129,19 @@ pub(super) fn probe_generation(
     spec: &SwapAttemptSpec,
     running: &Running,
 ) -> probe::Generation {
+    let mut listeners = probe::Generation::listener_endpoints(&spec.listeners);
+    // A generation beside the serving one is reached through a steered
+    // listener only from a source its map sends to it.
+    for (name, route) in engine.listeners.probe_routes(instance, running.record.n) {
+        if let Some(endpoint) = listeners.get_mut(&name)
+            && let probe::Endpoint::Tcp(addr) = endpoint
+        {
+            *endpoint = probe::Endpoint::Steered(*addr, route);
+        }
+    }
     probe::Generation {
         socket: running.record.socket.clone(),
-        listeners: probe::Generation::listener_endpoints(&spec.listeners),
+        listeners,
         commands: Some(generation_commands(engine, instance, spec, running)),
         notify: running.notify.clone(),
     }
@@ -204,6 +214,38 @@ pub(super) fn check_probes(attempt: &Attempt) -> Result<(), StepError> {
             },
         )
         .map_err(|e| StepError::Unhealthy(crate::health::HealthError::Invalid(e)))
+}
+
+/// An overlap's health probe through a listener judges the successor only
+/// where that listener is steered (SPEC 6.3): on a shared one the kernel
+/// may hand the probe to the incumbent.
+pub(super) fn check_probe_listener_steered(
+    engine: &Engine,
+    attempt: &Attempt,
+) -> Result<(), StepError> {
+    let through = match attempt.spec.health.action() {
+        ProbeAction::HttpGet(get) => get.listener,
+        ProbeAction::Grpc(grpc) => grpc.listener,
+        _ => None,
+    };
+    let Some(name) = through else {
+        return Ok(());
+    };
+    let specs: Vec<_> = attempt
+        .spec
+        .listeners
+        .iter()
+        .filter(|l| l.name == name)
+        .cloned()
+        .collect();
+    if engine.listeners.handover_of(&attempt.instance, &specs)
+        == Some(crate::steering::Handover::Steered)
+    {
+        return Ok(());
+    }
+    Err(StepError::Unhealthy(crate::health::HealthError::Invalid(
+        probe::ProbeError::SharedListenerInOverlap { name },
+    )))
 }
 
 /// The successor's `NOTIFY_SOCKET`, bound before its exec, when its health

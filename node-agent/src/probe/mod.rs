@@ -43,13 +43,16 @@ pub enum Endpoint {
     Unix(PathBuf),
     /// A TCP address.
     Tcp(SocketAddr),
+    /// A steered listener's address, reached from a source the map sends to
+    /// the probed generation's socket (SPEC 6.3).
+    Steered(SocketAddr, crate::steering::ProbeRoute),
 }
 
 impl fmt::Display for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Endpoint::Unix(path) => write!(f, "{}", path.display()),
-            Endpoint::Tcp(addr) => write!(f, "{addr}"),
+            Endpoint::Tcp(addr) | Endpoint::Steered(addr, _) => write!(f, "{addr}"),
         }
     }
 }
@@ -58,6 +61,11 @@ impl fmt::Display for Endpoint {
 pub(crate) enum Stream {
     Unix(UnixStream),
     Tcp(TcpStream),
+    /// Held with its steered source, which is forgotten when it drops.
+    Steered {
+        stream: TcpStream,
+        _source: crate::steering::SteeredSource,
+    },
 }
 
 impl AsyncRead for Stream {
@@ -68,7 +76,7 @@ impl AsyncRead for Stream {
     ) -> Poll<std::io::Result<()>> {
         match self.get_mut() {
             Stream::Unix(s) => Pin::new(s).poll_read(cx, buf),
-            Stream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tcp(s) | Stream::Steered { stream: s, .. } => Pin::new(s).poll_read(cx, buf),
         }
     }
 }
@@ -81,21 +89,21 @@ impl AsyncWrite for Stream {
     ) -> Poll<std::io::Result<usize>> {
         match self.get_mut() {
             Stream::Unix(s) => Pin::new(s).poll_write(cx, buf),
-            Stream::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tcp(s) | Stream::Steered { stream: s, .. } => Pin::new(s).poll_write(cx, buf),
         }
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         match self.get_mut() {
             Stream::Unix(s) => Pin::new(s).poll_flush(cx),
-            Stream::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tcp(s) | Stream::Steered { stream: s, .. } => Pin::new(s).poll_flush(cx),
         }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         match self.get_mut() {
             Stream::Unix(s) => Pin::new(s).poll_shutdown(cx),
-            Stream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tcp(s) | Stream::Steered { stream: s, .. } => Pin::new(s).poll_shutdown(cx),
         }
     }
 }
@@ -131,6 +139,14 @@ impl Endpoint {
             Endpoint::Tcp(addr) => TcpStream::connect(addr)
                 .await
                 .map(Stream::Tcp)
+                .map_err(seen),
+            Endpoint::Steered(addr, route) => route
+                .connect(*addr)
+                .await
+                .map(|(stream, source)| Stream::Steered {
+                    stream,
+                    _source: source,
+                })
                 .map_err(seen),
         }
     }
@@ -189,6 +205,10 @@ pub enum ProbeError {
         "liveness.watchdog needs health.notify: WATCHDOG=1 arrives on the NOTIFY_SOCKET only a notify health probe gives"
     )]
     WatchdogWithoutNotify,
+    #[error(
+        "the health probe goes through listener {name:?}, which this node shares between generations (listenerHandover: shared): during an overlap it may reach the old generation, so it cannot judge the new one; use mode: hold, or exec, notify, the generation socket or a port only the new generation binds"
+    )]
+    SharedListenerInOverlap { name: String },
 }
 
 /// One probe of one generation, ready to try.

@@ -18,6 +18,7 @@ mod program;
 use std::io;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
 
 use nix::libc;
 use thiserror::Error;
@@ -327,6 +328,72 @@ impl Steering {
             Ok(())
         } else {
             Err(SteerError::NoSuchSlot(slot))
+        }
+    }
+}
+
+/// Where the agent's probes of a generation that does not serve yet are
+/// steered: its slot in a listener's map.
+#[derive(Clone, Debug)]
+pub struct ProbeRoute {
+    steering: Arc<Steering>,
+    slot: u32,
+}
+
+impl PartialEq for ProbeRoute {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.steering, &other.steering) && self.slot == other.slot
+    }
+}
+
+impl Eq for ProbeRoute {}
+
+impl ProbeRoute {
+    /// Probes steered to `slot` of `steering`'s map.
+    pub fn new(steering: Arc<Steering>, slot: u32) -> ProbeRoute {
+        ProbeRoute { steering, slot }
+    }
+
+    /// Connects to `addr` from a source bound first, so that its port is
+    /// this socket's alone on the host, and steered to the route's slot
+    /// for as long as the returned guard lives (a SYN cookie's ACK is
+    /// steered again, so not only until the connect).
+    pub async fn connect(
+        &self,
+        addr: SocketAddr,
+    ) -> io::Result<(tokio::net::TcpStream, SteeredSource)> {
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        // The listener's own address is a local one: the source is too,
+        // and no other host can send from it.
+        socket.bind(SocketAddr::new(addr.ip(), 0))?;
+        let source = socket.local_addr()?;
+        self.steering
+            .steer_probes(source, self.slot)
+            .map_err(io::Error::other)?;
+        let guard = SteeredSource {
+            steering: Arc::clone(&self.steering),
+            source,
+        };
+        let stream = socket.connect(addr).await?;
+        Ok((stream, guard))
+    }
+}
+
+/// A probe source steered to a slot; dropping it forgets the steering.
+#[derive(Debug)]
+pub struct SteeredSource {
+    steering: Arc<Steering>,
+    source: SocketAddr,
+}
+
+impl Drop for SteeredSource {
+    fn drop(&mut self) {
+        if let Err(error) = self.steering.forget_probes(self.source) {
+            tracing::warn!(%error, "a probe's source stays in the steering map");
         }
     }
 }
