@@ -356,10 +356,10 @@ pub struct SocketSpec {
 
 /// A listening socket the agent binds once, holds for the instance's life
 /// and hands to every generation by systemd's socket activation (SPEC 6.2):
-/// exactly one of `tcp` and `unix`.
+/// exactly one of `tcp`, `udp` and `unix`.
 #[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("has(self.tcp) != has(self.unix)").message("a listener needs exactly one of tcp and unix"))]
+#[x_kube(validation = Rule::new("(has(self.tcp) ? 1 : 0) + (has(self.udp) ? 1 : 0) + (has(self.unix) ? 1 : 0) == 1").message("a listener needs exactly one of tcp, udp and unix"))]
 pub struct ListenerSpec {
     /// Its name in `LISTEN_FDNAMES`, unique among the listeners.
     #[schemars(length(max = 63))]
@@ -372,6 +372,13 @@ pub struct ListenerSpec {
     #[schemars(length(max = 64))]
     #[x_kube(validation = Rule::new(LISTENER_TCP_RULE).message("listener tcp must be <IPv4>:<port> or [<IPv6>]:<port> with a port from 1 to 65535"))]
     pub tcp: Option<String>,
+    /// A UDP socket's address, written as `tcp` is (`0.0.0.0:53`): its
+    /// datagrams reach the serving generation, and wait in the socket's
+    /// buffer while none runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
+    #[x_kube(validation = Rule::new(LISTENER_TCP_RULE).message("listener udp must be <IPv4>:<port> or [<IPv6>]:<port> with a port from 1 to 65535"))]
+    pub udp: Option<String>,
     /// An absolute path for a unix stream socket, at most 107 bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 107))]
@@ -394,12 +401,18 @@ fn default_backlog() -> i32 {
 }
 
 impl ListenerSpec {
-    /// Its `tcp` or `unix` address, as written.
+    /// Its `tcp`, `udp` or `unix` address, as written.
     pub fn address(&self) -> &str {
         self.tcp
             .as_deref()
+            .or(self.udp.as_deref())
             .or(self.unix.as_deref())
             .unwrap_or_default()
+    }
+
+    /// Its IP address and port, `tcp` or `udp`: what steering applies to.
+    pub fn ip_address(&self) -> Option<&str> {
+        self.tcp.as_deref().or(self.udp.as_deref())
     }
 }
 

@@ -186,7 +186,7 @@ impl ListenerHandover {
 #[serde(rename_all = "camelCase")]
 pub struct HeldListener {
     pub name: String,
-    /// The `tcp` or `unix` address it is bound to.
+    /// The `tcp`, `udp` or `unix` address it is bound to.
     pub address: String,
 }
 

@@ -205,7 +205,7 @@ impl Listeners {
     /// Binds `spec`, steered when wanted and the kernel allows it; shared
     /// otherwise, and then the log says why.
     fn bind_one(&self, spec: &ListenerSpec) -> Result<Held, ListenerError> {
-        let steering = match (self.wanted, &spec.tcp) {
+        let steering = match (self.wanted, spec.ip_address()) {
             (Handover::Steered, Some(_)) => match Steering::load() {
                 Ok(steering) => Some(steering),
                 Err(error) => {
@@ -238,7 +238,7 @@ impl Listeners {
         let have = held.get(instance)?;
         let tcp: Vec<&Held> = have
             .iter()
-            .filter(|h| h.spec.tcp.is_some() && specs.contains(&h.spec))
+            .filter(|h| h.spec.ip_address().is_some() && specs.contains(&h.spec))
             .collect();
         if specs.is_empty() {
             return None;
@@ -355,6 +355,49 @@ impl Listeners {
                 tracing::warn!(listener = %h.spec.name, %error, "a failed generation's socket is left in the steering map");
             }
         }
+    }
+
+    /// The kernel's drop counts of every UDP listener's sockets (serving,
+    /// and beside it during an overlap), from `/proc/net/udp` and `udp6`.
+    pub fn datagram_drops(&self) -> Vec<crate::metrics::DatagramDrops> {
+        let mut drops_by_inode = HashMap::new();
+        for table in ["/proc/net/udp", "/proc/net/udp6"] {
+            for line in fs::read_to_string(table)
+                .unwrap_or_default()
+                .lines()
+                .skip(1)
+            {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                if let (Some(inode), Some(drops)) = (
+                    fields.get(9).and_then(|f| f.parse::<u64>().ok()),
+                    fields.last().and_then(|f| f.parse::<u64>().ok()),
+                ) {
+                    drops_by_inode.insert(inode, drops);
+                }
+            }
+        }
+        let held = self.lock();
+        let mut out = Vec::new();
+        for (key, have) in held.iter() {
+            for h in have.iter().filter(|h| h.spec.udp.is_some()) {
+                let sockets = std::iter::once(&h.fd).chain(h.beside.as_ref().map(|b| &b.fd));
+                for fd in sockets {
+                    let Ok(stat) = nix::sys::stat::fstat(fd.as_ref()) else {
+                        continue;
+                    };
+                    let Some(&drops) = drops_by_inode.get(&stat.st_ino) else {
+                        continue;
+                    };
+                    out.push(crate::metrics::DatagramDrops {
+                        instance: format!("{}/{}", key.namespace(), key.name()),
+                        listener: h.spec.name.clone(),
+                        socket: stat.st_ino,
+                        drops,
+                    });
+                }
+            }
+        }
+        out
     }
 
     /// The sockets `specs` name, in their order, for a generation's spawn.
@@ -590,7 +633,7 @@ impl Listeners {
         for h in held.get_mut(instance).into_iter().flatten() {
             let reuseport =
                 nix::sys::socket::getsockopt(h.fd.as_ref(), sockopt::ReusePort).unwrap_or(false);
-            if h.steering.is_some() || h.spec.tcp.is_none() || !reuseport {
+            if h.steering.is_some() || h.spec.ip_address().is_none() || !reuseport {
                 continue;
             }
             if self.wanted != Handover::Steered {
@@ -739,16 +782,22 @@ fn bind_listener(spec: &ListenerSpec, steered: bool) -> Result<OwnedFd, Listener
             source: io::Error::from(errno),
         }
     };
-    if let Some(address) = &spec.tcp {
+    if let Some(address) = spec.ip_address() {
+        let datagram = spec.tcp.is_none();
         let parsed: SocketAddr = address.parse().map_err(|_| ListenerError::Address {
             name: spec.name.clone(),
-            address: address.clone(),
+            address: address.to_owned(),
         })?;
         let family = match parsed {
             SocketAddr::V4(_) => AddressFamily::Inet,
             SocketAddr::V6(_) => AddressFamily::Inet6,
         };
-        let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)
+        let kind = if datagram {
+            SockType::Datagram
+        } else {
+            SockType::Stream
+        };
+        let fd = socket(family, kind, SockFlag::SOCK_CLOEXEC, None)
             .map_err(fail("create a socket for", address))?;
         // A restarted agent rebinds a port its predecessor's connections
         // still linger on.
@@ -766,7 +815,11 @@ fn bind_listener(spec: &ListenerSpec, steered: bool) -> Result<OwnedFd, Listener
             }
         }
         .map_err(fail("bind", address))?;
-        listen(&fd, backlog).map_err(fail("listen on", address))?;
+        // A UDP socket takes datagrams once bound; its buffer is what waits
+        // while no generation reads.
+        if !datagram {
+            listen(&fd, backlog).map_err(fail("listen on", address))?;
+        }
         return Ok(fd);
     }
     let path = spec.unix.as_deref().unwrap_or_default();
@@ -815,17 +868,25 @@ fn take_fd(pidfd: &OwnedFd, fd: i32) -> Result<OwnedFd, String> {
     Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(raw) })
 }
 
-/// Whether `fd` is a listening socket on what `spec` names.
+/// Whether `fd` is a listening socket (a bound UDP socket for `udp`) on
+/// what `spec` names.
 fn check_is(fd: &OwnedFd, spec: &ListenerSpec) -> Result<(), String> {
-    let listening =
-        nix::sys::socket::getsockopt(fd, sockopt::AcceptConn).map_err(|e| e.to_string())?;
-    if !listening {
-        return Err("not a listening socket".into());
+    let kind = nix::sys::socket::getsockopt(fd, sockopt::SockType).map_err(|e| e.to_string())?;
+    if spec.udp.is_some() {
+        if kind != SockType::Datagram {
+            return Err("not a UDP socket".into());
+        }
+    } else {
+        let listening =
+            nix::sys::socket::getsockopt(fd, sockopt::AcceptConn).map_err(|e| e.to_string())?;
+        if kind != SockType::Stream || !listening {
+            return Err("not a listening socket".into());
+        }
     }
     let local: nix::sys::socket::SockaddrStorage =
         nix::sys::socket::getsockname(std::os::fd::AsRawFd::as_raw_fd(fd))
             .map_err(|e| e.to_string())?;
-    let matches = match (&spec.tcp, &spec.unix) {
+    let matches = match (spec.ip_address(), &spec.unix) {
         (Some(address), _) => {
             let want: Option<SocketAddr> = address.parse().ok();
             let have = local
@@ -883,6 +944,7 @@ mod tests {
         ListenerSpec {
             name: name.into(),
             tcp: Some(address.into()),
+            udp: None,
             unix: None,
             backlog: 16,
         }
@@ -939,6 +1001,7 @@ mod tests {
         let spec = ListenerSpec {
             name: "local".into(),
             tcp: None,
+            udp: None,
             unix: Some(path.display().to_string()),
             backlog: 8,
         };

@@ -20,6 +20,7 @@
 //! | `genswap_agent_generation_restarts_total` | counter | `reason` | restarts that served, by the `reason` of the exit that caused them (the labels above) |
 //! | `genswap_agent_log_records_dropped_total` | counter | `instance` | records of instances' output their log shims could not write (a full disk), read from the `<N>.dropped` files at each scrape |
 //! | `genswap_agent_listener_handovers_total` | counter | `handover` | attempts with listeners that ended, by how new connections reached generations (SPEC 6.3): `steered` (a socket per generation, the BPF map picks), `shared` (one socket; the kernel refused BPF, or `--listener-handover=shared`) |
+//! | `genswap_agent_listener_datagrams_dropped_total` | counter | `instance`, `listener` | datagrams the kernel dropped on a UDP listener's sockets (a full buffer: no generation read fast enough, or none ran), from `/proc/net/udp` at each scrape |
 //! | `genswap_agent_retirements_total` | counter | `result` | serving instances no attempt named any more, looked up: `stopped` (the InstanceGeneration was deleted or no longer selects this node), `kept` (it exists and selects this node), `failed` (the lookup or the stop failed; tried again) |
 //!
 //! `/healthz` answers 200 while the process serves HTTP. `/readyz` answers
@@ -84,6 +85,37 @@ struct InstanceLabels {
     instance: String,
 }
 
+/// Labels of `listener_datagrams_dropped_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ListenerLabels {
+    instance: String,
+    listener: String,
+}
+
+/// One UDP listener socket's drop count, as the kernel keeps it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DatagramDrops {
+    /// `namespace/name`.
+    pub instance: String,
+    pub listener: String,
+    /// The socket's inode: a steered listener's socket changes at each
+    /// overlap, and each counts from 0.
+    pub socket: u64,
+    pub drops: u64,
+}
+
+/// Where the drop counts come from at a scrape (the engine's listeners).
+pub type DatagramDropSource = Arc<dyn Fn() -> Vec<DatagramDrops> + Send + Sync>;
+
+/// A [`DatagramDropSource`] held by the metrics.
+struct DropSource(DatagramDropSource);
+
+impl std::fmt::Debug for DropSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DropSource")
+    }
+}
+
 /// Labels of `listener_handovers_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct HandoverLabels {
@@ -140,6 +172,9 @@ pub struct AgentMetrics {
     generation_exits: Family<ExitLabels, Counter>,
     generation_restarts: Family<ExitLabels, Counter>,
     listener_handovers: Family<HandoverLabels, Counter>,
+    datagram_drops: Family<ListenerLabels, Counter>,
+    datagram_drop_source: Option<DropSource>,
+    datagram_drops_seen: Mutex<HashMap<u64, u64>>,
     /// The log dir whose drop counters are read at each scrape, and the
     /// count last read from each file: the counter grows by the difference,
     /// so it keeps counting when old generations' files are deleted.
@@ -207,6 +242,12 @@ impl AgentMetrics {
             "Attempts with listeners that ended, by how new connections reached generations",
             listener_handovers.clone(),
         );
+        let datagram_drops = Family::<ListenerLabels, Counter>::default();
+        registry.register(
+            "listener_datagrams_dropped",
+            "Datagrams the kernel dropped on UDP listeners' sockets",
+            datagram_drops.clone(),
+        );
         registry.register(
             "retirements",
             "Serving instances no attempt named any more, by what their InstanceGeneration lookup led to",
@@ -223,6 +264,9 @@ impl AgentMetrics {
             generation_exits,
             generation_restarts,
             listener_handovers,
+            datagram_drops,
+            datagram_drop_source: None,
+            datagram_drops_seen: Mutex::new(HashMap::new()),
             log_dir: None,
             drops_seen: Mutex::new(HashMap::new()),
         }
@@ -251,6 +295,33 @@ impl AgentMetrics {
                 reason: reason.to_string(),
             })
             .inc();
+    }
+
+    /// Also exposes the drops of UDP listeners that `source` reads.
+    pub fn with_datagram_drops(mut self, source: DatagramDropSource) -> Self {
+        self.datagram_drop_source = Some(DropSource(source));
+        self
+    }
+
+    /// Adds what each socket's drop count grew by since the last read.
+    fn observe_datagram_drops(&self, source: &DatagramDropSource) {
+        let mut seen = self
+            .datagram_drops_seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let samples = source();
+        seen.retain(|socket, _| samples.iter().any(|s| s.socket == *socket));
+        for sample in samples {
+            let before = seen.insert(sample.socket, sample.drops).unwrap_or(0);
+            if sample.drops > before {
+                self.datagram_drops
+                    .get_or_create(&ListenerLabels {
+                        instance: sample.instance,
+                        listener: sample.listener,
+                    })
+                    .inc_by(sample.drops - before);
+            }
+        }
     }
 
     /// Also exposes the drop counts of the log shims writing under `dir`.
@@ -357,6 +428,9 @@ impl AgentMetrics {
     pub fn encode(&self) -> Result<String, std::fmt::Error> {
         if let Some(dir) = &self.log_dir {
             self.observe_log_drops(dir);
+        }
+        if let Some(DropSource(source)) = &self.datagram_drop_source {
+            self.observe_datagram_drops(source);
         }
         let mut text = String::new();
         encode(&mut text, &self.registry)?;

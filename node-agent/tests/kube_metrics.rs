@@ -147,3 +147,62 @@ async fn healthz_answers_and_readyz_waits_for_the_node_and_the_first_read() {
     readiness.set_owner(false);
     assert_eq!(endpoints.get("/readyz").await.0, 503, "losing the node");
 }
+
+/// A UDP listener no generation reads fills its buffer, and the kernel
+/// drops what does not fit: the counter follows `/proc/net/udp`.
+#[tokio::test]
+async fn datagrams_a_full_udp_listener_dropped_are_counted() {
+    use node_agent::gate::InstanceKey;
+    use node_agent::listeners::Listeners;
+    use std::os::fd::AsRawFd;
+
+    let listeners = Arc::new(Listeners::default());
+    let key = InstanceKey::new("default", "cache").expect("key");
+    let spec = genswap_crds::ListenerSpec {
+        name: "dns".into(),
+        tcp: None,
+        udp: Some("127.0.0.1:0".into()),
+        unix: None,
+        backlog: 16,
+    };
+    listeners
+        .hold(&key, std::slice::from_ref(&spec))
+        .await
+        .expect("held");
+    let socket = &listeners.activated(&key, std::slice::from_ref(&spec))[0];
+    // A small buffer, so that a few datagrams fill it.
+    nix::sys::socket::setsockopt(socket.fd.as_ref(), nix::sys::socket::sockopt::RcvBuf, &4096)
+        .expect("SO_RCVBUF");
+    let local: nix::sys::socket::SockaddrIn =
+        nix::sys::socket::getsockname(socket.fd.as_raw_fd()).expect("bound");
+    let sender = std::net::UdpSocket::bind("127.0.0.1:0").expect("a sender");
+    for _ in 0..200 {
+        sender
+            .send_to(&[0u8; 1000], ("127.0.0.1", local.port()))
+            .expect("sent");
+    }
+    let source = Arc::clone(&listeners);
+    let metrics =
+        AgentMetrics::new().with_datagram_drops(Arc::new(move || source.datagram_drops()));
+    let text = metrics.encode().expect("metrics encode");
+    let dropped: u64 = text
+        .lines()
+        .find_map(|line| {
+            line.strip_prefix(
+                r#"genswap_agent_listener_datagrams_dropped_total{instance="default/cache",listener="dns"} "#,
+            )
+        })
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no drop count in:\n{text}"));
+    assert!(
+        (100..200).contains(&dropped),
+        "200 datagrams of 1000 bytes into a 4 KiB buffer: {dropped} dropped"
+    );
+    // Counted once: a second scrape adds nothing new.
+    let again = metrics.encode().expect("metrics encode");
+    assert!(
+        again.contains(&format!("listener=\"dns\"}} {dropped}")),
+        "{again}"
+    );
+    listeners.release(&key).await;
+}

@@ -333,6 +333,7 @@ async fn inner_a_listener_without_bpf_rights_is_shared() {
     let spec = genswap_crds::ListenerSpec {
         name: "web".into(),
         tcp: Some("127.0.0.1:0".into()),
+        udp: None,
         unix: None,
         backlog: 16,
     };

@@ -10,6 +10,8 @@ mod cgroup_guard;
 mod swap_host;
 #[path = "support/tcp_client.rs"]
 mod tcp_client;
+#[path = "support/udp_client.rs"]
+mod udp_client;
 
 use genswap_crds::{ListenerHandover, ListenerSpec, Mode, Outcome};
 use node_agent::engine::EngineConfig;
@@ -81,6 +83,7 @@ async fn a_unix_listener_is_held_across_generations_and_a_taken_port_refuses_the
     let spec = ListenerSpec {
         name: "local".into(),
         tcp: None,
+        udp: None,
         unix: Some(path.display().to_string()),
         backlog: 64,
     };
@@ -326,5 +329,71 @@ async fn an_overlap_probe_through_a_shared_listener_is_refused_before_anything_s
     assert!(!result.executed, "nothing of b2 ran");
     swap_host::assert_says(&result.reason, &["listenerHandover: shared", "mode: hold"]);
     assert_eq!(host.who_serves().await.expect("b1 serves").build, "b1");
+    host.tear_down().await;
+}
+
+/// A UDP listener (a DNS cache's, a syslog relay's) through a hold, an
+/// overlap, and an overlap whose successor fails its health check, under
+/// a client querying without pause from a fresh source port each time:
+/// datagrams that arrive in a hold's gap wait in the socket's buffer, an
+/// overlap's new generation answers only from the switch on, and the
+/// failing one answers nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_udp_listener_loses_no_datagram_through_a_hold_and_an_overlap() {
+    let host = SwapHost::new("listen-udp");
+    let port = udp_client::free_udp_port();
+    let dns = udp_client::udp_listener(port);
+    let b1 = host.build("b1");
+    let mut install = host.attempt(1, &b1, "b1");
+    install.spec.listeners = vec![dns.clone()];
+    assert_eq!(host.swap(&install).await.outcome, Outcome::Done);
+    assert_eq!(udp_client::query(port).as_deref(), Ok("b1"));
+
+    let load = udp_client::DatagramLoad::start(port);
+    let b2 = host.build("b2");
+    let mut hold = host.attempt(2, &b2, "b2");
+    hold.spec.mode = Mode::Hold;
+    hold.spec.listeners = vec![dns.clone()];
+    let result = host.swap(&hold).await;
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+
+    let bad = host.build("bad");
+    let mut failing = host.attempt(3, &bad, "bad");
+    failing.spec.listeners = vec![dns.clone()];
+    failing.spec.health.timeout_seconds = 2;
+    failing.spec.process.env.push(genswap_crds::EnvVar {
+        name: testapp::knob::STATUS.into(),
+        value: "500".into(),
+    });
+    let result = host.swap(&failing).await;
+    assert_eq!(result.outcome, Outcome::Failed, "{result:?}");
+    assert_eq!(result.listener_handover, Some(ListenerHandover::Steered));
+
+    let b3 = host.build("b3");
+    let mut overlap = host.attempt(4, &b3, "b3");
+    overlap.spec.listeners = vec![dns.clone()];
+    let result = host.swap(&overlap).await;
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    assert_eq!(result.listener_handover, Some(ListenerHandover::Steered));
+    let tally = load.finish();
+    eprintln!(
+        "measured: {} queries through a hold, a failed and a done overlap: answered {:?}, lost {}",
+        tally.sent(),
+        tally.answered,
+        tally.lost.len()
+    );
+    assert!(tally.sent() > 10, "the load ran: {tally:?}");
+    assert_eq!(
+        tally.lost,
+        Vec::<String>::new(),
+        "queries lost: {:?}",
+        tally.answered
+    );
+    assert_eq!(
+        tally.answered.get("bad"),
+        None,
+        "the failing build answered"
+    );
+    assert_eq!(udp_client::query(port).as_deref(), Ok("b3"));
     host.tear_down().await;
 }

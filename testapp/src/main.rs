@@ -23,7 +23,7 @@ use hyper_util::rt::TokioIo;
 use nix::sys::signal::{SigHandler, Signal, signal};
 use nix::unistd::{ForkResult, dup2_stderr, dup2_stdin, dup2_stdout, fork, pause};
 use testapp::{BINARY_NAME, env, identity_body, knob};
-use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::net::{TcpListener, TcpStream, UdpSocket, UnixListener, UnixStream};
 use tokio::signal::unix::{SignalKind, signal as tokio_signal};
 use tokio::sync::watch;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
@@ -496,7 +496,7 @@ async fn run(config: Config, responder: Responder, started: Instant) -> Result<(
             () = terminated(&mut sigterm) => return Ok(()),
         }
     }
-    let mut listeners = activated_listeners(config.started_as)?;
+    let (mut listeners, datagrams) = activated_listeners(config.started_as)?;
     if let Some(port) = config.port {
         let address = std::net::SocketAddr::from(([127, 0, 0, 1], port));
         let listener = TcpListener::bind(address)
@@ -546,6 +546,13 @@ async fn run(config: Config, responder: Responder, started: Instant) -> Result<(
             listener,
             Arc::clone(&responder),
             shutdown.clone(),
+            stop_accepting.subscribe(),
+        ));
+    }
+    for socket in datagrams {
+        loops.spawn(answer_until_stopped(
+            socket,
+            Arc::clone(&responder),
             stop_accepting.subscribe(),
         ));
     }
@@ -664,16 +671,47 @@ async fn accept_until_stopped(
     }
 }
 
+/// Answers each datagram on `socket` with this process's identity (as a
+/// DNS cache or a syslog relay answers or takes each alone) until `stop`
+/// changes, then those already waiting in its buffer.
+async fn answer_until_stopped(
+    socket: UdpSocket,
+    responder: Arc<Responder>,
+    mut stop: watch::Receiver<()>,
+) {
+    let mut buf = [0u8; 512];
+    loop {
+        tokio::select! {
+            received = socket.recv_from(&mut buf) => match received {
+                Ok((_, peer)) => {
+                    if let Err(err) = socket.send_to(&responder.body, peer).await {
+                        event!("error answering a datagram: {err}");
+                    }
+                }
+                Err(err) => {
+                    event!("error receiving: {err}");
+                    sleep(ACCEPT_BACKOFF).await;
+                }
+            },
+            _ = stop.changed() => break,
+        }
+    }
+    while let Ok((_, peer)) = socket.try_recv_from(&mut buf) {
+        let _ = socket.try_send_to(&responder.body, peer);
+    }
+}
+
 /// The sockets systemd's socket activation hands this process
 /// (`sd_listen_fds(3)`): fds 3.. when `LISTEN_PID` is this process and
-/// `LISTEN_FDS` counts them, named by `LISTEN_FDNAMES`.
-fn activated_listeners(started_as: u32) -> Result<Vec<Listener>, RunError> {
+/// `LISTEN_FDS` counts them, named by `LISTEN_FDNAMES`. Stream listeners
+/// first, datagram sockets second.
+fn activated_listeners(started_as: u32) -> Result<(Vec<Listener>, Vec<UdpSocket>), RunError> {
     let for_us = std::env::var("LISTEN_PID")
         .ok()
         .and_then(|pid| pid.parse::<u32>().ok())
         == Some(started_as);
     if !for_us {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), Vec::new()));
     }
     let count: i32 = std::env::var("LISTEN_FDS")
         .ok()
@@ -682,6 +720,7 @@ fn activated_listeners(started_as: u32) -> Result<Vec<Listener>, RunError> {
     let names = std::env::var("LISTEN_FDNAMES").unwrap_or_default();
     let mut names = names.split(':');
     let mut listeners = Vec::new();
+    let mut datagrams = Vec::new();
     for fd in 3..3 + count.max(0) {
         let name = names.next().unwrap_or("unknown").to_owned();
         // SAFETY: the protocol hands fds 3 to 3 + LISTEN_FDS - 1 to this
@@ -695,6 +734,15 @@ fn activated_listeners(started_as: u32) -> Result<Vec<Listener>, RunError> {
         .map_err(|e| activated(e.into()))?;
         let address: nix::sys::socket::SockaddrStorage =
             nix::sys::socket::getsockname(owned.as_raw_fd()).map_err(|e| activated(e.into()))?;
+        let kind = nix::sys::socket::getsockopt(&owned, nix::sys::socket::sockopt::SockType)
+            .map_err(|e| activated(e.into()))?;
+        if kind == nix::sys::socket::SockType::Datagram {
+            let socket = std::net::UdpSocket::from(owned);
+            socket.set_nonblocking(true).map_err(activated)?;
+            event!("activated name={name} fd={fd} address={address} udp");
+            datagrams.push(UdpSocket::from_std(socket).map_err(activated)?);
+            continue;
+        }
         let listener = if address.as_unix_addr().is_some() {
             let listener = std::os::unix::net::UnixListener::from(owned);
             listener.set_nonblocking(true).map_err(activated)?;
@@ -707,7 +755,7 @@ fn activated_listeners(started_as: u32) -> Result<Vec<Listener>, RunError> {
         event!("activated name={name} fd={fd} address={address}");
         listeners.push(listener);
     }
-    Ok(listeners)
+    Ok((listeners, datagrams))
 }
 
 /// `WATCHDOG=1` every half of `WATCHDOG_USEC`, as `sd_watchdog_enabled(3)`

@@ -309,6 +309,11 @@ impl Engine {
         &self.journal
     }
 
+    /// The kernel's drop counts of the UDP listeners' sockets.
+    pub fn datagram_drops(&self) -> Vec<crate::metrics::DatagramDrops> {
+        self.listeners.datagram_drops()
+    }
+
     /// Where generations' output goes.
     pub fn logs(&self) -> &LogSink {
         &self.logs

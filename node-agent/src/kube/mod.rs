@@ -327,7 +327,12 @@ pub async fn run(
     config.validate()?;
     let shutdown = shutdown_signal()?;
     let client = client_for(&config).await?;
-    let metrics = Arc::new(AgentMetrics::new().with_log_dir(&engine.logs().settings().dir));
+    let drops_of = Arc::clone(&engine);
+    let metrics = Arc::new(
+        AgentMetrics::new()
+            .with_log_dir(&engine.logs().settings().dir)
+            .with_datagram_drops(Arc::new(move || drops_of.datagram_drops())),
+    );
     let readiness = Readiness::new();
     let listener = metrics::bind(config.metrics_addr)
         .await

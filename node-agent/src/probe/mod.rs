@@ -191,7 +191,9 @@ impl Generation {
 pub enum ProbeError {
     #[error("health path {path:?} is not an absolute HTTP path")]
     InvalidPath { path: String },
-    #[error("the probe names listener {name:?}, which the instance does not hold")]
+    #[error(
+        "the probe names listener {name:?}, which the instance does not hold as a TCP or unix listener (a probe connects; a UDP listener takes none)"
+    )]
     UnknownListener { name: String },
     #[error("the probe's port {port} is not from 1 to 65535")]
     InvalidPort { port: i32 },
@@ -478,6 +480,7 @@ mod tests {
         let spec = |tcp: &str| ListenerSpec {
             name: "web".into(),
             tcp: Some(tcp.into()),
+            udp: None,
             unix: None,
             backlog: 16,
         };

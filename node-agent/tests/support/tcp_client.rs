@@ -46,6 +46,7 @@ pub fn listener(port: u16) -> ListenerSpec {
     ListenerSpec {
         name: "web".into(),
         tcp: Some(format!("127.0.0.1:{port}")),
+        udp: None,
         unix: None,
         backlog: 4096,
     }
