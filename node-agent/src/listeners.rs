@@ -629,38 +629,60 @@ impl Listeners {
     /// group's program still reads them) when they name the socket taken
     /// back as serving, else through a fresh program and maps.
     fn steer_again(&self, instance: &InstanceKey, mut kept: HashMap<String, StoredMaps>) {
-        let mut held = self.lock();
-        for h in held.get_mut(instance).into_iter().flatten() {
+        // Decided without the lock: a fresh steering may wait for the maps
+        // of the program it replaces to be freed.
+        let unsteered: Vec<(ListenerSpec, Arc<OwnedFd>)> = self
+            .lock()
+            .get(instance)
+            .into_iter()
+            .flatten()
+            .filter(|h| h.steering.is_none() && h.spec.ip_address().is_some())
+            .map(|h| (h.spec.clone(), Arc::clone(&h.fd)))
+            .collect();
+        let mut steered = Vec::new();
+        for (spec, fd) in unsteered {
             let reuseport =
-                nix::sys::socket::getsockopt(h.fd.as_ref(), sockopt::ReusePort).unwrap_or(false);
-            if h.steering.is_some() || h.spec.ip_address().is_none() || !reuseport {
+                nix::sys::socket::getsockopt(fd.as_ref(), sockopt::ReusePort).unwrap_or(false);
+            if !reuseport {
                 continue;
             }
             if self.wanted != Handover::Steered {
                 // Told to share: whatever program the group has goes.
-                if let Err(error) = Steering::detach(h.fd.as_fd()) {
-                    tracing::warn!(listener = %h.spec.name, %error, "a listener taken back is still steered by its last agent's map");
+                if let Err(error) = Steering::detach(fd.as_fd()) {
+                    tracing::warn!(listener = %spec.name, %error, "a listener taken back is still steered by its last agent's map");
                 }
                 continue;
             }
             let adopted = kept
-                .remove(&h.spec.name)
-                .map(|maps| Steering::adopt(maps, h.fd.as_fd()));
-            h.steering = match adopted {
-                Some(Ok(steering)) => Some(Arc::new(steering)),
+                .remove(&spec.name)
+                .map(|maps| Steering::adopt(maps, fd.as_fd()));
+            let steering = match adopted {
+                Some(Ok(steering)) => steering,
                 other => {
                     if let Some(Err(error)) = other {
-                        tracing::info!(listener = %h.spec.name, %error, "the kept maps do not steer this listener; steering it anew");
+                        tracing::info!(listener = %spec.name, %error, "the kept maps do not steer this listener; steering it anew");
                     }
-                    match steer_anew(&h.fd) {
-                        Ok(steering) => Some(Arc::new(steering)),
+                    match steer_anew(&fd) {
+                        Ok(steering) => steering,
                         Err(error) => {
-                            tracing::warn!(listener = %h.spec.name, %error, "listener handover: shared (a successor may accept connections before its health check ends)");
-                            None
+                            tracing::warn!(listener = %spec.name, %error, "listener handover: shared (a successor may accept connections before its health check ends)");
+                            continue;
                         }
                     }
                 }
             };
+            steered.push((fd, steering));
+        }
+        let mut held = self.lock();
+        for (fd, steering) in steered {
+            let one = held
+                .get_mut(instance)
+                .into_iter()
+                .flatten()
+                .find(|h| Arc::ptr_eq(&h.fd, &fd));
+            if let Some(h) = one {
+                h.steering = Some(Arc::new(steering));
+            }
         }
     }
 
