@@ -171,6 +171,16 @@ async fn a_restarted_agent_takes_the_listener_back_and_its_hold_drops_nothing() 
 /// answers (here 500, for the 2 s the health check takes). Nothing is
 /// refused or reset, and once the attempt has failed only the incumbent
 /// answers.
+/// Makes `attempt`'s build answer 500 to everything, and its health check
+/// give up after 2 s.
+fn answers_500_within_2s(attempt: &mut node_agent::engine::Attempt) {
+    attempt.spec.health.timeout_seconds = 2;
+    attempt.spec.process.env.push(genswap_crds::EnvVar {
+        name: testapp::knob::STATUS.into(),
+        value: "500".into(),
+    });
+}
+
 /// Installs b1 on a listener, then overlaps a build that answers 500 (its
 /// health check fails within 2 s) under a client's steady load. Returns
 /// the release's handover, how many requests were sent, and how many the
@@ -195,11 +205,7 @@ async fn failing_successor_under_load(
     let bad = host.build("bad");
     let mut release = host.attempt(2, &bad, "bad");
     release.spec.listeners = vec![listener(port)];
-    release.spec.health.timeout_seconds = 2;
-    release.spec.process.env.push(genswap_crds::EnvVar {
-        name: testapp::knob::STATUS.into(),
-        value: "500".into(),
-    });
+    answers_500_within_2s(&mut release);
     let result = host.swap(&release).await;
     assert_eq!(result.outcome, Outcome::Failed, "{result:?}");
     swap_host::assert_says(&result.reason, &["500"]);
@@ -360,11 +366,7 @@ async fn a_udp_listener_loses_no_datagram_through_a_hold_and_an_overlap() {
     let bad = host.build("bad");
     let mut failing = host.attempt(3, &bad, "bad");
     failing.spec.listeners = vec![dns.clone()];
-    failing.spec.health.timeout_seconds = 2;
-    failing.spec.process.env.push(genswap_crds::EnvVar {
-        name: testapp::knob::STATUS.into(),
-        value: "500".into(),
-    });
+    answers_500_within_2s(&mut failing);
     let result = host.swap(&failing).await;
     assert_eq!(result.outcome, Outcome::Failed, "{result:?}");
     assert_eq!(result.listener_handover, Some(ListenerHandover::Steered));

@@ -213,21 +213,7 @@ impl Steering {
             .as_ref()
             .ok_or(SteerError::NoProgram)?
             .as_raw_fd();
-        // SAFETY: `socket` is a live descriptor, and the option's value is a
-        // live c_int whose size is passed with it; the kernel only reads it.
-        let result = unsafe {
-            libc::setsockopt(
-                socket.as_raw_fd(),
-                libc::SOL_SOCKET,
-                SO_ATTACH_REUSEPORT_EBPF,
-                std::ptr::from_ref(&program).cast::<libc::c_void>(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if result != 0 {
-            return Err(SteerError::Attach(io::Error::last_os_error()));
-        }
-        Ok(())
+        set_int_option(socket, SO_ATTACH_REUSEPORT_EBPF, program).map_err(SteerError::Attach)
     }
 
     /// Takes any program off the group `socket` is in: until one is
@@ -235,26 +221,13 @@ impl Steering {
     /// and the maps the old one read are freed once nothing else holds
     /// them (a socket may sit in one sockets map only).
     pub fn detach(socket: BorrowedFd<'_>) -> Result<(), SteerError> {
-        let unused: libc::c_int = 0;
-        // SAFETY: `socket` is live; the option's value is a live c_int the
-        // kernel ignores, its size passed with it.
-        let result = unsafe {
-            libc::setsockopt(
-                socket.as_raw_fd(),
-                libc::SOL_SOCKET,
-                SO_DETACH_REUSEPORT_BPF,
-                std::ptr::from_ref(&unused).cast::<libc::c_void>(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if result != 0 {
-            let error = io::Error::last_os_error();
+        match set_int_option(socket, SO_DETACH_REUSEPORT_BPF, 0) {
             // ENOENT: no program was attached.
-            if error.raw_os_error() != Some(libc::ENOENT) {
-                return Err(SteerError::Detach(error));
+            Err(error) if error.raw_os_error() != Some(libc::ENOENT) => {
+                Err(SteerError::Detach(error))
             }
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     /// Puts `socket` in `slot`, in place of what was there. A socket is in
@@ -396,6 +369,29 @@ impl Drop for SteeredSource {
             tracing::warn!(%error, "a probe's source stays in the steering map");
         }
     }
+}
+
+/// Sets a `SOL_SOCKET` option whose value is a C int.
+fn set_int_option(
+    socket: BorrowedFd<'_>,
+    option: libc::c_int,
+    value: libc::c_int,
+) -> io::Result<()> {
+    // SAFETY: `socket` is a live descriptor, and the option's value is a
+    // live c_int whose size is passed with it; the kernel only reads it.
+    let result = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            option,
+            std::ptr::from_ref(&value).cast::<libc::c_void>(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if result != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// The kernel's lifelong number of the socket `fd` refers to: what a slot
