@@ -232,18 +232,19 @@ impl Listeners {
     }
 
     /// How new connections of `instance`'s listeners in `specs` reach its
-    /// generations: steered only if every TCP one is; `None` without any.
+    /// generations: steered only if every TCP and UDP one is (a unix one
+    /// is always shared); `None` without listeners.
     pub fn handover_of(&self, instance: &InstanceKey, specs: &[ListenerSpec]) -> Option<Handover> {
-        let held = self.lock();
-        let have = held.get(instance)?;
-        let tcp: Vec<&Held> = have
-            .iter()
-            .filter(|h| h.spec.ip_address().is_some() && specs.contains(&h.spec))
-            .collect();
         if specs.is_empty() {
             return None;
         }
-        if !tcp.is_empty() && tcp.iter().all(|h| h.handover() == Handover::Steered) {
+        let held = self.lock();
+        let have = held.get(instance)?;
+        let ip: Vec<&Held> = have
+            .iter()
+            .filter(|h| h.spec.ip_address().is_some() && specs.contains(&h.spec))
+            .collect();
+        if !ip.is_empty() && ip.iter().all(|h| h.handover() == Handover::Steered) {
             Some(Handover::Steered)
         } else {
             Some(Handover::Shared)

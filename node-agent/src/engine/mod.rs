@@ -93,7 +93,7 @@ pub struct EngineConfig {
     pub swaps_on: bool,
     /// How restarts of exited generations back off.
     pub restart_backoff: RestartBackoff,
-    /// `steered`: TCP listeners get a socket per generation where the
+    /// `steered`: TCP and UDP listeners get a socket per generation where the
     /// kernel allows it (SPEC 6.3); `shared`: never (SPEC 6.2).
     pub listener_handover: genswap_crds::ListenerHandover,
 }
