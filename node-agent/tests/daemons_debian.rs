@@ -5,7 +5,8 @@
 //! and left to daemonize with its pid file as `process.pidFile`). Each
 //! takes the listener the agent holds, is judged by an `httpGet` through
 //! it, and is swapped in hold mode twice while a client sends requests to
-//! the port without pause, one connection each. They run as `nobody`, in
+//! the port without pause, one connection each; lighttpd in overlap mode
+//! too, on a steered listener (SPEC 6.3). They run as `nobody`, in
 //! real cgroups.
 //!
 //! lighttpd stops gracefully at SIGINT (it finishes what it accepted), so
@@ -73,7 +74,14 @@ fn daemon_build(host: &SwapHost, binary: &Path, name: &str) -> testapp::Build {
 
 /// A hold attempt of `build` serving the `web` listener on `port`, judged
 /// by `GET path` through it.
-fn hold(host: &SwapHost, rev: i64, build: &testapp::Build, id: &str, daemon: &Daemon) -> Attempt {
+fn attempt(
+    host: &SwapHost,
+    rev: i64,
+    build: &testapp::Build,
+    id: &str,
+    daemon: &Daemon,
+    mode: Mode,
+) -> Attempt {
     let mut attempt = host.attempt(rev, build, id);
     let Daemon {
         port,
@@ -85,7 +93,7 @@ fn hold(host: &SwapHost, rev: i64, build: &testapp::Build, id: &str, daemon: &Da
     } = daemon;
     attempt.spec.stop.signal = *stop;
     attempt.spec.process.pid_file = pid_file.as_ref().map(|p| p.display().to_string());
-    attempt.spec.mode = Mode::Hold;
+    attempt.spec.mode = mode;
     attempt.spec.listeners = vec![listener(*port)];
     attempt.spec.process.args = args.to_vec();
     attempt.spec.health = HealthSpec {
@@ -116,12 +124,12 @@ struct Daemon {
     pid_file: Option<PathBuf>,
 }
 
-/// Installs generation 1, then swaps to 2 and 3 under load, and checks
-/// what the load saw.
-async fn swapped_under_load(host: &SwapHost, daemon: &Daemon) {
+/// Installs generation 1, then swaps to 2 and 3 in `mode` under load, and
+/// checks what the load saw.
+async fn swapped_under_load(host: &SwapHost, daemon: &Daemon, mode: Mode) {
     let (binary, port) = (&daemon.binary, daemon.port);
     let b1 = daemon_build(host, binary, "d1");
-    let result = host.swap(&hold(host, 1, &b1, "d1", daemon)).await;
+    let result = host.swap(&attempt(host, 1, &b1, "d1", daemon, mode)).await;
     assert_eq!(result.outcome, Outcome::Done, "{result:?}");
     let body = get(port).expect("the daemon answers on the held port");
     assert!(body.contains(daemon.answers), "{body}");
@@ -131,15 +139,24 @@ async fn swapped_under_load(host: &SwapHost, daemon: &Daemon) {
     for (rev, id) in [(2, "d2"), (3, "d3")] {
         let build = daemon_build(host, binary, id);
         let started = Instant::now();
-        let result = host.swap(&hold(host, rev, &build, id, daemon)).await;
+        let result = host
+            .swap(&attempt(host, rev, &build, id, daemon, mode))
+            .await;
         holds.push(started.elapsed());
         assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+        if mode == Mode::Overlap {
+            assert_eq!(
+                result.listener_handover,
+                Some(genswap_crds::ListenerHandover::Steered)
+            );
+        }
         assert_eq!(result.generation, Some(u64::try_from(rev).expect("rev")));
     }
     let (sent, failures) = load.finish();
     eprintln!(
-        "{}: {sent} requests through two hold swaps ({:?}), {} failed",
+        "{}: {sent} requests through two {} swaps ({:?}), {} failed",
         binary.display(),
+        mode.as_str(),
         holds,
         failures.len()
     );
@@ -186,7 +203,7 @@ async fn the_go_node_exporter_takes_the_listener_and_each_swap_loses_at_most_the
         may_lose_per_swap: 1,
         pid_file: None,
     };
-    swapped_under_load(&host, &daemon).await;
+    swapped_under_load(&host, &daemon, Mode::Hold).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -196,7 +213,7 @@ async fn lighttpd_in_c_takes_the_listener_and_is_swapped_dropping_nothing() {
     };
     let host = SwapHost::new("daemon-c");
     let daemon = lighttpd(&host, binary, false);
-    swapped_under_load(&host, &daemon).await;
+    swapped_under_load(&host, &daemon, Mode::Hold).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -206,7 +223,22 @@ async fn lighttpd_left_to_daemonize_is_run_by_its_pid_file_and_swapped_dropping_
     };
     let host = SwapHost::new("daemon-fork");
     let daemon = lighttpd(&host, binary, true);
-    swapped_under_load(&host, &daemon).await;
+    swapped_under_load(&host, &daemon, Mode::Hold).await;
+}
+
+/// An overlap of an unmodified C daemon on a steered listener (SPEC 6.3):
+/// each new lighttpd gets a socket of its own, is judged by an httpGet
+/// through the listener that reaches it and not the one serving, takes
+/// new connections from the switch on, and the old one finishes what it
+/// accepted at SIGINT; what was queued on its socket moves to the new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lighttpd_is_overlapped_on_a_steered_listener_dropping_nothing() {
+    let Some(binary) = installed("/usr/sbin/lighttpd", "lighttpd") else {
+        return;
+    };
+    let host = SwapHost::new("daemon-c-overlap");
+    let daemon = lighttpd(&host, binary, false);
+    swapped_under_load(&host, &daemon, Mode::Overlap).await;
 }
 
 /// lighttpd on a fresh port with a page of its own; in the foreground
