@@ -79,6 +79,16 @@ impl Agent {
     /// Starts the agent binary over `dirs`; `stop_on_exit` makes it stop
     /// every instance when it is stopped.
     pub fn start(binary: &Path, dirs: &AgentDirs, stop_on_exit: bool) -> Result<Agent, BenchError> {
+        Agent::start_with(binary, dirs, stop_on_exit, &[])
+    }
+
+    /// [`start`](Self::start) with `extra` flags.
+    pub fn start_with(
+        binary: &Path,
+        dirs: &AgentDirs,
+        stop_on_exit: bool,
+        extra: &[&str],
+    ) -> Result<Agent, BenchError> {
         let log = fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -114,6 +124,7 @@ impl Agent {
         if stop_on_exit {
             command.arg("--stop-on-exit");
         }
+        command.args(extra);
         let child = command.spawn().map_err(|source| BenchError::Setup {
             what: format!("start {}", binary.display()),
             source,

@@ -178,7 +178,7 @@ struct RunArgs {
     #[arg(long)]
     keep_samples: Option<PathBuf>,
     /// Only these swap kinds.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [zero::Kind::Overlap, zero::Kind::Hold, zero::Kind::Naive, zero::Kind::OverlapListener, zero::Kind::HoldListener])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [zero::Kind::Overlap, zero::Kind::Hold, zero::Kind::Naive, zero::Kind::OverlapListener, zero::Kind::HoldListener, zero::Kind::FailingSteered, zero::Kind::FailingShared])]
     kinds: Vec<zero::Kind>,
     /// Only these paths.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [zero::Via::Direct, zero::Via::NginxPooled, zero::Via::NginxPerRequest])]
@@ -316,6 +316,20 @@ async fn run(command: Command) -> Result<(), BenchError> {
     if claimed_failed > 0 {
         return Err(BenchError::Load(format!(
             "overlap swaps or swaps with a held listener failed {claimed_failed} requests; see {}/results.md",
+            out.display()
+        )));
+    }
+    // And a steered listener gives a failing successor nothing.
+    let let_through: u64 = results
+        .zero
+        .iter()
+        .flat_map(|z| &z.runs)
+        .filter(|r| r.kind == zero::Kind::FailingSteered)
+        .map(|r| r.answered_by_failing)
+        .sum();
+    if let_through > 0 {
+        return Err(BenchError::Load(format!(
+            "failing builds on a steered listener answered {let_through} requests; see {}/results.md",
             out.display()
         )));
     }

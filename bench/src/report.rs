@@ -196,6 +196,7 @@ fn zero_tables(out: &mut String, zero: &ZeroReport) {
         let _ = writeln!(out, "{rows}");
     }
     listener_table(out, zero, &loads);
+    failing_table(out, zero, &loads);
     let with_errors: Vec<&RunFigures> = zero
         .runs
         .iter()
@@ -274,6 +275,53 @@ fn listener_table(out: &mut String, zero: &ZeroReport, loads: &[String]) {
                 slowest(n),
                 silence(h),
                 silence(n),
+            );
+        }
+    }
+    let _ = writeln!(out);
+}
+
+/// Overlaps where every 10th build fails its health check, on a steered
+/// listener and on a shared one: what the failing builds answered.
+fn failing_table(out: &mut String, zero: &ZeroReport, loads: &[String]) {
+    let failing = |kind: Kind| kind.fails_every_10th();
+    if !zero.runs.iter().any(|r| failing(r.kind)) {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "#### Side by side: failing successors on a steered and on a shared listener\n"
+    );
+    let _ = writeln!(
+        out,
+        "Every 10th build answers 500 to everything, so its health check fails within 2 s and the attempt is `failed`. *answered by a failing build*: requests that got its 500; *failed*: any other failure.\n"
+    );
+    let _ = writeln!(
+        out,
+        "| load | path | swaps (failed) | answered by a failing build: steered / shared | failed: steered / shared | sent: steered / shared |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|");
+    for load in loads {
+        for via in vias_of(zero, load, failing) {
+            let steered = find_run(zero, load, via, Kind::FailingSteered);
+            let shared = find_run(zero, load, via, Kind::FailingShared);
+            let show = |r: Option<&RunFigures>, f: &dyn Fn(&RunFigures) -> String| {
+                r.map_or_else(|| "-".to_string(), f)
+            };
+            let _ = writeln!(
+                out,
+                "| {load} | {} | {} | {} / {} | {} / {} | {} / {} |",
+                via.name(),
+                show(steered.or(shared), &|r| format!(
+                    "{} ({})",
+                    r.swaps, r.swaps_not_done
+                )),
+                show(steered, &|r| r.answered_by_failing.to_string()),
+                show(shared, &|r| r.answered_by_failing.to_string()),
+                show(steered, &|r| r.failed.to_string()),
+                show(shared, &|r| r.failed.to_string()),
+                show(steered, &|r| r.sent.to_string()),
+                show(shared, &|r| r.sent.to_string()),
             );
         }
     }

@@ -38,6 +38,10 @@ use crate::{BenchError, Binaries};
 const APP: &str = "app";
 /// The instance with a held TCP listener.
 const APP_LISTENER: &str = "app-listener";
+/// What a failing build answers to everything.
+const FAILING_STATUS: u16 = 500;
+/// The second agent's instance, on a shared listener.
+const APP_SHARED: &str = "app-shared";
 /// How long one swap may take before the run gives up.
 const SWAP_DEADLINE: Duration = Duration::from_secs(120);
 
@@ -57,6 +61,12 @@ pub enum Kind {
     OverlapListener,
     /// genswap hold of an instance on a held TCP listener.
     HoldListener,
+    /// Overlaps on a steered TCP listener (SPEC 6.3) where every 10th
+    /// build answers 500 and fails its health check.
+    FailingSteered,
+    /// The same on a shared listener: a second agent run with
+    /// `--listener-handover=shared`.
+    FailingShared,
 }
 
 impl Kind {
@@ -68,17 +78,29 @@ impl Kind {
             Kind::Naive => "naive restart",
             Kind::OverlapListener => "overlap, listener",
             Kind::HoldListener => "hold, listener",
+            Kind::FailingSteered => "overlap, steered listener, every 10th fails",
+            Kind::FailingShared => "overlap, shared listener, every 10th fails",
         }
     }
 
-    /// Whether it swaps the instance with the held listener.
+    /// Whether it swaps an instance with a held listener.
     pub fn listener(self) -> bool {
-        matches!(self, Kind::OverlapListener | Kind::HoldListener)
+        matches!(
+            self,
+            Kind::OverlapListener | Kind::HoldListener | Kind::FailingSteered | Kind::FailingShared
+        )
+    }
+
+    /// Whether every 10th of its builds fails its health check.
+    pub fn fails_every_10th(self) -> bool {
+        matches!(self, Kind::FailingSteered | Kind::FailingShared)
     }
 
     fn mode(self) -> Option<Mode> {
         match self {
-            Kind::Overlap | Kind::OverlapListener => Some(Mode::Overlap),
+            Kind::Overlap | Kind::OverlapListener | Kind::FailingSteered | Kind::FailingShared => {
+                Some(Mode::Overlap)
+            }
             Kind::Hold | Kind::HoldListener => Some(Mode::Hold),
             Kind::Naive => None,
         }
@@ -212,8 +234,13 @@ pub struct RunFigures {
     pub swaps_not_done: usize,
     /// Requests sent.
     pub sent: u64,
-    /// Requests failed (non-2xx, reset, timeout, refused...).
+    /// Requests failed (non-2xx, reset, timeout, refused...), the 500s of a
+    /// failing build apart.
     pub failed: u64,
+    /// Requests a failing build answered (its 500): what a successor that
+    /// fails its health check let through.
+    #[serde(default)]
+    pub answered_by_failing: u64,
     /// Failed requests by cause.
     pub failures: BTreeMap<String, u64>,
     /// Failed requests by client group (keep-alive, per-request).
@@ -271,10 +298,33 @@ pub async fn run(
     let dirs = AgentDirs::create(&sandbox)?;
     let builds = make_builds(&dirs.staging, options.builds.max(2))?;
     let mut agent = Agent::start(&binaries.agent, &dirs, true)?;
-    let result = run_with(&sandbox, &mut agent, &builds, binaries, options).await;
+    // Beside it, an agent that shares listeners, for the side-by-side rows.
+    let mut shared = None;
+    if options.kinds.contains(&Kind::FailingShared) {
+        let shared_sandbox = sandbox::create(cgroup_parent, "zero-shared")?;
+        let shared_dirs = AgentDirs::create(&shared_sandbox)?;
+        let shared_agent = Agent::start_with(
+            &binaries.agent,
+            &shared_dirs,
+            true,
+            &["--listener-handover", "shared"],
+        )?;
+        shared = Some((shared_sandbox, shared_agent));
+    }
+    let result = run_with(
+        &sandbox,
+        &mut agent,
+        shared.as_mut().map(|(_, agent)| agent),
+        &builds,
+        binaries,
+        options,
+    )
+    .await;
     let stopped = agent.stop();
+    let shared_stopped = shared.map_or(Ok(()), |(_, agent)| agent.stop());
     let ran = result?;
     stopped?;
+    shared_stopped?;
     Ok(ran)
 }
 
@@ -287,6 +337,9 @@ struct Setup<'a> {
     plain: Managed,
     /// `app-listener`, on its held TCP listener, when a listener kind runs.
     listening: Option<Managed>,
+    /// The agent that shares listeners and its `app-shared`, when
+    /// [`Kind::FailingShared`] runs.
+    shared: Option<(&'a Agent, Managed, Vec<testapp::Build>)>,
     /// The build index the naive app serves now.
     naive_serving: usize,
     binaries: &'a Binaries,
@@ -337,6 +390,27 @@ impl Managed {
     }
 }
 
+/// `manifest` with a build that answers 500 to everything (so its health
+/// check fails, after 2 s).
+fn answering_500(manifest: &str) -> Result<String, BenchError> {
+    let health = "  health:\n    path: /healthz\n    timeoutSeconds: 10\n";
+    if !manifest.contains(health) {
+        return Err(BenchError::Agent(
+            "the manifest's health block is not the one expected".into(),
+        ));
+    }
+    let process = format!("    group: {NOBODY}\n");
+    Ok(manifest
+        .replace(health, "  health:\n    path: /healthz\n    timeoutSeconds: 2\n")
+        .replace(
+            &process,
+            &format!(
+                "{process}    env: [{{name: {}, value: \"{FAILING_STATUS}\"}}]\n",
+                testapp::knob::STATUS
+            ),
+        ))
+}
+
 /// `manifest` with a TCP listener `web` on the loopback `port`.
 fn with_listener(manifest: String, port: Option<u16>) -> String {
     match port {
@@ -347,11 +421,12 @@ fn with_listener(manifest: String, port: Option<u16>) -> String {
     }
 }
 
-async fn run_with(
+async fn run_with<'a>(
     sandbox: &Sandbox,
-    agent: &mut Agent,
-    builds: &[testapp::Build],
-    binaries: &Binaries,
+    agent: &'a mut Agent,
+    shared_agent: Option<&'a mut Agent>,
+    builds: &'a [testapp::Build],
+    binaries: &'a Binaries,
     options: &ZeroOptions,
 ) -> Result<(ZeroReport, Vec<Panel>), BenchError> {
     let plain = Managed::install(agent, APP, None, builds).await?;
@@ -360,6 +435,17 @@ async fn run_with(
         Some(Managed::install(agent, APP_LISTENER, Some(port), builds).await?)
     } else {
         None
+    };
+    let shared = match shared_agent {
+        Some(shared_agent) => {
+            let port = crate::nginx::free_port()?;
+            // Its builds are the first agent's: both stage from their own
+            // roots, so each copies them in.
+            let own = make_builds(&shared_agent.dirs.staging, builds.len())?;
+            let managed = Managed::install(shared_agent, APP_SHARED, Some(port), &own).await?;
+            Some((&*shared_agent, managed, own))
+        }
+        None => None,
     };
 
     let naive_dir = sandbox.dir().join("naive");
@@ -380,6 +466,12 @@ async fn run_with(
             .and_then(|l| l.listener_port)
             .map(|port| Upstream::Tcp(format!("127.0.0.1:{port}"))),
     );
+    upstreams.extend(
+        shared
+            .as_ref()
+            .and_then(|(_, managed, _)| managed.listener_port)
+            .map(|port| Upstream::Tcp(format!("127.0.0.1:{port}"))),
+    );
     let nginx = Nginx::start(&binaries.nginx, &sandbox.dir().join("nginx"), &upstreams)?;
     let samples_dir = sandbox.dir().join("samples");
     fs::create_dir(&samples_dir).map_err(|source| BenchError::Setup {
@@ -393,6 +485,7 @@ async fn run_with(
         nginx,
         plain,
         listening,
+        shared,
         naive_serving: 0,
         binaries,
         samples_dir,
@@ -428,13 +521,19 @@ async fn run_one(
     naive_switches: &SwitchWatch,
     options: &ZeroOptions,
 ) -> Result<(RunFigures, Vec<Sample>, Vec<SwapRecord>), BenchError> {
-    // The nginx fronts are in the order of the upstreams: app, naive, listener.
+    // The nginx fronts are in the order of the upstreams: app, naive,
+    // listener, shared listener.
     let front = &setup.nginx.fronts[match kind {
         Kind::Naive => 1,
+        Kind::FailingShared => 3,
         k if k.listener() => 2,
         _ => 0,
     }];
-    let listener_port = setup.listening.as_ref().and_then(|l| l.listener_port);
+    let listener_port = if kind == Kind::FailingShared {
+        setup.shared.as_ref().and_then(|(_, m, _)| m.listener_port)
+    } else {
+        setup.listening.as_ref().and_then(|l| l.listener_port)
+    };
     let target = match via {
         Via::Direct if kind == Kind::Naive => Target::Unix(setup.naive.socket.clone()),
         Via::Direct if kind.listener() => {
@@ -479,17 +578,24 @@ async fn run_one(
     let nginx_lines_before = setup.nginx.upstream_errors().len();
     tokio::time::sleep(options.steady).await;
     let mut records = Vec::with_capacity(options.swaps);
-    for _ in 0..options.swaps {
+    for i in 0..options.swaps {
+        let failing = kind.fails_every_10th() && i % 10 == 9;
         let record = match (kind.mode(), kind.listener()) {
             (None, _) => naive_swap(setup, naive_switches).await?,
             (Some(mode), false) => {
-                agent_swap(setup.agent, setup.builds, &mut setup.plain, mode).await?
+                agent_swap(setup.agent, setup.builds, &mut setup.plain, mode, false).await?
+            }
+            (Some(mode), true) if kind == Kind::FailingShared => {
+                let Some((agent, shared, builds)) = setup.shared.as_mut() else {
+                    return Err(BenchError::Agent("no agent sharing listeners".into()));
+                };
+                agent_swap(agent, builds, shared, mode, failing).await?
             }
             (Some(mode), true) => {
                 let Some(listening) = setup.listening.as_mut() else {
                     return Err(BenchError::Agent("no instance with a listener".into()));
                 };
-                agent_swap(setup.agent, setup.builds, listening, mode).await?
+                agent_swap(setup.agent, setup.builds, listening, mode, failing).await?
             }
         };
         records.push(record);
@@ -557,21 +663,25 @@ fn build_id(index: usize) -> String {
     format!("bench-{index}")
 }
 
+/// Swaps `instance` to its next build; a `failing` one answers 500 and
+/// fails its health check within 2 s.
 async fn agent_swap(
     agent: &Agent,
     builds: &[testapp::Build],
     instance: &mut Managed,
     mode: Mode,
+    failing: bool,
 ) -> Result<SwapRecord, BenchError> {
     let next = next_build(instance.serving, builds.len());
     let begin_ns = mono_ns();
-    agent.write_manifest(
-        instance.name,
-        &with_listener(
-            manifest(instance.name, &build_id(next), &builds[next], mode),
-            instance.listener_port,
-        ),
-    )?;
+    let mut text = with_listener(
+        manifest(instance.name, &build_id(next), &builds[next], mode),
+        instance.listener_port,
+    );
+    if failing {
+        text = answering_500(&text)?;
+    }
+    agent.write_manifest(instance.name, &text)?;
     let doc = agent
         .wait_attempt_after(instance.name, instance.last_rev, SWAP_DEADLINE)
         .await?;
@@ -787,10 +897,14 @@ pub fn analyse(
     let mut slowest = vec![0.0f64; records.len()];
     let mut failures = BTreeMap::new();
     let mut failed_by_group = (0, 0);
+    let mut answered_by_failing = 0;
     let mut steady = Vec::new();
     let mut during = Vec::new();
     for s in samples {
-        if s.ok() {
+        if s.status == FAILING_STATUS {
+            // Only a failing build answers 500.
+            answered_by_failing += 1;
+        } else if s.ok() {
             let latency = s.latency_ns as f64 / 1e6;
             match swap_of(s.start_ns) {
                 Some(swap) => {
@@ -856,6 +970,7 @@ pub fn analyse(
         swaps_not_done: records.iter().filter(|r| r.outcome != "done").count(),
         sent: samples.len() as u64,
         failed: failures.values().sum(),
+        answered_by_failing,
         failures,
         failed_by_group,
         reconnects,
@@ -885,7 +1000,7 @@ pub fn analyse(
 
 fn print_run(f: &RunFigures) {
     println!(
-        "  {:<14} {:<30} {:<22} swaps {:>4} ({} not done)  sent {:>8}  failed {:>6} {:?}  reconnects {:>6}  during p50/p99/max {} ms  gap p50/p99 {} ms  silence max {} ms",
+        "  {:<14} {:<30} {:<22} swaps {:>4} ({} not done)  sent {:>8}  failed {:>6} {:?}  answered by a failing build {:>6}  reconnects {:>6}  during p50/p99/max {} ms  gap p50/p99 {} ms  silence max {} ms",
         f.kind.name(),
         f.via.name(),
         f.load.name(),
@@ -894,6 +1009,7 @@ fn print_run(f: &RunFigures) {
         f.sent,
         f.failed,
         f.failures,
+        f.answered_by_failing,
         f.reconnects,
         f.during.text(),
         f.gap.text2(),
