@@ -674,8 +674,15 @@ async fn agent_swap(
 ) -> Result<SwapRecord, BenchError> {
     let next = next_build(instance.serving, builds.len());
     let begin_ns = mono_ns();
+    // A failed build is held down (SPEC 5.4) until spec.retry: each failing
+    // swap names a build of its own, so the pool's builds stay usable.
+    let id = if failing {
+        format!("{}-fails-{}", build_id(next), instance.last_rev + 1)
+    } else {
+        build_id(next)
+    };
     let mut text = with_listener(
-        manifest(instance.name, &build_id(next), &builds[next], mode),
+        manifest(instance.name, &id, &builds[next], mode),
         instance.listener_port,
     );
     if failing {
