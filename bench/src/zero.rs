@@ -401,7 +401,10 @@ fn answering_500(manifest: &str) -> Result<String, BenchError> {
     }
     let process = format!("    group: {NOBODY}\n");
     Ok(manifest
-        .replace(health, "  health:\n    path: /healthz\n    timeoutSeconds: 2\n")
+        .replace(
+            health,
+            "  health:\n    path: /healthz\n    timeoutSeconds: 2\n",
+        )
         .replace(
             &process,
             &format!(
