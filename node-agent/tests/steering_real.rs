@@ -221,11 +221,12 @@ fn a_closing_sockets_queued_connections_move_to_the_serving_one() {
     }
 }
 
-/// Connections waiting in a listener's accept queue (`ss`'s Recv-Q).
+/// Connections waiting in the accept queues of every listener on `fd`'s
+/// port (`ss`'s Recv-Q): the group's sockets share the port, and the
+/// caller knows which of them can hold any.
 fn queued(fd: &OwnedFd) -> u32 {
     let port = port_of(fd);
-    // /proc/net/tcp's rx_queue of a listener is its accept queue length;
-    // both sockets share the port, so only one may be listed per test.
+    // /proc/net/tcp's rx_queue of a listener is its accept queue length.
     let text = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
     text.lines()
         .skip(1)
