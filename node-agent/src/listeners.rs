@@ -215,20 +215,21 @@ impl Listeners {
             },
             _ => None,
         };
-        let fd = bind_listener(spec, steering.is_some())?;
-        let steering = match steering {
-            Some(steering) => match steer_serving(&steering, &fd) {
-                Ok(()) => Some(steering),
-                Err(error) => {
-                    tracing::warn!(listener = %spec.name, %error, "listener handover: shared (a successor may accept connections before its health check ends)");
-                    // Bound into a group nothing steers: the kernel spreads
-                    // over its one socket, which is the shared handover.
-                    None
-                }
-            },
-            None => None,
+        let Some(steering) = steering else {
+            return Ok(Held::new(spec.clone(), bind_listener(spec, false)?, None));
         };
-        Ok(Held::new(spec.clone(), fd, steering))
+        let fd = bind_listener(spec, true)?;
+        match steer_serving(&steering, &fd) {
+            Ok(()) => Ok(Held::new(spec.clone(), fd, Some(steering))),
+            Err(error) => {
+                tracing::warn!(listener = %spec.name, %error, "listener handover: shared (a successor may accept connections before its health check ends)");
+                // Bound again without SO_REUSEPORT: a group nothing steers
+                // would let another process of the same user bind the port
+                // and take a share of its connections.
+                drop(fd);
+                Ok(Held::new(spec.clone(), bind_listener(spec, false)?, None))
+            }
+        }
     }
 
     /// How new connections of `instance`'s listeners in `specs` reach its
@@ -476,13 +477,13 @@ impl Listeners {
     /// of `specs` one of them holds, in any order; the sockets a keeper
     /// holds that no spec names are left to it (it is replaced next).
     /// Returns why each of `specs` that is still not held is not.
-    pub fn take_back_from_keeper(
+    pub async fn take_back_from_keeper(
         &self,
         instance: &InstanceKey,
         specs: &[ListenerSpec],
     ) -> Vec<String> {
         let Some(site) = &self.keeper else {
-            self.steer_again(instance, HashMap::new());
+            self.steer_again(instance, HashMap::new()).await;
             return Vec::new();
         };
         let mut taken: Vec<Held> = Vec::new();
@@ -525,7 +526,7 @@ impl Listeners {
                 _ => None,
             })
             .collect();
-        self.steer_again(instance, kept);
+        self.steer_again(instance, kept).await;
         let held = self.lock();
         let have = held.get(instance).map(Vec::as_slice).unwrap_or_default();
         specs
@@ -629,7 +630,7 @@ impl Listeners {
     /// steering is steered again, through the maps the keeper kept (the
     /// group's program still reads them) when they name the socket taken
     /// back as serving, else through a fresh program and maps.
-    fn steer_again(&self, instance: &InstanceKey, mut kept: HashMap<String, StoredMaps>) {
+    async fn steer_again(&self, instance: &InstanceKey, mut kept: HashMap<String, StoredMaps>) {
         // Decided without the lock: a fresh steering may wait for the maps
         // of the program it replaces to be freed.
         let unsteered: Vec<(ListenerSpec, Arc<OwnedFd>)> = self
@@ -663,7 +664,12 @@ impl Listeners {
                     if let Some(Err(error)) = other {
                         tracing::info!(listener = %spec.name, %error, "the kept maps do not steer this listener; steering it anew");
                     }
-                    match steer_anew(&fd) {
+                    // It may wait up to OLD_MAPS_FREED for the kernel.
+                    let anew = Arc::clone(&fd);
+                    let steered_anew = tokio::task::spawn_blocking(move || steer_anew(&anew))
+                        .await
+                        .unwrap_or_else(|joined| Err(SteerError::Unfinished(joined)));
+                    match steered_anew {
                         Ok(steering) => steering,
                         Err(error) => {
                             tracing::warn!(listener = %spec.name, %error, "listener handover: shared (a successor may accept connections before its health check ends)");

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::{
     AddressFamily, Backlog, SockFlag, SockType, SockaddrIn, SockaddrStorage, accept4, bind,
-    connect, getsockname, listen, setsockopt, socket, sockopt,
+    connect, getsockname, getsockopt, listen, setsockopt, socket, sockopt,
 };
 use node_agent::steering::{SERVING_SLOT, Steering, socket_cookie};
 
@@ -349,6 +349,10 @@ async fn inner_a_listener_without_bpf_rights_is_shared() {
     );
     let socket = &listeners.activated(&key, std::slice::from_ref(&spec))[0];
     let local: SockaddrIn = getsockname(socket.fd.as_raw_fd()).expect("bound");
+    assert!(
+        !getsockopt(socket.fd.as_ref(), sockopt::ReusePort).expect("SO_REUSEPORT readable"),
+        "a shared listener is in no SO_REUSEPORT group another process could join"
+    );
     TcpStream::connect(("127.0.0.1", local.port())).expect("it accepts into its backlog");
     listeners.release(&key).await;
 }

@@ -73,6 +73,8 @@ pub enum SteerError {
     },
     #[error("slot {0} is past the map's {SLOTS}")]
     NoSuchSlot(u32),
+    #[error("the thread steering the socket did not finish: {0}")]
+    Unfinished(#[source] tokio::task::JoinError),
     #[error("cannot {op} probes from {source_address}: {source}")]
     Probe {
         op: &'static str,

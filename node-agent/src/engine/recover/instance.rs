@@ -419,7 +419,7 @@ impl Engine {
         // The keeper holds them even when no generation does (an agent
         // killed in a hold's gap); a fresh keeper then holds what is held.
         let specs = journaled_listeners(entry.as_ref());
-        for problem in self.listeners.take_back_from_keeper(&key, &specs) {
+        for problem in self.listeners.take_back_from_keeper(&key, &specs).await {
             tracing::warn!(instance = %key, %problem, "a listener could not be taken back; the next attempt binds it anew");
         }
         self.listeners.refresh_keeper(&key).await;
