@@ -84,6 +84,19 @@ impl Load {
         }
     }
 
+    /// Waits (10 s at most) until it has sent `n` requests.
+    pub fn wait_sent(&self, n: u64) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while self.sent.load(Ordering::SeqCst) < n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the load sent {} of {n} requests in 10 s",
+                self.sent.load(Ordering::SeqCst)
+            );
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    }
+
     /// Stops after the request in flight and asserts that it ran and that
     /// none of its requests failed; returns how many it sent.
     pub fn finish_with_none_failed(self) -> u64 {
