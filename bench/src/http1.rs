@@ -20,6 +20,9 @@ pub enum Target {
     Unix(PathBuf),
     /// A TCP address, `127.0.0.1:<port>` (nginx).
     Tcp(String),
+    /// A UDP address, `127.0.0.1:<port>`: DNS-like queries, not HTTP
+    /// (`crate::datagram`).
+    Udp(String),
 }
 
 impl std::str::FromStr for Target {
@@ -30,9 +33,11 @@ impl std::str::FromStr for Target {
             Ok(Target::Unix(PathBuf::from(path)))
         } else if let Some(address) = text.strip_prefix("tcp:") {
             Ok(Target::Tcp(address.to_string()))
+        } else if let Some(address) = text.strip_prefix("udp:") {
+            Ok(Target::Udp(address.to_string()))
         } else {
             Err(format!(
-                "{text:?} is neither unix:<path> nor tcp:<host:port>"
+                "{text:?} is none of unix:<path>, tcp:<host:port>, udp:<host:port>"
             ))
         }
     }
@@ -43,6 +48,7 @@ impl std::fmt::Display for Target {
         match self {
             Target::Unix(path) => write!(f, "unix:{}", path.display()),
             Target::Tcp(address) => write!(f, "tcp:{address}"),
+            Target::Udp(address) => write!(f, "udp:{address}"),
         }
     }
 }
@@ -148,6 +154,12 @@ impl Connection {
                     .and_then(|()| s.set_write_timeout(Some(timeout)))
                     .map_err(RequestError::Connect)?;
                 Stream::Tcp(s)
+            }
+            Target::Udp(_) => {
+                return Err(RequestError::Connect(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "a UDP target takes datagrams, not HTTP",
+                )));
             }
         };
         Ok(Connection {

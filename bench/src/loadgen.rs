@@ -9,6 +9,11 @@
 //!   close` on the previous response) is a reconnect, not a failure.
 //! - per-request clients: a new connection for every request.
 //!
+//! Against a UDP target (`udp:host:port`) a request is a DNS-like query
+//! (`crate::datagram`): keep-alive clients send from one socket each,
+//! per-request clients from a fresh one (a fresh source port) each time,
+//! and an unanswered query is `lost`.
+//!
 //! Each group runs either at a fixed rate (requests per second, spread over
 //! its clients, each client on its own schedule) or at saturation (every
 //! client sends its next request as soon as the previous one ended, with a
@@ -219,6 +224,7 @@ fn client(
         reconnects: 0,
     };
     let mut connection: Option<Connection> = None;
+    let mut datagram_socket = None;
     let mut next = mono_ns() + offset.map_or(0, duration_ns);
     while !stop.load(Ordering::Relaxed) {
         if let Some(interval) = interval {
@@ -230,9 +236,13 @@ fn client(
             next =
                 next.max(mono_ns().saturating_sub(duration_ns(interval))) + duration_ns(interval);
         }
-        let sample = match group {
-            Group::PerRequest => one_per_request(target),
-            Group::KeepAlive => one_keepalive(target, &mut connection, &mut result.reconnects),
+        let sample = match (target, group) {
+            (Target::Udp(address), Group::PerRequest) => crate::datagram::one_fresh(address),
+            (Target::Udp(address), Group::KeepAlive) => {
+                crate::datagram::one_reused(address, &mut datagram_socket)
+            }
+            (_, Group::PerRequest) => one_per_request(target),
+            (_, Group::KeepAlive) => one_keepalive(target, &mut connection, &mut result.reconnects),
         };
         let failed = !sample.ok();
         result.samples.push(sample);

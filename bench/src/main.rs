@@ -19,6 +19,7 @@ mod audit;
 mod clock;
 mod cluster;
 mod cluster_report;
+mod datagram;
 mod fanout;
 mod http1;
 mod loadgen;
@@ -178,7 +179,7 @@ struct RunArgs {
     #[arg(long)]
     keep_samples: Option<PathBuf>,
     /// Only these swap kinds.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [zero::Kind::Overlap, zero::Kind::Hold, zero::Kind::Naive, zero::Kind::OverlapListener, zero::Kind::HoldListener, zero::Kind::FailingSteered, zero::Kind::FailingShared])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [zero::Kind::Overlap, zero::Kind::Hold, zero::Kind::Naive, zero::Kind::OverlapListener, zero::Kind::HoldListener, zero::Kind::FailingSteered, zero::Kind::FailingShared, zero::Kind::UdpOverlap, zero::Kind::UdpHold])]
     kinds: Vec<zero::Kind>,
     /// Only these paths.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [zero::Via::Direct, zero::Via::NginxPooled, zero::Via::NginxPerRequest])]
@@ -305,12 +306,13 @@ async fn run(command: Command) -> Result<(), BenchError> {
     println!("\n{markdown}");
     write_report(&out, "results", &markdown, &results)?;
     // The claims the benchmark exists to check: an overlap swap drops
-    // nothing, and nor does any swap of an instance on a held listener.
+    // nothing, and nor does any swap of an instance on a held listener,
+    // TCP or UDP.
     let claimed_failed: u64 = results
         .zero
         .iter()
         .flat_map(|z| &z.runs)
-        .filter(|r| r.kind == zero::Kind::Overlap || r.kind.listener())
+        .filter(|r| r.kind == zero::Kind::Overlap || r.kind.listener() || r.kind.udp())
         .map(|r| r.failed)
         .sum();
     if claimed_failed > 0 {

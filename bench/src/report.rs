@@ -197,6 +197,8 @@ fn zero_tables(out: &mut String, zero: &ZeroReport) {
     }
     listener_table(out, zero, &loads);
     failing_table(out, zero, &loads);
+    hold_gap_table(out, zero, &loads);
+    udp_table(out, zero, &loads);
     let with_errors: Vec<&RunFigures> = zero
         .runs
         .iter()
@@ -323,6 +325,127 @@ fn failing_table(out: &mut String, zero: &ZeroReport, loads: &[String]) {
                 show(steered, &|r| r.sent.to_string()),
                 show(shared, &|r| r.sent.to_string()),
             );
+        }
+    }
+    let _ = writeln!(out);
+}
+
+/// DNS-like queries through swaps of an instance on a UDP listener.
+fn udp_table(out: &mut String, zero: &ZeroReport, loads: &[String]) {
+    if !zero.runs.iter().any(|r| r.kind.udp()) {
+        return;
+    }
+    let _ = writeln!(out, "#### DNS-like queries on a UDP listener\n");
+    let _ = writeln!(
+        out,
+        "Each query is one datagram and waits up to 2 s for its answer; one without is *lost*. Half the clients send from one socket each, half from a fresh one per query. *slowest per swap*: per swap, the slowest answered query that started during it (p50 / max over the swaps).\n"
+    );
+    let _ = writeln!(
+        out,
+        "| load | swap | swaps (not done) | queries | lost | lost per swap | slowest per swap | silence p50 / max |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|");
+    for load in loads {
+        for run in zero
+            .runs
+            .iter()
+            .filter(|r| &r.load.name() == load && r.kind.udp())
+        {
+            let per_swap = if run.swaps == 0 {
+                "-".into()
+            } else {
+                format!("{:.2}", run.failed as f64 / run.swaps as f64)
+            };
+            let _ = writeln!(
+                out,
+                "| {load} | {} | {} ({}) | {} | {} | {per_swap} | {} / {} | {} / {} |",
+                run.kind.name(),
+                run.swaps,
+                run.swaps_not_done,
+                run.sent,
+                failed_text(run),
+                spread_p50(&run.slowest),
+                ms(run.slowest.max),
+                spread_p50(&run.silence),
+                ms(run.silence.max),
+            );
+        }
+    }
+    let _ = writeln!(out);
+}
+
+/// The steps inside a hold's gap, as the status names them: the stop, the
+/// limits, the durable record before the exec, the spawn and the health
+/// check (the successor accepts during it).
+const HOLD_GAP_STEPS: [&str; 5] = ["stop", "raise", "journal 2", "spawn", "health"];
+
+/// Holds beside the naive restart: their silence, and what the agent does
+/// inside a hold's gap.
+fn hold_gap_table(out: &mut String, zero: &ZeroReport, loads: &[String]) {
+    let holds = |kind: Kind| matches!(kind, Kind::Hold | Kind::HoldListener);
+    if !zero.runs.iter().any(|r| holds(r.kind)) {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "#### Where a hold's gap goes
+"
+    );
+    let _ = writeln!(
+        out,
+        "p50 per swap, in ms. The steps come from the attempt's status, in whole ms. *stop*: stop asked to the old generation proven gone (its drain inside); *journal 2*: the durable record before the exec; *health*: exec to the first good health answer (with a listener the successor accepts during it). The naive restart's *stop* is SIGTERM to `waitpid`, its *health* the exit to the first answer.\n"
+    );
+    let _ = writeln!(
+        out,
+        "| load | path | swap | silence p50 (naive + 5 ms) | {} |",
+        HOLD_GAP_STEPS.join(" | ")
+    );
+    let _ = writeln!(
+        out,
+        "|---|---|---|---|{}",
+        "---|".repeat(HOLD_GAP_STEPS.len())
+    );
+    for load in loads {
+        for via in vias_of(zero, load, holds) {
+            let naive = find_run(zero, load, via, Kind::Naive);
+            let budget = naive.map(|n| n.silence.p50 + 5.0);
+            for kind in [Kind::HoldListener, Kind::Hold, Kind::Naive] {
+                let Some(run) = find_run(zero, load, via, kind) else {
+                    continue;
+                };
+                let within = match budget {
+                    Some(budget) if kind != Kind::Naive => {
+                        let word = if run.silence.p50 <= budget {
+                            "within"
+                        } else {
+                            "over"
+                        };
+                        format!(" ({word} {})", ms(budget))
+                    }
+                    _ => String::new(),
+                };
+                let steps: Vec<String> = HOLD_GAP_STEPS
+                    .iter()
+                    .map(|step| match (kind, *step) {
+                        (Kind::Naive, "stop") => spread_p50(&run.drain),
+                        (Kind::Naive, "health") => spread_p50(&run.boot_to_healthy),
+                        (Kind::Naive, _) => "-".into(),
+                        _ => run
+                            .steps
+                            .iter()
+                            .find(|(name, _)| name == step)
+                            .map_or("-".into(), |(_, spread)| spread_p50(spread)),
+                    })
+                    .collect();
+                let _ = writeln!(
+                    out,
+                    "| {load} | {} | {} | {}{within} | {} |",
+                    via.name(),
+                    kind.name(),
+                    spread_p50(&run.silence),
+                    steps.join(" | ")
+                );
+            }
         }
     }
     let _ = writeln!(out);

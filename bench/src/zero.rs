@@ -42,6 +42,8 @@ const APP_LISTENER: &str = "app-listener";
 const FAILING_STATUS: u16 = 500;
 /// The second agent's instance, on a shared listener.
 const APP_SHARED: &str = "app-shared";
+/// The instance on a UDP listener.
+const APP_UDP: &str = "app-udp";
 /// How long one swap may take before the run gives up.
 const SWAP_DEADLINE: Duration = Duration::from_secs(120);
 
@@ -67,6 +69,11 @@ pub enum Kind {
     /// The same on a shared listener: a second agent run with
     /// `--listener-handover=shared`.
     FailingShared,
+    /// genswap overlap of a DNS-like instance on a steered UDP listener,
+    /// under queries (direct only).
+    UdpOverlap,
+    /// genswap hold of the same: queries wait in the socket's buffer.
+    UdpHold,
 }
 
 impl Kind {
@@ -80,6 +87,8 @@ impl Kind {
             Kind::HoldListener => "hold, listener",
             Kind::FailingSteered => "overlap, steered listener, every 10th fails",
             Kind::FailingShared => "overlap, shared listener, every 10th fails",
+            Kind::UdpOverlap => "overlap, UDP listener",
+            Kind::UdpHold => "hold, UDP listener",
         }
     }
 
@@ -91,6 +100,11 @@ impl Kind {
         )
     }
 
+    /// Whether it swaps the instance on a UDP listener, queried directly.
+    pub fn udp(self) -> bool {
+        matches!(self, Kind::UdpOverlap | Kind::UdpHold)
+    }
+
     /// Whether every 10th of its builds fails its health check.
     pub fn fails_every_10th(self) -> bool {
         matches!(self, Kind::FailingSteered | Kind::FailingShared)
@@ -98,10 +112,12 @@ impl Kind {
 
     fn mode(self) -> Option<Mode> {
         match self {
-            Kind::Overlap | Kind::OverlapListener | Kind::FailingSteered | Kind::FailingShared => {
-                Some(Mode::Overlap)
-            }
-            Kind::Hold | Kind::HoldListener => Some(Mode::Hold),
+            Kind::Overlap
+            | Kind::OverlapListener
+            | Kind::FailingSteered
+            | Kind::FailingShared
+            | Kind::UdpOverlap => Some(Mode::Overlap),
+            Kind::Hold | Kind::HoldListener | Kind::UdpHold => Some(Mode::Hold),
             Kind::Naive => None,
         }
     }
@@ -270,6 +286,10 @@ pub struct RunFigures {
     pub overhead: Spread,
     /// The retiring generation's SIGTERM to proven exit.
     pub drain: Spread,
+    /// Each engine step's time per swap (a step run twice, summed), in
+    /// the order the steps first ran: where a swap's time goes.
+    #[serde(default)]
+    pub steps: Vec<(String, Spread)>,
     /// nginx's error-log lines about the upstream during this run, by message.
     #[serde(default)]
     pub nginx_errors: BTreeMap<String, u64>,
@@ -337,6 +357,8 @@ struct Setup<'a> {
     plain: Managed,
     /// `app-listener`, on its held TCP listener, when a listener kind runs.
     listening: Option<Managed>,
+    /// `app-udp`, on its UDP listener, when a UDP kind runs.
+    answering_udp: Option<Managed>,
     /// The agent that shares listeners and its `app-shared`, when
     /// [`Kind::FailingShared`] runs.
     shared: Option<(&'a Agent, Managed, Vec<testapp::Build>)>,
@@ -351,6 +373,8 @@ struct Managed {
     name: &'static str,
     /// The loopback port of its listener.
     listener_port: Option<u16>,
+    /// Whether that listener is UDP (else TCP).
+    udp: bool,
     /// The build index serving now.
     serving: usize,
     last_rev: i64,
@@ -358,11 +382,13 @@ struct Managed {
 }
 
 impl Managed {
-    /// Installs build 0 as `name`, with a listener on `listener_port`.
+    /// Installs build 0 as `name`, with a listener on `listener_port`
+    /// (UDP if `udp`).
     async fn install(
         agent: &mut Agent,
         name: &'static str,
         listener_port: Option<u16>,
+        udp: bool,
         builds: &[testapp::Build],
     ) -> Result<Managed, BenchError> {
         agent.write_manifest(
@@ -370,6 +396,7 @@ impl Managed {
             &with_listener(
                 manifest(name, &build_id(0), &builds[0], Mode::Overlap),
                 listener_port,
+                udp,
             ),
         )?;
         let doc = agent.wait_attempt_after(name, 0, SWAP_DEADLINE).await?;
@@ -383,6 +410,7 @@ impl Managed {
         Ok(Managed {
             name,
             listener_port,
+            udp,
             serving: 0,
             last_rev,
             switches: SwitchWatch::start(&agent.dirs.instance_run_dir(name), "current.sock")?,
@@ -414,11 +442,13 @@ fn answering_500(manifest: &str) -> Result<String, BenchError> {
         ))
 }
 
-/// `manifest` with a TCP listener `web` on the loopback `port`.
-fn with_listener(manifest: String, port: Option<u16>) -> String {
+/// `manifest` with a listener on the loopback `port`: `dns` on UDP if
+/// `udp`, else `web` on TCP.
+fn with_listener(manifest: String, port: Option<u16>, udp: bool) -> String {
+    let (name, protocol) = if udp { ("dns", "udp") } else { ("web", "tcp") };
     match port {
         Some(port) => {
-            format!("{manifest}  listeners: [{{name: web, tcp: \"127.0.0.1:{port}\"}}]\n")
+            format!("{manifest}  listeners: [{{name: {name}, {protocol}: \"127.0.0.1:{port}\"}}]\n")
         }
         None => manifest,
     }
@@ -432,10 +462,16 @@ async fn run_with<'a>(
     binaries: &'a Binaries,
     options: &ZeroOptions,
 ) -> Result<(ZeroReport, Vec<Panel>), BenchError> {
-    let plain = Managed::install(agent, APP, None, builds).await?;
+    let plain = Managed::install(agent, APP, None, false, builds).await?;
     let listening = if options.kinds.iter().any(|k| k.listener()) {
         let port = crate::nginx::free_port()?;
-        Some(Managed::install(agent, APP_LISTENER, Some(port), builds).await?)
+        Some(Managed::install(agent, APP_LISTENER, Some(port), false, builds).await?)
+    } else {
+        None
+    };
+    let answering_udp = if options.kinds.iter().any(|k| k.udp()) {
+        let port = free_udp_port()?;
+        Some(Managed::install(agent, APP_UDP, Some(port), true, builds).await?)
     } else {
         None
     };
@@ -445,7 +481,8 @@ async fn run_with<'a>(
             // Its builds are the first agent's: both stage from their own
             // roots, so each copies them in.
             let own = make_builds(&shared_agent.dirs.staging, builds.len())?;
-            let managed = Managed::install(shared_agent, APP_SHARED, Some(port), &own).await?;
+            let managed =
+                Managed::install(shared_agent, APP_SHARED, Some(port), false, &own).await?;
             Some((&*shared_agent, managed, own))
         }
         None => None,
@@ -488,6 +525,7 @@ async fn run_with<'a>(
         nginx,
         plain,
         listening,
+        answering_udp,
         shared,
         naive_serving: 0,
         binaries,
@@ -500,10 +538,17 @@ async fn run_with<'a>(
     for load in &options.loads {
         for via in &options.vias {
             for kind in &options.kinds {
+                // Queries go straight to the UDP port; nginx fronts HTTP.
+                if kind.udp() && *via != Via::Direct {
+                    continue;
+                }
                 let (figures, samples, records) =
                     run_one(&mut setup, *kind, *via, *load, &naive_switches, options).await?;
                 print_run(&figures);
-                if matches!(load, Load::Fixed(_)) && matches!(via, Via::Direct | Via::NginxPooled) {
+                if matches!(load, Load::Fixed(_))
+                    && matches!(via, Via::Direct | Via::NginxPooled)
+                    && !kind.udp()
+                {
                     plotted.push((*kind, *via, samples, records));
                 }
                 report.runs.push(figures);
@@ -537,7 +582,11 @@ async fn run_one(
     } else {
         setup.listening.as_ref().and_then(|l| l.listener_port)
     };
+    let udp_port = setup.answering_udp.as_ref().and_then(|u| u.listener_port);
     let target = match via {
+        Via::Direct if kind.udp() => {
+            Target::Udp(format!("127.0.0.1:{}", udp_port.unwrap_or_default()))
+        }
         Via::Direct if kind == Kind::Naive => Target::Unix(setup.naive.socket.clone()),
         Via::Direct if kind.listener() => {
             Target::Tcp(format!("127.0.0.1:{}", listener_port.unwrap_or_default()))
@@ -585,6 +634,12 @@ async fn run_one(
         let failing = kind.fails_every_10th() && i % 10 == 9;
         let record = match (kind.mode(), kind.listener()) {
             (None, _) => naive_swap(setup, naive_switches).await?,
+            (Some(mode), _) if kind.udp() => {
+                let Some(answering) = setup.answering_udp.as_mut() else {
+                    return Err(BenchError::Agent("no instance on a UDP listener".into()));
+                };
+                agent_swap(setup.agent, setup.builds, answering, mode, false).await?
+            }
             (Some(mode), false) => {
                 agent_swap(setup.agent, setup.builds, &mut setup.plain, mode, false).await?
             }
@@ -642,6 +697,17 @@ async fn run_one(
     Ok((figures, samples, records))
 }
 
+/// A UDP port on 127.0.0.1 free a moment ago.
+fn free_udp_port() -> Result<u16, BenchError> {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|socket| socket.local_addr())
+        .map(|address| address.port())
+        .map_err(|source| BenchError::Setup {
+            what: "find a free UDP port".into(),
+            source,
+        })
+}
+
 /// Copies a run's samples into `keep` and writes its swap records beside
 /// them as `<run>.swaps.json`.
 fn keep_raw(keep: &Path, samples: &Path, records: &[SwapRecord]) -> Result<(), BenchError> {
@@ -687,6 +753,7 @@ async fn agent_swap(
     let mut text = with_listener(
         manifest(instance.name, &id, &builds[next], mode),
         instance.listener_port,
+        instance.udp,
     );
     if failing {
         text = answering_500(&text)?;
@@ -1004,8 +1071,50 @@ pub fn analyse(
                 .collect(),
         ),
         drain: Spread::of(records.iter().filter_map(|r| r.drain_ms).collect()),
+        steps: step_spreads(records),
         nginx_errors: BTreeMap::new(),
     }
+}
+
+/// Per step name, the spread over `records` of its time per swap.
+fn step_spreads(records: &[SwapRecord]) -> Vec<(String, Spread)> {
+    let mut names: Vec<String> = Vec::new();
+    let mut per_name: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for record in records {
+        for (name, ms) in numbered_steps(&record.steps) {
+            if !names.contains(&name) {
+                names.push(name.clone());
+            }
+            per_name.entry(name).or_default().push(ms);
+        }
+    }
+    names
+        .into_iter()
+        .map(|name| {
+            let spread = Spread::of(per_name.remove(&name).unwrap_or_default());
+            (name, spread)
+        })
+        .collect()
+}
+
+/// A swap's steps with a repeated one numbered (`journal`, then
+/// `journal 2`): a hold's first record is written before the stop, its
+/// second inside the gap.
+fn numbered_steps(steps: &[(String, i64)]) -> Vec<(String, f64)> {
+    let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
+    steps
+        .iter()
+        .map(|(step, ms)| {
+            let n = seen.entry(step.as_str()).or_default();
+            *n += 1;
+            let name = if *n == 1 {
+                step.clone()
+            } else {
+                format!("{step} {n}")
+            };
+            (name, *ms as f64)
+        })
+        .collect()
 }
 
 fn print_run(f: &RunFigures) {
@@ -1050,6 +1159,42 @@ mod tests {
             outcome: "done".into(),
             ..SwapRecord::default()
         }
+    }
+
+    #[test]
+    fn a_repeated_step_is_counted_apart_in_the_order_the_steps_ran() {
+        let steps = |journal2: i64| {
+            [
+                ("journal", 1),
+                ("stop", 7),
+                ("journal", journal2),
+                ("spawn", 3),
+            ]
+            .iter()
+            .map(|(name, ms)| (name.to_string(), *ms))
+            .collect()
+        };
+        let records = [
+            SwapRecord {
+                steps: steps(2),
+                ..swap(0, 10)
+            },
+            SwapRecord {
+                steps: steps(4),
+                ..swap(20, 30)
+            },
+            SwapRecord {
+                steps: steps(6),
+                ..swap(40, 50)
+            },
+        ];
+        let spreads = step_spreads(&records);
+        let names: Vec<&str> = spreads.iter().map(|(name, _)| name.as_str()).collect();
+        assert_eq!(names, ["journal", "stop", "journal 2", "spawn"]);
+        assert_eq!(spreads[0].1.p50, 1.0);
+        assert_eq!(spreads[2].1.p50, 4.0);
+        assert_eq!(spreads[2].1.max, 6.0);
+        assert_eq!(spreads[2].1.count, 3);
     }
 
     #[test]
