@@ -29,6 +29,11 @@
 //! the listener keeper holds the socket. After `down` the listener is still
 //! open (connections wait for a build that serves). One keeper is left.
 //!
+//! And again with a UDP listener (`with_udp_listener::*`): a DNS-like
+//! client queries the port from before the release to the end, and every
+//! query is answered (in a hold's gap they wait in the socket's buffer).
+//! After `down` the port is still bound.
+//!
 //! A bounded subset runs in `cargo test`; the whole matrix is
 //! `cargo test -p node-agent --test crash_matrix -- --ignored`.
 
@@ -40,6 +45,8 @@ mod crash_support;
 mod swap_host;
 #[path = "support/tcp_client.rs"]
 mod tcp_client;
+#[path = "support/udp_client.rs"]
+mod udp_client;
 
 use std::os::unix::process::ExitStatusExt;
 
@@ -106,10 +113,66 @@ fn expected(point: &str) -> Expected {
     }
 }
 
-/// A manifest of `build`, with the listener on `port` if there is one.
-fn manifest(id: &str, build: &testapp::Build, mode: &'static str, port: Option<u16>) -> Manifest {
+/// The listener a case's instance has, if any.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Listener {
+    Tcp(u16),
+    Udp(u16),
+}
+
+impl Listener {
+    fn port(self) -> u16 {
+        match self {
+            Listener::Tcp(port) | Listener::Udp(port) => port,
+        }
+    }
+
+    /// A client sending to it from now until finished.
+    fn load(self) -> Traffic {
+        match self {
+            Listener::Tcp(port) => Traffic::Requests(Load::start(port)),
+            Listener::Udp(port) => Traffic::Queries(udp_client::DatagramLoad::start(port)),
+        }
+    }
+}
+
+/// A case's listener, of `protocol` (`tcp` or `udp`), on a free port.
+fn listener_of(protocol: Option<&str>) -> Option<Listener> {
+    match protocol {
+        Some("tcp") => Some(Listener::Tcp(free_port())),
+        Some("udp") => Some(Listener::Udp(udp_client::free_udp_port())),
+        _ => None,
+    }
+}
+
+enum Traffic {
+    Requests(Load),
+    Queries(udp_client::DatagramLoad),
+}
+
+impl Traffic {
+    /// Stops it; how many it sent and why each that failed failed.
+    fn finish(self) -> (u64, Vec<String>) {
+        match self {
+            Traffic::Requests(load) => load.finish(),
+            Traffic::Queries(load) => {
+                let tally = load.finish();
+                (tally.sent(), tally.lost)
+            }
+        }
+    }
+}
+
+/// A manifest of `build`, with `listener` if there is one.
+fn manifest(
+    id: &str,
+    build: &testapp::Build,
+    mode: &'static str,
+    listener: Option<Listener>,
+) -> Manifest {
     let mut manifest = Manifest::new(id, build, mode);
-    manifest.listener_port = port;
+    manifest.listener_port = listener.map(Listener::port);
+    manifest.listener_udp = matches!(listener, Some(Listener::Udp(_)));
     manifest
 }
 
@@ -117,7 +180,7 @@ fn manifest(id: &str, build: &testapp::Build, mode: &'static str, port: Option<u
 async fn installed(
     node: &Node,
     mode: &'static str,
-    port: Option<u16>,
+    port: Option<Listener>,
 ) -> (testapp::Build, testapp::Build) {
     let v1 = node.build("v1");
     let v2 = node.build("v2");
@@ -138,7 +201,7 @@ async fn installed(
 /// recovered by another agent: whatever the point, v1 serves again as a
 /// newer generation, alone, and the restart is never reported as the
 /// install's outcome.
-async fn restart_cut_at(point: &'static str, port: Option<u16>) {
+async fn restart_cut_at(point: &'static str, port: Option<Listener>) {
     let node = Node::new(&point.replace(['.', '_'], "-"));
     let v1 = node.build("v1");
     node.write(&manifest("v1", &v1, "overlap", port));
@@ -160,7 +223,7 @@ async fn restart_cut_at(point: &'static str, port: Option<u16>) {
     .expect("SIGKILL v1");
     // From here nothing accepts until the restart: what arrives waits in
     // the listener's backlog (what v1 had accepted died with it).
-    let load = port.map(Load::start);
+    let load = port.map(Listener::load);
     agent.wait_paused(point).await;
     assert_eq!(agent.kill().signal(), Some(9), "SIGKILL ended it");
 
@@ -203,8 +266,8 @@ async fn restart_cut_at(point: &'static str, port: Option<u16>) {
 
 /// Runs the release v1 → v2, cut at `point` by `crash`, then recovers with
 /// a third agent and checks everything the module docs list.
-async fn cut_at(point: &'static str, abort: bool, listener: bool) {
-    let port = listener.then(free_port);
+async fn cut_at(point: &'static str, abort: bool, protocol: Option<&str>) {
+    let port = listener_of(protocol);
     if point.starts_with("restart.") {
         return restart_cut_at(point, port).await;
     }
@@ -218,7 +281,9 @@ async fn cut_at(point: &'static str, abort: bool, listener: bool) {
     let (_, v2) = installed(&node, mode, port).await;
     let client = (mode == "overlap").then(|| Client::start(node.current_sock()));
     // After `down` nothing serves: requests would wait until they time out.
-    let load = port.filter(|_| expect.serving.is_some()).map(Load::start);
+    let load = port
+        .filter(|_| expect.serving.is_some())
+        .map(Listener::load);
 
     // The release, stopped dead at the point.
     let mut agent = node.start(if abort {
@@ -292,8 +357,15 @@ async fn cut_at(point: &'static str, abort: bool, listener: bool) {
         match expect.serving {
             Some(build) => assert_listener_served(&node, port, point, build, load).await,
             None => {
+                let open = match port {
+                    Listener::Tcp(port) => {
+                        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+                    }
+                    Listener::Udp(port) => std::net::UdpSocket::bind(("127.0.0.1", port))
+                        .is_err_and(|e| e.kind() == std::io::ErrorKind::AddrInUse),
+                };
                 assert!(
-                    std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
+                    open,
                     "cut at {point}: after down the listener is still open"
                 );
                 assert_eq!(node.keeper_pids().len(), 1, "cut at {point}: one keeper");
@@ -307,10 +379,10 @@ async fn cut_at(point: &'static str, abort: bool, listener: bool) {
 /// one keeper holds it.
 async fn assert_listener_served(
     node: &Node,
-    port: u16,
+    port: Listener,
     point: &str,
     build: &str,
-    load: Option<Load>,
+    load: Option<Traffic>,
 ) {
     if let Some(load) = load {
         let (sent, failures) = tokio::task::spawn_blocking(move || load.finish())
@@ -324,9 +396,12 @@ async fn assert_listener_served(
             &failures[..failures.len().min(5)]
         );
     }
-    let answer = tokio::task::spawn_blocking(move || get(port))
-        .await
-        .expect("a request's thread");
+    let answer = tokio::task::spawn_blocking(move || match port {
+        Listener::Tcp(port) => get(port),
+        Listener::Udp(port) => udp_client::query(port).map(|build| format!("build={build}")),
+    })
+    .await
+    .expect("a request's thread");
     assert!(
         answer
             .as_ref()
@@ -377,7 +452,7 @@ macro_rules! kill_matrix {
             $(#[$attr])*
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() {
-                cut_at($point, false, false).await;
+                cut_at($point, false, None).await;
             }
         )*
 
@@ -386,7 +461,17 @@ macro_rules! kill_matrix {
                 $(#[$attr])*
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
-                    super::cut_at($point, false, true).await;
+                    super::cut_at($point, false, Some("tcp")).await;
+                }
+            )*
+        }
+
+        mod with_udp_listener {
+            $(
+                $(#[$attr])*
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::cut_at($point, false, Some("udp")).await;
                 }
             )*
         }
@@ -486,12 +571,19 @@ kill_matrix! {
 /// The documented default: the crash point aborts the process by itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_aborting_crash_point_after_the_switch_is_recovered_done() {
-    cut_at("overlap.before_retire", true, false).await;
+    cut_at("overlap.before_retire", true, None).await;
 }
 
 /// The hold's gap, which the bounded matrix leaves out: the incumbent is
 /// stopped and no generation holds the listener, only the keeper does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_killed_in_a_holds_gap_leaves_the_listener_open_and_served() {
-    cut_at("hold.after_stop", false, true).await;
+    cut_at("hold.after_stop", false, Some("tcp")).await;
+}
+
+/// The same with a UDP listener: the queries sent in the gap wait in the
+/// socket's buffer, which the keeper holds, and are answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_killed_in_a_holds_gap_leaves_the_udp_listener_bound_and_answered() {
+    cut_at("hold.after_stop", false, Some("udp")).await;
 }

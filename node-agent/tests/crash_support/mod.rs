@@ -493,6 +493,8 @@ pub struct Manifest {
     pub resources: Option<String>,
     /// A TCP listener `web` on this 127.0.0.1 port.
     pub listener_port: Option<u16>,
+    /// The listener on `listener_port` is UDP, named `dns`.
+    pub listener_udp: bool,
 }
 
 impl Manifest {
@@ -505,6 +507,7 @@ impl Manifest {
             settle_seconds: 1,
             resources: None,
             listener_port: None,
+            listener_udp: false,
         }
     }
 
@@ -537,7 +540,12 @@ spec:
                 .as_ref()
                 .map_or_else(String::new, |r| format!("  resources: {r}\n")),
             listeners = self.listener_port.map_or_else(String::new, |port| {
-                format!("  listeners: [{{name: web, tcp: \"127.0.0.1:{port}\"}}]\n")
+                let (name, protocol) = if self.listener_udp {
+                    ("dns", "udp")
+                } else {
+                    ("web", "tcp")
+                };
+                format!("  listeners: [{{name: {name}, {protocol}: \"127.0.0.1:{port}\"}}]\n")
             }),
             id = self.build_id,
             path = self.path.display(),

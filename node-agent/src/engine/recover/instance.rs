@@ -156,6 +156,43 @@ impl Engine {
             .and_then(|r| r.stop.clone())
             .unwrap_or_default();
 
+        // The spec that started the generation kept: the attempt's in
+        // flight if it is its successor, else the lineage's.
+        let lineage = entry
+            .as_ref()
+            .and_then(|e| e.supervised.as_ref())
+            .map(|s| &s.spec);
+        let kept_listeners = keep
+            .as_ref()
+            .and_then(|kept| {
+                successor_listeners
+                    .as_ref()
+                    .filter(|(n, _)| *n == kept.n)
+                    .map(|(_, listeners)| listeners.clone())
+            })
+            .or_else(|| lineage.map(|spec| spec.listeners.clone()))
+            .unwrap_or_default();
+        let kept_pid = keep.as_ref().and_then(|kept| {
+            let listing = generations.get(&kept.n).filter(|l| l.populated)?;
+            let preferred = record_successor_pid(entry.as_ref(), kept.n);
+            Some(serving_pid(listing, kept.n, lineage, preferred))
+        });
+        // The listeners come back before any other generation stops: an
+        // agent killed between `current.sock` and the steering map left the
+        // map on the generation about to stop, and a datagram queued on its
+        // socket then would go with it (a queued connection would move).
+        if let Some(pid) = kept_pid {
+            for problem in self.listeners.take_back(&key, pid, &kept_listeners) {
+                tracing::debug!(instance = %key, %problem, "a listener the serving generation does not hold");
+            }
+        }
+        // The keeper holds them even when no generation does (an agent
+        // killed in a hold's gap); a fresh keeper then holds what is held.
+        let specs = journaled_listeners(entry.as_ref());
+        for problem in self.listeners.take_back_from_keeper(&key, &specs).await {
+            tracing::warn!(instance = %key, %problem, "a listener could not be taken back; the next attempt binds it anew");
+        }
+
         // Every other live generation stops; empty ones and their sockets go.
         let mut notes = Vec::new();
         let mut drain = None;
@@ -387,40 +424,12 @@ impl Engine {
         if let Some(kept) = serving_record
             && let Some(listing) = generations.get(&kept.n)
         {
-            let preferred = record_successor_pid(entry.as_ref(), kept.n);
-            // The spec that started the generation kept: the attempt's in
-            // flight if it is its successor, else the lineage's.
-            let listeners = successor_listeners
-                .filter(|(n, _)| *n == kept.n)
-                .map(|(_, listeners)| listeners)
-                .or_else(|| {
-                    entry
-                        .as_ref()
-                        .and_then(|e| e.supervised.as_ref())
-                        .map(|s| s.spec.listeners.clone())
-                })
-                .unwrap_or_default();
-            let lineage = entry
-                .as_ref()
-                .and_then(|e| e.supervised.as_ref())
-                .map(|s| &s.spec);
             let found = Adoption {
                 kind,
-                preferred_pid: preferred,
+                preferred_pid: record_successor_pid(entry.as_ref(), kept.n),
                 lineage,
             };
-            let pid = self.adopt(&key, kept, listing, found, &mut work);
-            if let Some(pid) = pid {
-                for problem in self.listeners.take_back(&key, pid, &listeners) {
-                    tracing::debug!(instance = %key, %problem, "a listener the serving generation does not hold");
-                }
-            }
-        }
-        // The keeper holds them even when no generation does (an agent
-        // killed in a hold's gap); a fresh keeper then holds what is held.
-        let specs = journaled_listeners(entry.as_ref());
-        for problem in self.listeners.take_back_from_keeper(&key, &specs).await {
-            tracing::warn!(instance = %key, %problem, "a listener could not be taken back; the next attempt binds it anew");
+            self.adopt(&key, kept, listing, found, &mut work);
         }
         self.listeners.refresh_keeper(&key).await;
 
@@ -488,7 +497,7 @@ impl Engine {
     }
 
     /// Makes `record` the instance's serving generation in the engine, with
-    /// its main process found in its cgroup; returns that process's pid.
+    /// its main process found in its cgroup.
     pub(super) fn adopt(
         &self,
         key: &InstanceKey,
@@ -496,18 +505,13 @@ impl Engine {
         listing: &GenerationListing,
         found: Adoption<'_>,
         work: &mut InstanceWork,
-    ) -> Option<u32> {
+    ) {
         let Adoption {
             kind,
             preferred_pid,
             lineage,
         } = found;
-        // A daemon's pid file names its main process better than the pid
-        // journaled at the exec, which was its start's.
-        let named = lineage
-            .and_then(crate::engine::lifecycle::pid_file_of)
-            .and_then(|file| crate::engine::lifecycle::named_process(&file, &listing.cgroup).ok());
-        let pid = main_pid(&listing.pids, record.n, named.or(preferred_pid));
+        let pid = serving_pid(listing, record.n, lineage, preferred_pid);
         let mut running = Running {
             tier: tier_of(listing.cgroup.path()),
             cgroup: listing.cgroup.clone(),
@@ -541,15 +545,29 @@ impl Engine {
                 instance: key.clone(),
                 generation: info.generation,
             });
-            return None;
+            return;
         }
         tracing::info!(instance = %key, generation = info.generation, pid, build = %info.build, "adopted the serving generation");
         state.info = Some(info.clone());
         state.serving = Some(running);
         self.watch_serving(key, state);
         work.recovery.serving = Some(info);
-        Some(pid)
     }
+}
+
+/// The main process of generation `n` in `listing`: the one its daemon's
+/// pid file names (better than the pid journaled at the exec, which was its
+/// start's), else `preferred`, else the cgroup's root process.
+fn serving_pid(
+    listing: &GenerationListing,
+    n: u64,
+    lineage: Option<&genswap_crds::SwapAttemptSpec>,
+    preferred: Option<u32>,
+) -> u32 {
+    let named = lineage
+        .and_then(crate::engine::lifecycle::pid_file_of)
+        .and_then(|file| crate::engine::lifecycle::named_process(&file, &listing.cgroup).ok());
+    main_pid(&listing.pids, n, named.or(preferred))
 }
 
 /// The serving generation of an instance with no attempt in flight: the
