@@ -469,6 +469,7 @@ mod tests {
                 executed: true,
                 drain_ms: None,
             }),
+            sidecars: Vec::new(),
         }
     }
 

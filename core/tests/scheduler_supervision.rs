@@ -4,7 +4,9 @@
 
 mod scheduler_support;
 
-use genswap_crds::{LastExit, RestartPolicy, ServingState, ServingStatus};
+use genswap_crds::{
+    LastExit, RestartPolicy, ServingState, ServingStatus, SidecarExit, SidecarState, SidecarStatus,
+};
 use scheduler_support::*;
 
 /// One node serving `b1` as generation 1.
@@ -39,6 +41,7 @@ fn block(
         restart_at: None,
         message: Some(format!("generation {generation} is {state:?}")),
         listeners: Vec::new(),
+        sidecars: Vec::new(),
     }
 }
 
@@ -167,4 +170,70 @@ fn a_worker_that_exited_0_under_on_failure_is_done_not_down() {
         Some(false),
         "nothing runs: the job is done"
     );
+}
+
+fn sidecar(state: SidecarState, restarts: i32, exit_code: Option<i32>) -> SidecarStatus {
+    SidecarStatus {
+        name: "exporter".into(),
+        state,
+        generation: 1,
+        restarts,
+        last_exit: exit_code.map(|code| SidecarExit {
+            exit_code: Some(code),
+            signal: None,
+            at: time(T0 + 5),
+        }),
+        restart_at: None,
+        message: None,
+    }
+}
+
+#[test]
+fn a_sidecar_down_keeps_the_node_ready_and_says_so() {
+    let mut world = serving_b1();
+    let mut running = block(ServingState::Running, 1, 0, None);
+    running.sidecars = vec![sidecar(SidecarState::Running, 0, None)];
+    world.report_serving("a", running.clone());
+    let plan = world.reconcile();
+    let status = world.status();
+    assert_eq!(condition(&status, "Ready"), "True AllNodesReady");
+    assert_eq!(entry(&status, "a").sidecars, running.sidecars);
+    assert!(plan.events.is_empty(), "{:?}", events(&plan));
+
+    // Its sidecar crash-loops: the instance still serves, Ready stays True
+    // and names the sidecar; no attempt is issued for it.
+    let mut down = running.clone();
+    down.sidecars = vec![sidecar(SidecarState::BackOff, 3, Some(2))];
+    world.report_serving("a", down.clone());
+    let plan = world.reconcile();
+    assert!(
+        plan.create.is_empty(),
+        "a sidecar's restarts are the agent's"
+    );
+    let status = world.status();
+    assert_eq!(condition(&status, "Ready"), "True SidecarDown");
+    assert!(
+        message(&status, "Ready")
+            .contains("SidecarDown: a: exporter BackOff (exit code 2, 3 restarts)"),
+        "{}",
+        message(&status, "Ready")
+    );
+    assert_eq!(status.ready.as_deref(), Some("1/1"));
+    assert_eq!(entry(&status, "a").serving, Some(true));
+    assert_eq!(
+        events(&plan),
+        [
+            "!SidecarDown: node a: sidecar exporter BackOff (exit code 2, 3 restarts) of generation 1"
+        ]
+    );
+    world.report_serving("a", down);
+    assert!(
+        world.reconcile().events.is_empty(),
+        "the same state is told once"
+    );
+
+    // Up again: plain ready.
+    world.report_serving("a", running);
+    world.reconcile();
+    assert_eq!(condition(&world.status(), "Ready"), "True AllNodesReady");
 }

@@ -10,6 +10,7 @@ use crate::settings::{
     Artifact, BuildSpec, Cause, Demand, InstanceKind, Listeners, Mode, NodeSelector, Outcome,
     ProcessSpec, ResourcesSpec, RestartPolicy, SettleSpec, SocketSpec, StopSpec,
 };
+use crate::sidecars::{SIDECAR_LISTENERS_RULE, SidecarStatus, Sidecars};
 use crate::swap_attempt::LastExit;
 
 /// The desired state of one host process identity on every node its selector picks.
@@ -33,6 +34,7 @@ use crate::swap_attempt::LastExit;
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[x_kube(validation = Rule::new(PROBE_LISTENERS_RULE).message("a probe's listener must name one of spec.listeners"))]
+#[x_kube(validation = Rule::new(SIDECAR_LISTENERS_RULE).message("a sidecar's listener must name one of spec.listeners"))]
 #[x_kube(validation = Rule::new(WATCHDOG_RULE).message("liveness.watchdog needs health.notify: WATCHDOG=1 arrives on the NOTIFY_SOCKET the agent gives a generation whose health probe is notify"))]
 #[serde(rename_all = "camelCase")]
 pub struct InstanceGenerationSpec {
@@ -91,6 +93,12 @@ pub struct InstanceGenerationSpec {
     /// attempts; unset: `Always` for an instance, `OnFailure` for a worker.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_policy: Option<RestartPolicy>,
+    /// Processes that follow the serving generation (SPEC 5.13): each
+    /// generation gets its own once it serves, and they stop with it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 4))]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
+    pub sidecars: Sidecars,
 }
 
 /// Every probe that names a listener names one of `spec.listeners`.
@@ -234,6 +242,10 @@ pub struct NodeGeneration {
     pub last_exit: Option<LastExit>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_attempt: Option<LastAttempt>,
+    /// The serving generation's sidecars, as its agent reports them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 4))]
+    pub sidecars: Vec<SidecarStatus>,
 }
 
 /// The newest finished attempt on a node.

@@ -17,6 +17,7 @@ pub mod instance_generation;
 pub mod manifest;
 pub mod probes;
 pub mod settings;
+pub mod sidecars;
 pub mod swap_attempt;
 
 pub use conditions::{ConditionType, set_condition};
@@ -26,6 +27,9 @@ pub use instance_generation::{
 };
 pub use probes::*;
 pub use settings::*;
+pub use sidecars::{
+    SIDECAR_LISTENERS_RULE, SidecarExit, SidecarSpec, SidecarState, SidecarStatus, Sidecars,
+};
 pub use swap_attempt::{
     HeldListener, LastExit, ListenerHandover, ServingState, ServingStatus, StepTiming, SwapAttempt,
     SwapAttemptSpec, SwapAttemptStatus, describe_exit, exit_text, exited_clean, signal_name,

@@ -10,6 +10,7 @@ use crate::settings::{
     BuildSpec, Cause, Demand, InstanceKind, Listeners, Mode, Outcome, ProcessSpec, ResourcesSpec,
     RestartPolicy, SettleSpec, SocketSpec, StopSpec,
 };
+use crate::sidecars::{SidecarStatus, Sidecars};
 
 /// An attempt as the controller issued it. It never changes after creation.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -85,6 +86,12 @@ pub struct SwapAttemptSpec {
     /// What the agent does when the generation this attempt installs exits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_policy: Option<RestartPolicy>,
+    /// Processes that follow each generation this attempt's lineage runs
+    /// (SPEC 5.13).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 4))]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
+    pub sidecars: Sidecars,
 }
 
 /// What the node agent reports. Written only by the agent.
@@ -156,6 +163,10 @@ pub struct ServingStatus {
     /// so connections wait in their backlog.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub listeners: Vec<HeldListener>,
+    /// The serving generation's sidecars (SPEC 5.13).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 4))]
+    pub sidecars: Vec<SidecarStatus>,
 }
 
 /// How new connections of a listener reach generations (SPEC 6.2, 6.3).

@@ -75,6 +75,7 @@ fn attempt() -> SwapAttempt {
         socket: ig.spec.socket.clone(),
         listeners: ig.spec.listeners.clone(),
         restart_policy: ig.spec.restart_policy,
+        sidecars: ig.spec.sidecars.clone(),
     };
     SwapAttempt::new("app-node-a-3", spec)
 }

@@ -40,6 +40,9 @@ pub mod reasons {
     pub const LIVENESS_FAILED: &str = "LivenessFailed";
     /// `spec.rollout.paused`: nodes wait for the rollout to resume.
     pub const PAUSED: &str = "Paused";
+    /// Ready=True, and a sidecar of a serving generation is not running
+    /// (exited, backing off): the instance serves, its helper does not.
+    pub const SIDECAR_DOWN: &str = "SidecarDown";
 }
 
 /// At most this many names in one message.
@@ -110,6 +113,22 @@ pub(super) fn write(
                         .join(",")
                 )
             },
+        )
+    } else if all_ready && !progress.sidecars_down.is_empty() {
+        // A sidecar never makes its generation unready (SPEC 5.13).
+        (
+            reasons::SIDECAR_DOWN,
+            format!(
+                "all {} nodes serve {target}; SidecarDown: {}",
+                progress.selected,
+                progress
+                    .sidecars_down
+                    .iter()
+                    .take(NAMES_SHOWN)
+                    .map(|(node, how)| format!("{node}: {how}"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
         )
     } else if all_ready {
         (

@@ -334,6 +334,7 @@ fn gather<'a>(
                 restarts: None,
                 last_exit: None,
                 last_attempt: None,
+                sidecars: Vec::new(),
             });
         let attempts = groups
             .next_if(|g| g[0].spec.node_name == name)

@@ -170,6 +170,7 @@ pub(super) fn build_attempt(
             socket: spec.socket.clone(),
             listeners: spec.listeners.clone(),
             restart_policy: spec.restart_policy,
+            sidecars: spec.sidecars.clone(),
         },
         status: None,
     }

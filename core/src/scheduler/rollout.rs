@@ -114,6 +114,8 @@ pub(super) struct Progress<'a> {
     pub refused: Vec<(&'a str, String)>,
     /// Attempts `rollout.paused` withheld from this plan.
     pub paused: usize,
+    /// Ready nodes with a sidecar that is not running, and how each is.
+    pub sidecars_down: Vec<(&'a str, String)>,
 }
 
 pub(super) struct Decisions<'a> {
@@ -211,7 +213,19 @@ pub(super) fn decide<'a>(
                         progress.liveness_failed.push(slot.name);
                     }
                 }
-                None => progress.ready += 1,
+                None => {
+                    progress.ready += 1;
+                    let down: Vec<String> = slot
+                        .entry
+                        .sidecars
+                        .iter()
+                        .filter(|s| !s.is_up())
+                        .map(|s| s.describe())
+                        .collect();
+                    if !down.is_empty() {
+                        progress.sidecars_down.push((slot.name, down.join(", ")));
+                    }
+                }
             }
             if f.in_flight && !f.aims {
                 progress.superseding = true;

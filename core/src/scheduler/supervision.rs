@@ -9,7 +9,9 @@
 //! down is not ready, but it gets no attempt: the desired state is what it
 //! runs, and the agent restarts it (or, under `Never`, a human acts).
 
-use genswap_crds::{LastExit, Outcome, RestartPolicy, ServingState, ServingStatus, SwapAttempt};
+use genswap_crds::{
+    LastExit, Outcome, RestartPolicy, ServingState, ServingStatus, SidecarStatus, SwapAttempt,
+};
 
 use super::{NodeSlot, PlanEvent};
 
@@ -58,6 +60,7 @@ pub(super) fn observe(slot: &mut NodeSlot<'_>, events: &mut Vec<PlanEvent>) -> O
     let runs = entry.build.is_some();
     let Some((attempt, block)) = newest_block(slot.attempts).filter(|_| runs) else {
         entry.serving = runs.then_some(true);
+        entry.sidecars.clear();
         return None;
     };
     let Some(block) = block else {
@@ -65,8 +68,11 @@ pub(super) fn observe(slot: &mut NodeSlot<'_>, events: &mut Vec<PlanEvent>) -> O
         entry.serving = Some(true);
         entry.restarts = Some(0);
         entry.last_exit = None;
+        entry.sidecars.clear();
         return None;
     };
+    observe_sidecars(node, &entry.sidecars, &block.sidecars, events);
+    entry.sidecars = block.sidecars.clone();
     if let Some(exit) = &block.last_exit
         && !same_exit(entry.last_exit.as_ref(), exit)
     {
@@ -117,6 +123,32 @@ pub(super) fn observe(slot: &mut NodeSlot<'_>, events: &mut Vec<PlanEvent>) -> O
             } else {
                 Some(Down::Left(message()))
             }
+        }
+    }
+}
+
+/// One Event per sidecar that went down since the last plan.
+fn observe_sidecars(
+    node: &str,
+    recorded: &[SidecarStatus],
+    now: &[SidecarStatus],
+    events: &mut Vec<PlanEvent>,
+) {
+    for sidecar in now.iter().filter(|s| !s.is_up()) {
+        let was = recorded.iter().find(|r| r.name == sidecar.name);
+        let new = was.is_none_or(|r| {
+            r.is_up() || r.generation != sidecar.generation || r.restarts != sidecar.restarts
+        });
+        if new {
+            events.push(PlanEvent {
+                warning: true,
+                reason: "SidecarDown".into(),
+                message: format!(
+                    "node {node}: sidecar {} of generation {}",
+                    sidecar.describe(),
+                    sidecar.generation
+                ),
+            });
         }
     }
 }

@@ -96,6 +96,7 @@ pub fn serving(node: &str, build: &str, generation: i64) -> NodeGeneration {
         restarts: None,
         last_exit: None,
         last_attempt: None,
+        sidecars: Vec::new(),
     }
 }
 
