@@ -182,7 +182,11 @@ fn finished_status(finished: Finished<'_>) -> SwapAttemptStatus {
 
 /// The `serving` block a `done` attempt carries for its lineage
 /// (SPEC 5.10), from what the supervisor journaled.
-pub fn serving_status(supervised: &Supervised, last_exit: Option<&ExitRecord>) -> ServingStatus {
+pub fn serving_status(
+    supervised: &Supervised,
+    last_exit: Option<&ExitRecord>,
+    sidecars: &[genswap_crds::SidecarStatus],
+) -> ServingStatus {
     ServingStatus {
         state: supervised.state,
         generation: i64::try_from(supervised.generation).unwrap_or(i64::MAX),
@@ -191,6 +195,7 @@ pub fn serving_status(supervised: &Supervised, last_exit: Option<&ExitRecord>) -
         restart_at: supervised.restart_at_ms.map(time_of_millis),
         message: supervised.message.clone(),
         listeners: held_listeners(&supervised.spec.listeners),
+        sidecars: sidecars.to_vec(),
     }
 }
 

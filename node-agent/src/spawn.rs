@@ -69,6 +69,10 @@ pub const ENV_SOCKET: &str = "GENSWAP_SOCKET";
 pub const ENV_GENERATION: &str = "GENSWAP_GENERATION";
 /// The build id.
 pub const ENV_BUILD: &str = "GENSWAP_BUILD";
+/// A sidecar's: the socket of the generation it follows (SPEC 5.13).
+pub const ENV_TARGET_SOCKET: &str = "GENSWAP_TARGET_SOCKET";
+/// A sidecar's: the main pid of the generation it follows.
+pub const ENV_TARGET_PID: &str = "GENSWAP_TARGET_PID";
 
 /// Socket activation (`sd_listen_fds(3)`): how many fds from 3 are passed.
 pub const ENV_LISTEN_FDS: &str = "LISTEN_FDS";
@@ -132,6 +136,11 @@ pub struct SpawnSpec {
     /// Listening sockets handed over by socket activation, in fd order from
     /// 3 (SPEC 6.2).
     pub listeners: Vec<ActivatedSocket>,
+    /// `Some(pid)` starts a sidecar of the generation whose main process
+    /// is `pid` (SPEC 5.13): `socket` is passed as `GENSWAP_TARGET_SOCKET`
+    /// with `GENSWAP_TARGET_PID`, and no `GENSWAP_SOCKET` is set, so a
+    /// program that binds `GENSWAP_SOCKET` never takes its generation's.
+    pub target_pid: Option<u32>,
 }
 
 /// A listening socket a generation receives at exec.
@@ -168,6 +177,7 @@ impl SpawnSpec {
             stdout: Output::Inherit,
             stderr: Output::Inherit,
             listeners: Vec::new(),
+            target_pid: None,
         }
     }
 }
@@ -811,6 +821,8 @@ impl Plan {
                 ENV_SOCKET,
                 ENV_GENERATION,
                 ENV_BUILD,
+                ENV_TARGET_SOCKET,
+                ENV_TARGET_PID,
                 ENV_LISTEN_FDS,
                 ENV_LISTEN_PID,
                 ENV_LISTEN_FDNAMES,
@@ -833,7 +845,13 @@ impl Plan {
                 "the socket path or build id contains a NUL byte".to_owned(),
             ));
         }
-        env.push((ENV_SOCKET.to_owned(), socket.to_owned()));
+        match spec.target_pid {
+            None => env.push((ENV_SOCKET.to_owned(), socket.to_owned())),
+            Some(pid) => {
+                env.push((ENV_TARGET_SOCKET.to_owned(), socket.to_owned()));
+                env.push((ENV_TARGET_PID.to_owned(), pid.to_string()));
+            }
+        }
         env.push((ENV_GENERATION.to_owned(), spec.generation.to_string()));
         env.push((ENV_BUILD.to_owned(), spec.build.clone()));
         if !spec.listeners.is_empty() {

@@ -86,11 +86,11 @@ async fn a_generations_output_is_its_own_cri_log_and_logs_reads_it() {
     let first = host.who_serves().await.expect("b1 serves");
     let instance_dir = log_dir.join("default_app");
     eventually(DEADLINE, "testapp's start line in 1.log", || {
-        fs::read_to_string(current_path(&instance_dir, 1))
+        fs::read_to_string(current_path(&instance_dir, "1"))
             .is_ok_and(|text| text.contains(&format!("genswap-testapp[{}]", first.pid)))
     })
     .await;
-    let gen1 = records(&files_of(&instance_dir, 1));
+    let gen1 = records(&files_of(&instance_dir, "1"));
     assert!(
         gen1.iter()
             .all(|(stream, full, _)| *stream == cri::Stream::Stderr && *full),
@@ -103,7 +103,7 @@ async fn a_generations_output_is_its_own_cri_log_and_logs_reads_it() {
     let result = host.swap(&host.attempt(2, &b2, "b2")).await;
     assert_eq!(result.outcome, genswap_crds::Outcome::Done, "{result:?}");
     eventually(DEADLINE, "the drain of generation 1 in its log", || {
-        fs::read_to_string(current_path(&instance_dir, 1))
+        fs::read_to_string(current_path(&instance_dir, "1"))
             .is_ok_and(|text| text.contains("drain finished"))
     })
     .await;
@@ -205,7 +205,7 @@ async fn the_shim_rotates_by_size_and_keeps_at_most_the_configured_files() {
     .await;
 
     let instance_dir = dir.path().join("logs").join("default_app");
-    let files = files_of(&instance_dir, 1);
+    let files = files_of(&instance_dir, "1");
     assert_eq!(files.len(), 3, "{files:?}");
     for file in &files {
         assert!(fs::metadata(file).expect("exists").len() <= 4096);
@@ -225,7 +225,7 @@ async fn the_shim_rotates_by_size_and_keeps_at_most_the_configured_files() {
         kept.windows(2).all(|w| w[1] == w[0] + 1),
         "what is kept is contiguous: rotation lost nothing it kept"
     );
-    assert_eq!(read_dropped(&dropped_path(&instance_dir, 1)), 0);
+    assert_eq!(read_dropped(&dropped_path(&instance_dir, "1")), 0);
 }
 
 /// A small tmpfs, unmounted on drop.
@@ -274,8 +274,8 @@ async fn a_full_disk_drops_whole_records_counts_them_and_never_blocks_the_writer
     eventually(DEADLINE, "the shim to exit", || shim_pids(&root).is_empty()).await;
 
     let instance_dir = dir.path().join("logs").join("default_app");
-    let dropped = read_dropped(&dropped_path(&instance_dir, 1));
-    let kept = records(&files_of(&instance_dir, 1));
+    let dropped = read_dropped(&dropped_path(&instance_dir, "1"));
+    let kept = records(&files_of(&instance_dir, "1"));
     assert!(dropped > 0, "records were dropped and counted");
     assert!(!kept.is_empty(), "what fitted was written");
     assert_eq!(
@@ -442,7 +442,7 @@ spec:
         || get(&current).is_ok_and(|status| status.starts_with("HTTP/1.1 200")),
     )
     .await;
-    let log = current_path(&logs.join("default_server"), 1);
+    let log = current_path(&logs.join("default_server"), "1");
     let pid: u32 = fs::read_to_string(
         tree.path()
             .join("genswap/default.server/gen-1/cgroup.procs"),
@@ -578,7 +578,7 @@ async fn logs_follow_prints_every_record_once_across_rotations() {
         write(i);
     }
     eventually(DEADLINE, "the first lines in the log", || {
-        fs::read_to_string(current_path(&instance_dir, 1)).is_ok_and(|t| t.contains("line 004"))
+        fs::read_to_string(current_path(&instance_dir, "1")).is_ok_and(|t| t.contains("line 004"))
     })
     .await;
 
@@ -615,7 +615,7 @@ async fn logs_follow_prints_every_record_once_across_rotations() {
         );
     }
     assert!(
-        files_of(&instance_dir, 1).len() > 2,
+        files_of(&instance_dir, "1").len() > 2,
         "the writes rotated the file while it was followed"
     );
     follower.start_kill().expect("stop the follower");
@@ -632,7 +632,7 @@ async fn a_shim_that_cannot_open_its_file_still_reads_so_the_writer_never_breaks
     });
     // Where the log file would be, a directory: the shim cannot open it.
     let instance_dir = dir.path().join("logs").join("default_app");
-    fs::create_dir_all(current_path(&instance_dir, 1)).expect("a directory in the way");
+    fs::create_dir_all(current_path(&instance_dir, "1")).expect("a directory in the way");
     let output = sink
         .start(&key(), 1, None)
         .expect("the shim starts all the same");

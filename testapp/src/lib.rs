@@ -52,6 +52,17 @@
 //! | `TESTAPP_WATCHDOG=1` | with `WATCHDOG_USEC` set, send `WATCHDOG=1` on `NOTIFY_SOCKET` every half of it (`sd_watchdog_enabled`) |
 //! | `TESTAPP_TERM_LOG=path` | append `SIGTERM` to `path` when SIGTERM arrives (to order it against a hook) |
 //!
+//! ## As a sidecar
+//!
+//! With `GENSWAP_TARGET_SOCKET` set (the agent starts it as a sidecar,
+//! SPEC 5.13) it serves nothing: every 20 ms it sends `GET /` over that
+//! socket, and appends to `TESTAPP_SIDECAR_REPORT` (when set) one line at
+//! its start, `start generation=<G> target_pid=<P> pid=<pid>
+//! socket=<GENSWAP_SOCKET or unset> listen_fds=<LISTEN_FDS or 0>`, and one
+//! line per new answer, `saw generation=<G> pid=<pid> answer=<body>` (the
+//! body is the generation's identity). It prints the same lines on stdout.
+//! `TESTAPP_EXIT_AFTER_MS` and `TESTAPP_EXIT_CODE` apply; SIGTERM ends it.
+//!
 //! The forked children are created before the socket is bound, so they never
 //! hold it, and their stdin/stdout/stderr point at `/dev/null`, so they keep
 //! no pipe of the spawner open. They exist to prove that stopping an instance
@@ -156,9 +167,12 @@ pub mod knob {
     pub const WATCHDOG: &str = "TESTAPP_WATCHDOG";
     /// Append `SIGTERM` to this file when SIGTERM arrives.
     pub const TERM_LOG: &str = "TESTAPP_TERM_LOG";
+    /// As a sidecar (`GENSWAP_TARGET_SOCKET` set): where it reports what
+    /// its generation answers.
+    pub const SIDECAR_REPORT: &str = "TESTAPP_SIDECAR_REPORT";
 
     /// Every knob, for flag parsing.
-    pub const ALL: [&str; 21] = [
+    pub const ALL: [&str; 22] = [
         BOOT_DELAY_MS,
         STATUS,
         EXIT_AFTER_MS,
@@ -180,6 +194,7 @@ pub mod knob {
         PID_FILE,
         WATCHDOG,
         TERM_LOG,
+        SIDECAR_REPORT,
     ];
 }
 

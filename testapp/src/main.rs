@@ -326,6 +326,15 @@ impl Responder {
 
 fn main() {
     let started = Instant::now();
+    if let Some(target) = std::env::var_os("GENSWAP_TARGET_SOCKET") {
+        match Knobs::from_args(std::env::args_os().skip(1)) {
+            Ok(knobs) => sidecar(PathBuf::from(target), &knobs, started),
+            Err(err) => {
+                event!("error {}", chain(&err));
+                std::process::exit(2);
+            }
+        }
+    }
     let loaded = Knobs::from_args(std::env::args_os().skip(1)).and_then(|knobs| {
         let config = Config::load(&knobs)?;
         let responder = Responder::new(&config)?;
@@ -352,6 +361,66 @@ fn main() {
             event!("exit code=1");
             std::process::exit(1);
         }
+    }
+}
+
+/// The sidecar mode (see the crate docs): asks the target what it is until
+/// stopped, and reports each new answer.
+fn sidecar(target: PathBuf, knobs: &Knobs, started: Instant) -> ! {
+    use std::io::{Read, Write as _};
+    let var = |name: &str| std::env::var(name).unwrap_or_else(|_| "unset".into());
+    let generation = var(env::GENERATION);
+    let pid = std::process::id();
+    let report = knobs.raw(knob::SIDECAR_REPORT).map(PathBuf::from);
+    let exit_after = knobs.millis(knob::EXIT_AFTER_MS).ok().flatten();
+    let exit_code = knobs
+        .parsed::<i32>(knob::EXIT_CODE, "an exit code")
+        .ok()
+        .flatten()
+        .unwrap_or(DEFAULT_EXIT_CODE);
+    let say = |line: String| {
+        println!("{line}");
+        if let Some(path) = &report
+            && let Ok(mut file) = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+        {
+            let _ = writeln!(file, "{line}");
+        }
+    };
+    say(format!(
+        "start generation={generation} target_pid={} pid={pid} socket={} listen_fds={}",
+        var("GENSWAP_TARGET_PID"),
+        var(env::SOCKET),
+        std::env::var("LISTEN_FDS").unwrap_or_else(|_| "0".into()),
+    ));
+    let mut last = String::new();
+    loop {
+        if exit_after.is_some_and(|after| started.elapsed() >= after) {
+            say(format!(
+                "exit generation={generation} pid={pid} code={exit_code}"
+            ));
+            std::process::exit(exit_code);
+        }
+        if let Ok(mut stream) = std::os::unix::net::UnixStream::connect(&target) {
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+            let _ =
+                stream.write_all(b"GET / HTTP/1.1\r\nhost: sidecar\r\nconnection: close\r\n\r\n");
+            let mut answer = String::new();
+            let _ = stream.read_to_string(&mut answer);
+            let body = answer
+                .split_once("\r\n\r\n")
+                .map(|(_, body)| body.trim().to_string())
+                .unwrap_or_default();
+            if !body.is_empty() && body != last {
+                say(format!(
+                    "saw generation={generation} pid={pid} answer={body}"
+                ));
+                last = body;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

@@ -800,6 +800,7 @@ async fn spawn_successor(
         liveness_task: None,
         pre_stop: None,
         pid_file: super::lifecycle::pid_file_of(&ctx.attempt.spec),
+        sidecars: None,
     };
     if let Err(error) = parts::verify_identity(&mut running, staged).await {
         if let Err((_, stop_error)) = parts::stop_generation(running, &ctx.attempt.spec.stop).await

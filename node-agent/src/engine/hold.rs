@@ -150,6 +150,12 @@ async fn after_stop(
             successor.record.serving_since_ms = Some(unix_millis_now());
             // With the outcome, durably.
             run.serving_now = Some(Some(successor.record.clone()));
+            successor.sidecars = super::sidecars::Sidecars::start(
+                run.engine,
+                &run.attempt.instance,
+                &run.attempt.spec,
+                &successor,
+            );
             claim.serving = Some(successor);
             claim.publish();
             run.note(Step::Switch, started, Ok(()))?;

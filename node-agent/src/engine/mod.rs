@@ -54,6 +54,7 @@ mod liveness;
 mod overlap;
 mod parts;
 mod recover;
+mod sidecars;
 mod supervise;
 mod types;
 
@@ -195,6 +196,8 @@ pub(crate) struct Running {
     /// Its `process.pidFile`, until its start has handed over to the
     /// process the file names.
     pub(crate) pid_file: Option<PathBuf>,
+    /// Its sidecars, once it serves (SPEC 5.13).
+    pub(crate) sidecars: Option<sidecars::Sidecars>,
 }
 
 /// A generation's main process.
@@ -270,6 +273,8 @@ pub struct Engine {
     /// The listening sockets held for instances (SPEC 6.2).
     listeners: crate::listeners::Listeners,
     notices: supervise::Notices,
+    /// The serving generations' sidecars, as their tasks post them.
+    sidecar_board: sidecars::Board,
 }
 
 impl Engine {
@@ -290,6 +295,7 @@ impl Engine {
             instances: Mutex::new(HashMap::new()),
             listeners,
             notices: supervise::Notices::new(),
+            sidecar_board: sidecars::Board::default(),
         }
     }
 
@@ -329,6 +335,27 @@ impl Engine {
         self.lock_instances()
             .get(instance)
             .and_then(|state| state.info.clone())
+    }
+
+    /// The sidecars of what serves `instance` (SPEC 5.13), as their
+    /// supervision last posted them; empty without any.
+    pub fn sidecars(&self, instance: &InstanceKey) -> Vec<genswap_crds::SidecarStatus> {
+        self.sidecar_board.of(instance)
+    }
+
+    /// Starts the sidecars `spec` names for what serves `instance`, unless
+    /// they run: what a recovery that adopted it does.
+    fn start_serving_sidecars(&self, instance: &InstanceKey, spec: &genswap_crds::SwapAttemptSpec) {
+        let mut instances = self.lock_instances();
+        let Some(running) = instances
+            .get_mut(instance)
+            .and_then(|state| state.serving.as_mut())
+        else {
+            return;
+        };
+        if running.sidecars.is_none() {
+            running.sidecars = sidecars::Sidecars::start(self, instance, spec, running);
+        }
     }
 
     /// Every instance the engine has a serving generation for.

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use super::flow::{Ended, Finished, Run, Started, reason_of};
 use super::parts::{self, Staged};
+use super::sidecars::Sidecars;
 use super::types::Step;
 use super::{Claim, Running};
 use crate::cgroup::{ParentRaise, Tier};
@@ -96,6 +97,12 @@ async fn after_admission(
         return ended.map(|()| Finished::default());
     }
     run.note(Step::Switch, started, Ok(()))?;
+    successor.sidecars = Sidecars::start(
+        run.engine,
+        &run.attempt.instance,
+        &run.attempt.spec,
+        &successor,
+    );
     let retiring = claim.serving.replace(successor);
     claim.publish();
 

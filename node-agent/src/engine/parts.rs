@@ -309,6 +309,13 @@ pub(super) async fn stop_generation(
     if let Err(error) = crate::command::kill_commands(&running.cgroup).await {
         return Err((running, error));
     }
+    // Its sidecars stop first: they follow it and must not outlive it, and
+    // the generation's drain is then its own (SPEC 5.13).
+    if let Some(sidecars) = running.sidecars.take()
+        && let Err(error) = sidecars.stop(stop).await
+    {
+        return Err((running, error));
+    }
     let mut signal_timeout = timeout;
     if let Some(hook) = running.pre_stop.take()
         && still_runs(&mut running)

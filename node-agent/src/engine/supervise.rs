@@ -118,6 +118,8 @@ pub struct ServingChange {
     pub supervised: Supervised,
     /// How its last generation that exited ended, if one did.
     pub last_exit: Option<ExitRecord>,
+    /// The serving generation's sidecars (SPEC 5.13).
+    pub sidecars: Vec<genswap_crds::SidecarStatus>,
 }
 
 impl ServingChange {
@@ -126,15 +128,20 @@ impl ServingChange {
         &self.supervised.attempt
     }
 
-    /// The block a `done` attempt that holds listeners starts its lineage
-    /// with, so its status says what the agent holds from the start; `None`
-    /// for any other end, and for a lineage with nothing to show until it
-    /// exits (a done attempt without a block reads as running).
-    pub fn installed(attempt: &Attempt, result: &SwapResult) -> Option<ServingChange> {
+    /// The block a `done` attempt that holds listeners or runs sidecars
+    /// starts its lineage with, so its status says what the agent holds and
+    /// runs from the start; `None` for any other end, and for a lineage
+    /// with nothing to show until it exits (a done attempt without a block
+    /// reads as running). `sidecars` is what [`Engine::sidecars`] says now.
+    pub fn installed(
+        attempt: &Attempt,
+        result: &SwapResult,
+        sidecars: Vec<genswap_crds::SidecarStatus>,
+    ) -> Option<ServingChange> {
         let generation = result.generation?;
         let shown = result.outcome == Outcome::Done
             && attempt.restart.is_none()
-            && !attempt.spec.listeners.is_empty();
+            && (!attempt.spec.listeners.is_empty() || !attempt.spec.sidecars.is_empty());
         shown.then(|| ServingChange {
             instance: attempt.instance.clone(),
             supervised: Supervised::new(
@@ -147,6 +154,7 @@ impl ServingChange {
                 generation,
             ),
             last_exit: None,
+            sidecars,
         })
     }
 }
@@ -233,6 +241,8 @@ pub(super) enum Notice {
     LivenessFailed(InstanceKey, u64, LivenessFailure),
     /// An attempt (or a stop) of the instance ended with nothing serving.
     Idle(InstanceKey),
+    /// A sidecar of this generation changed its state.
+    Sidecars(InstanceKey, u64),
 }
 
 /// Where the watch tasks and the engine leave their notices.
@@ -292,6 +302,11 @@ impl Notices {
             }
         });
         running.liveness_task = Some(super::liveness::AbortOnDrop(task));
+    }
+
+    /// Where notices are sent, for a task of the engine's own.
+    pub(super) fn sender(&self) -> mpsc::UnboundedSender<Notice> {
+        self.sender.clone()
     }
 
     /// Says that `instance` is idle with nothing serving.
@@ -478,6 +493,15 @@ impl Loop {
                         }
                     }
                     Some(Notice::Idle(instance)) => self.reconcile(&instance).await,
+                    Some(Notice::Sidecars(instance, generation)) => {
+                        // Only the lineage's own generation: an overlap's
+                        // successor is told with its attempt's outcome.
+                        if let Some(entry) = self.load(&instance).await
+                            && entry.supervised.as_ref().is_some_and(|s| s.generation == generation)
+                        {
+                            self.tell_state(&entry);
+                        }
+                    }
                     None => return,
                 },
                 Some(ended) = self.tasks.join_next(), if !self.tasks.is_empty() => match ended {
@@ -504,6 +528,7 @@ impl Loop {
                 instance: entry.instance.clone(),
                 supervised: supervised.clone(),
                 last_exit: entry.last_exit.clone(),
+                sidecars: self.engine.sidecars(&entry.instance),
             })));
         }
     }

@@ -396,7 +396,11 @@ impl Running {
     fn write_serving(&mut self, change: ServingChange) {
         let namespace = change.instance.namespace().to_string();
         let name = change.attempt().name.clone();
-        let serving = serving_status(&change.supervised, change.last_exit.as_ref());
+        let serving = serving_status(
+            &change.supervised,
+            change.last_exit.as_ref(),
+            &change.sidecars,
+        );
         let cached = self
             .store
             .get(&ObjectRef::new(&name).within(&namespace))
@@ -782,6 +786,7 @@ async fn swap(
         reason = %result.reason,
         "attempt ended"
     );
-    let serving = ServingChange::installed(&engine_attempt, &result);
+    let sidecars = shared.engine.sidecars(&engine_attempt.instance);
+    let serving = ServingChange::installed(&engine_attempt, &result, sidecars);
     Some((OutcomeReport::from_result(target, &result), serving))
 }

@@ -1,6 +1,7 @@
 //! One generation's log file, rotated by size, written record by record.
 //!
-//! `<dir>/<N>.log` is the file being written; a rotation renames it to
+//! `<dir>/<N>.log` is the file being written (`<N>-<sidecar>.log` for a
+//! sidecar of generation N: the stem is [`stem`]); a rotation renames it to
 //! `<N>.log.1` (older ones move up one: `.1` to `.2`, ...) and starts an
 //! empty one, keeping `max_files` in all, as the kubelet's
 //! `containerLogMaxFiles` counts the current file too. A record that cannot
@@ -17,19 +18,29 @@ use std::path::{Path, PathBuf};
 /// Digits of the drop counter file.
 const COUNTER_WIDTH: usize = 20;
 
-/// `<N>.log` in `dir`.
-pub fn current_path(dir: &Path, generation: u64) -> PathBuf {
-    dir.join(format!("{generation}.log"))
+/// The name the files of generation N's output start with: `N`, or
+/// `N-<sidecar>` for one of its sidecars. A sidecar's name is a DNS label,
+/// so the first `-` ends the number.
+pub fn stem(generation: u64, sidecar: Option<&str>) -> String {
+    match sidecar {
+        None => generation.to_string(),
+        Some(name) => format!("{generation}-{name}"),
+    }
 }
 
-/// `<N>.log.<k>`, the k-th newest rotated file.
-pub fn rotated_path(dir: &Path, generation: u64, k: u32) -> PathBuf {
-    dir.join(format!("{generation}.log.{k}"))
+/// `<stem>.log` in `dir`.
+pub fn current_path(dir: &Path, stem: &str) -> PathBuf {
+    dir.join(format!("{stem}.log"))
 }
 
-/// `<N>.dropped`, the count of records dropped.
-pub fn dropped_path(dir: &Path, generation: u64) -> PathBuf {
-    dir.join(format!("{generation}.dropped"))
+/// `<stem>.log.<k>`, the k-th newest rotated file.
+pub fn rotated_path(dir: &Path, stem: &str, k: u32) -> PathBuf {
+    dir.join(format!("{stem}.log.{k}"))
+}
+
+/// `<stem>.dropped`, the count of records dropped.
+pub fn dropped_path(dir: &Path, stem: &str) -> PathBuf {
+    dir.join(format!("{stem}.dropped"))
 }
 
 /// Reads a drop counter file; 0 when there is none.
@@ -44,7 +55,7 @@ pub fn read_dropped(path: &Path) -> u64 {
 #[derive(Debug)]
 pub struct RotatingFile {
     dir: PathBuf,
-    generation: u64,
+    stem: String,
     max_size: u64,
     max_files: u32,
     file: Option<File>,
@@ -54,14 +65,9 @@ pub struct RotatingFile {
 }
 
 impl RotatingFile {
-    /// Opens (appending) `<dir>/<generation>.log`, creating `dir`.
+    /// Opens (appending) `<dir>/<stem>.log`, creating `dir`.
     /// `max_files` is at least 2 (the current file and one rotated).
-    pub fn open(
-        dir: &Path,
-        generation: u64,
-        max_size: u64,
-        max_files: u32,
-    ) -> io::Result<RotatingFile> {
+    pub fn open(dir: &Path, stem: &str, max_size: u64, max_files: u32) -> io::Result<RotatingFile> {
         fs::create_dir_all(dir)?;
         let counter = OpenOptions::new()
             .read(true)
@@ -69,15 +75,15 @@ impl RotatingFile {
             .create(true)
             .truncate(false)
             .mode(0o640)
-            .open(dropped_path(dir, generation))?;
+            .open(dropped_path(dir, stem))?;
         let mut log = RotatingFile {
             dir: dir.to_path_buf(),
-            generation,
+            stem: stem.to_string(),
             max_size: max_size.max(1),
             max_files: max_files.max(2),
             file: None,
             size: 0,
-            dropped: read_dropped(&dropped_path(dir, generation)),
+            dropped: read_dropped(&dropped_path(dir, stem)),
             counter: Some(counter),
         };
         log.store_counter();
@@ -136,38 +142,38 @@ impl RotatingFile {
             .append(true)
             .create(true)
             .mode(0o640)
-            .open(current_path(&self.dir, self.generation))?;
+            .open(current_path(&self.dir, &self.stem))?;
         self.size = file.metadata()?.len();
         self.file = Some(file);
         Ok(())
     }
 
     fn rotate(&mut self) -> io::Result<()> {
-        let oldest = rotated_path(&self.dir, self.generation, self.max_files - 1);
+        let oldest = rotated_path(&self.dir, &self.stem, self.max_files - 1);
         match fs::remove_file(&oldest) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
         }
         for k in (1..self.max_files - 1).rev() {
-            let from = rotated_path(&self.dir, self.generation, k);
+            let from = rotated_path(&self.dir, &self.stem, k);
             if from.exists() {
-                fs::rename(&from, rotated_path(&self.dir, self.generation, k + 1))?;
+                fs::rename(&from, rotated_path(&self.dir, &self.stem, k + 1))?;
             }
         }
         fs::rename(
-            current_path(&self.dir, self.generation),
-            rotated_path(&self.dir, self.generation, 1),
+            current_path(&self.dir, &self.stem),
+            rotated_path(&self.dir, &self.stem, 1),
         )?;
         self.file = None;
         self.reopen()
     }
 }
 
-/// The log files of `generation` in `dir`, oldest first.
-pub fn files_of(dir: &Path, generation: u64) -> Vec<PathBuf> {
+/// The log files of `stem` in `dir`, oldest first.
+pub fn files_of(dir: &Path, stem: &str) -> Vec<PathBuf> {
     let mut rotated: Vec<(u32, PathBuf)> = Vec::new();
-    let prefix = format!("{generation}.log.");
+    let prefix = format!("{stem}.log.");
     if let Ok(entries) = fs::read_dir(dir) {
         for entry in entries.flatten() {
             let name = entry.file_name();
@@ -183,7 +189,7 @@ pub fn files_of(dir: &Path, generation: u64) -> Vec<PathBuf> {
     }
     rotated.sort_by_key(|entry| std::cmp::Reverse(entry.0));
     let mut files: Vec<PathBuf> = rotated.into_iter().map(|(_, path)| path).collect();
-    let current = current_path(dir, generation);
+    let current = current_path(dir, stem);
     if current.exists() {
         files.push(current);
     }
@@ -209,16 +215,56 @@ pub fn generations_in(dir: &Path) -> Vec<u64> {
     found
 }
 
-/// Deletes the files of every generation in `dir` but `keep`.
+/// The generations with a log of sidecar `name` in `dir`, ascending.
+pub fn sidecar_generations_in(dir: &Path, name: &str) -> Vec<u64> {
+    let mut found: Vec<u64> = sidecar_logs_in(dir)
+        .into_iter()
+        .filter(|(_, sidecar)| sidecar == name)
+        .map(|(generation, _)| generation)
+        .collect();
+    found.sort_unstable();
+    found.dedup();
+    found
+}
+
+/// Every (generation, sidecar) with a file in `dir`.
+fn sidecar_logs_in(dir: &Path) -> Vec<(u64, String)> {
+    fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name();
+            let name = name.to_str()?;
+            let stem = name.split('.').next()?;
+            let (generation, sidecar) = stem.split_once('-')?;
+            let generation = generation.parse::<u64>().ok()?;
+            (name.ends_with(".log") || name.contains(".log.") || name.ends_with(".dropped"))
+                .then(|| (generation, sidecar.to_string()))
+        })
+        .collect()
+}
+
+/// Deletes the files of every generation in `dir` but `keep`, its
+/// sidecars' with them.
 pub fn prune(dir: &Path, keep: &[u64]) {
-    for generation in generations_in(dir) {
+    let sidecars = sidecar_logs_in(dir);
+    let stems = generations_in(dir)
+        .into_iter()
+        .map(|generation| (generation, stem(generation, None)))
+        .chain(
+            sidecars
+                .iter()
+                .map(|(generation, name)| (*generation, stem(*generation, Some(name)))),
+        );
+    for (generation, stem) in stems {
         if keep.contains(&generation) {
             continue;
         }
-        for path in files_of(dir, generation) {
+        for path in files_of(dir, &stem) {
             let _ = fs::remove_file(path);
         }
-        let _ = fs::remove_file(dropped_path(dir, generation));
+        let _ = fs::remove_file(dropped_path(dir, &stem));
     }
 }
 
@@ -234,17 +280,17 @@ mod tests {
     fn rotation_keeps_at_most_max_files_and_loses_no_record_it_keeps() {
         let dir = tempfile::tempdir().expect("temp dir");
         let one = record(0).len() as u64;
-        let mut log = RotatingFile::open(dir.path(), 7, one * 10, 3).expect("opens");
+        let mut log = RotatingFile::open(dir.path(), &stem(7, None), one * 10, 3).expect("opens");
         for i in 0..100 {
             log.write_record(&record(i));
         }
-        let files = files_of(dir.path(), 7);
+        let files = files_of(dir.path(), &stem(7, None));
         assert_eq!(
             files,
             vec![
-                rotated_path(dir.path(), 7, 2),
-                rotated_path(dir.path(), 7, 1),
-                current_path(dir.path(), 7)
+                rotated_path(dir.path(), &stem(7, None), 2),
+                rotated_path(dir.path(), &stem(7, None), 1),
+                current_path(dir.path(), &stem(7, None))
             ]
         );
         let text: String = files
@@ -263,13 +309,13 @@ mod tests {
     #[test]
     fn a_reopened_log_appends() {
         let dir = tempfile::tempdir().expect("temp dir");
-        RotatingFile::open(dir.path(), 1, 1 << 20, 5)
+        RotatingFile::open(dir.path(), &stem(1, None), 1 << 20, 5)
             .expect("opens")
             .write_record(&record(1));
-        RotatingFile::open(dir.path(), 1, 1 << 20, 5)
+        RotatingFile::open(dir.path(), &stem(1, None), 1 << 20, 5)
             .expect("opens")
             .write_record(&record(2));
-        let text = fs::read_to_string(current_path(dir.path(), 1)).expect("readable");
+        let text = fs::read_to_string(current_path(dir.path(), &stem(1, None))).expect("readable");
         assert_eq!(text.lines().count(), 2);
     }
 
@@ -277,7 +323,7 @@ mod tests {
     fn pruning_keeps_only_the_named_generations() {
         let dir = tempfile::tempdir().expect("temp dir");
         for generation in 1..=4 {
-            RotatingFile::open(dir.path(), generation, 1 << 20, 5)
+            RotatingFile::open(dir.path(), &stem(generation, None), 1 << 20, 5)
                 .expect("opens")
                 .write_record(&record(0));
         }
@@ -286,13 +332,37 @@ mod tests {
     }
 
     #[test]
+    fn a_sidecars_log_is_its_generations_and_goes_with_it() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        for (generation, sidecar) in [
+            (1, None),
+            (1, Some("exporter")),
+            (2, None),
+            (2, Some("exporter")),
+            (2, Some("shipper")),
+        ] {
+            RotatingFile::open(dir.path(), &stem(generation, sidecar), 1 << 20, 5)
+                .expect("opens")
+                .write_record(&record(0));
+        }
+        assert!(dir.path().join("2-exporter.log").exists());
+        assert_eq!(generations_in(dir.path()), vec![1, 2]);
+        assert_eq!(sidecar_generations_in(dir.path(), "exporter"), vec![1, 2]);
+        assert_eq!(sidecar_generations_in(dir.path(), "shipper"), vec![2]);
+        prune(dir.path(), &[2]);
+        assert_eq!(generations_in(dir.path()), vec![2]);
+        assert_eq!(sidecar_generations_in(dir.path(), "exporter"), vec![2]);
+        assert!(!dir.path().join("1-exporter.log").exists());
+    }
+
+    #[test]
     fn the_drop_counter_reads_back() {
         let dir = tempfile::tempdir().expect("temp dir");
-        let mut log = RotatingFile::open(dir.path(), 3, 1 << 20, 5).expect("opens");
+        let mut log = RotatingFile::open(dir.path(), &stem(3, None), 1 << 20, 5).expect("opens");
         log.file = None;
         // No file and none can be opened: the directory is gone.
-        fs::remove_file(current_path(dir.path(), 3)).expect("remove");
-        let counter = dropped_path(dir.path(), 3);
+        fs::remove_file(current_path(dir.path(), &stem(3, None))).expect("remove");
+        let counter = dropped_path(dir.path(), &stem(3, None));
         log.dir = dir.path().join("missing");
         log.write_record(&record(0));
         log.write_record(&record(1));

@@ -183,7 +183,34 @@ impl LogSink {
         keep.extend(serving);
         keep.push(generation);
         file::prune(&dir, &keep);
+        self.start_shim(instance, &dir, generation, None)
+    }
 
+    /// Starts the shim for sidecar `name` of `generation`: its output goes
+    /// to `<N>-<name>.log` beside the generation's, and is pruned with it.
+    pub fn start_sidecar(
+        &self,
+        instance: &InstanceKey,
+        generation: u64,
+        name: &str,
+    ) -> Result<GenerationOutput, LogError> {
+        let dir = self.instance_dir(instance);
+        fs::create_dir_all(&dir)
+            .and_then(|()| crate::disk_name::write_record(&dir, instance))
+            .map_err(|source| LogError::Dir {
+                path: dir.clone(),
+                source,
+            })?;
+        self.start_shim(instance, &dir, generation, Some(name))
+    }
+
+    fn start_shim(
+        &self,
+        instance: &InstanceKey,
+        dir: &Path,
+        generation: u64,
+        sidecar: Option<&str>,
+    ) -> Result<GenerationOutput, LogError> {
         let pipe = || {
             nix::unistd::pipe2(OFlag::O_CLOEXEC)
                 .map_err(|source| LogError::Pipe { generation, source })
@@ -220,7 +247,7 @@ impl LogSink {
                 (b'o', step)
             })
             .collect();
-        let args = [
+        let mut args = vec![
             "log-shim".to_owned(),
             "--dir".to_owned(),
             dir.display().to_string(),
@@ -231,6 +258,9 @@ impl LogSink {
             "--max-files".to_owned(),
             self.settings.max_files.to_string(),
         ];
+        if let Some(name) = sidecar {
+            args.extend(["--sidecar".to_owned(), name.to_owned()]);
+        }
         let image = ExecImage::new(exe, &args, &[], None).map_err(start_err)?;
         fs::create_dir_all(&self.shim_cgroup).map_err(|source| LogError::Cgroup {
             path: self.shim_cgroup.clone(),

@@ -8,7 +8,7 @@ use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use thiserror::Error;
 
 use super::cri;
-use super::file::{current_path, files_of, generations_in};
+use super::file::{current_path, files_of, generations_in, sidecar_generations_in, stem};
 use super::{DEFAULT_LOG_DIR, instance_dir};
 use crate::gate::InstanceKey;
 
@@ -26,6 +26,10 @@ pub struct LogsArgs {
     /// Keep printing lines as they are written.
     #[arg(long, short = 'f')]
     pub follow: bool,
+    /// A sidecar's output (SPEC 5.13): of the newest generation with one
+    /// of that name, or of the one `--generation` names.
+    #[arg(long, value_name = "NAME")]
+    pub sidecar: Option<String>,
     /// Print the CRI records as stored (time, stream, tag, text).
     #[arg(long)]
     pub raw: bool,
@@ -40,6 +44,12 @@ pub enum ReadError {
     BadInstance(String),
     #[error("no logs of {instance} in {dir}")]
     NoLogs { instance: String, dir: PathBuf },
+    #[error("no logs of sidecar {sidecar} of {instance} in {dir}")]
+    NoSidecar {
+        instance: String,
+        sidecar: String,
+        dir: PathBuf,
+    },
     #[error("{instance} has no {which} generation with a log (it has: {have:?})")]
     NoGeneration {
         instance: String,
@@ -64,7 +74,18 @@ pub fn print(args: &LogsArgs, out: &mut impl Write) -> Result<(), ReadError> {
     let key = InstanceKey::new(namespace, name)
         .map_err(|_| ReadError::BadInstance(args.instance.clone()))?;
     let dir = instance_dir(&args.log_dir, &key);
-    let have = generations_in(&dir);
+    let sidecar = args.sidecar.as_deref();
+    let have = match sidecar {
+        None => generations_in(&dir),
+        Some(name) => sidecar_generations_in(&dir, name),
+    };
+    if have.is_empty() && sidecar.is_some() {
+        return Err(ReadError::NoSidecar {
+            instance: args.instance.clone(),
+            sidecar: sidecar.unwrap_or_default().to_string(),
+            dir,
+        });
+    }
     if have.is_empty() {
         return Err(ReadError::NoLogs {
             instance: args.instance.clone(),
@@ -85,8 +106,9 @@ pub fn print(args: &LogsArgs, out: &mut impl Write) -> Result<(), ReadError> {
         },
         have: have.clone(),
     })?;
+    let stem = stem(generation, sidecar);
     let mut last = None;
-    for path in files_of(&dir, generation) {
+    for path in files_of(&dir, &stem) {
         let file = File::open(&path).map_err(|source| ReadError::Io {
             path: path.clone(),
             source,
@@ -102,12 +124,12 @@ pub fn print(args: &LogsArgs, out: &mut impl Write) -> Result<(), ReadError> {
         let (file, position) = match last {
             Some((file, consumed)) => (file, consumed),
             None => {
-                let path = current_path(&dir, generation);
+                let path = current_path(&dir, &stem);
                 let file = File::open(&path).map_err(|source| ReadError::Io { path, source })?;
                 (file, 0)
             }
         };
-        follow(&dir, generation, file, position, args.raw, out)?;
+        follow(&dir, &stem, file, position, args.raw, out)?;
     }
     Ok(())
 }
@@ -166,13 +188,13 @@ fn write_line(line: &[u8], raw: bool, out: &mut impl Write) -> io::Result<()> {
 /// between the two goes unnoticed.
 fn follow(
     dir: &Path,
-    generation: u64,
+    stem: &str,
     mut file: File,
     position: u64,
     raw: bool,
     out: &mut impl Write,
 ) -> Result<(), ReadError> {
-    let path = current_path(dir, generation);
+    let path = current_path(dir, stem);
     let io = |source| ReadError::Io {
         path: path.clone(),
         source,

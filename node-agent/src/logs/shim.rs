@@ -42,6 +42,9 @@ pub struct ShimArgs {
     /// The generation N whose output this is.
     #[arg(long)]
     pub generation: u64,
+    /// The sidecar of generation N whose output this is, if not N's own.
+    #[arg(long)]
+    pub sidecar: Option<String>,
     /// Bytes after which the file is rotated.
     #[arg(long)]
     pub max_size: u64,
@@ -53,7 +56,8 @@ pub struct ShimArgs {
 /// Runs the shim until both pipes end.
 pub fn run(args: &ShimArgs) {
     detach();
-    let log = RotatingFile::open(&args.dir, args.generation, args.max_size, args.max_files).ok();
+    let stem = super::file::stem(args.generation, args.sidecar.as_deref());
+    let log = RotatingFile::open(&args.dir, &stem, args.max_size, args.max_files).ok();
     // SAFETY: as for the pipes below, the agent put this descriptor here.
     let ready = File::from(unsafe { OwnedFd::from_raw_fd(READY_FD) });
     let _ = (&ready).write_all(&[if log.is_some() {

@@ -330,6 +330,7 @@ pub fn spec(rev: i64, build: &testapp::Build, id: &str) -> SwapAttemptSpec {
         socket: Default::default(),
         listeners: Vec::new(),
         restart_policy: None,
+        sidecars: Vec::new(),
     }
 }
 

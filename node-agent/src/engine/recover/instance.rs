@@ -429,7 +429,9 @@ impl Engine {
                 preferred_pid: record_successor_pid(entry.as_ref(), kept.n),
                 lineage,
             };
+            let kept_n = kept.n;
             self.adopt(&key, kept, listing, found, &mut work);
+            self.restart_sidecars(&key, kept_n).await;
         }
         self.listeners.refresh_keeper(&key).await;
 
@@ -485,6 +487,17 @@ impl Engine {
                     "a command an earlier agent left could not be proven gone"
                 ),
             }
+            // Its sidecars are started anew for a kept generation, after it
+            // is adopted: none is adopted, and none outlives a generation
+            // recovery stops (SPEC 5.13).
+            match crate::engine::sidecars::kill_sidecars(&generation.cgroup).await {
+                Ok(n) => killed += n,
+                Err(error) => tracing::error!(
+                    cgroup = %generation.cgroup.path().display(),
+                    error = %reason_of(&error),
+                    "a sidecar an earlier agent left could not be proven gone"
+                ),
+            }
         }
         if killed == 0 {
             return Ok(listings);
@@ -494,6 +507,26 @@ impl Engine {
             "recovery killed the commands an earlier agent left running"
         );
         self.cgroups.list()
+    }
+
+    /// Starts the sidecars of the adopted generation `n` as the journal's
+    /// lineage (written by this recovery) names them.
+    async fn restart_sidecars(&self, key: &InstanceKey, n: u64) {
+        let journal = Arc::clone(&self.journal);
+        let instance = key.clone();
+        let spec = match parts::blocking(move || journal.load_entry(&instance)).await {
+            Ok(entry) => entry
+                .and_then(|e| e.supervised)
+                .filter(|s| s.generation == n)
+                .map(|s| s.spec),
+            Err(error) => {
+                tracing::error!(instance = %key, error = %reason_of(&error), "the journal cannot be read: the adopted generation's sidecars are not started");
+                None
+            }
+        };
+        if let Some(spec) = spec {
+            self.start_serving_sidecars(key, &spec);
+        }
     }
 
     /// Makes `record` the instance's serving generation in the engine, with
@@ -522,6 +555,7 @@ impl Engine {
             liveness_task: None,
             pre_stop: None,
             pid_file: None,
+            sidecars: None,
             record,
         };
         if let Some(spec) = lineage {

@@ -324,6 +324,7 @@ impl Runner {
         status.serving = Some(attempt_status::serving_status(
             &change.supervised,
             change.last_exit.as_ref(),
+            &change.sidecars,
         ));
         self.replan(&change.instance).await;
     }

@@ -133,7 +133,8 @@ impl Runner {
         let key = key.clone();
         tokio::spawn(async move {
             let result = engine.swap(&attempt, gate.as_ref(), &cancel).await;
-            let serving = ServingChange::installed(&attempt, &result).map(Box::new);
+            let sidecars = engine.sidecars(&attempt.instance);
+            let serving = ServingChange::installed(&attempt, &result, sidecars).map(Box::new);
             let _ = tx.send(Msg::Finished {
                 key,
                 sched_rev,

@@ -35,8 +35,9 @@ impl Runner {
             .find(|a| a.spec.sched_rev == sched_rev)
         {
             let mut status = attempt_status::status_from_result(&result);
-            status.serving =
-                serving.map(|change| attempt_status::serving_status(&change.supervised, None));
+            status.serving = serving.map(|change| {
+                attempt_status::serving_status(&change.supervised, None, &change.sidecars)
+            });
             attempt.status = Some(status);
         }
         match instance.removal {
