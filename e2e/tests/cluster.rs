@@ -658,3 +658,79 @@ async fn deleting_a_namespace_stops_its_instances_and_leaves_nothing() {
     expect_nothing_left(&stack, &names).await;
     stack.assert_running();
 }
+
+/// Sidecars on a real API server (SPEC 5.13): the schema takes
+/// `spec.sidecars`, the agent runs them beside the serving generation and
+/// reports them in the serving block, and the controller carries them to
+/// `status.nodes[]`; a crash-looping sidecar leaves the instance
+/// `Ready=True` with the reason `SidecarDown`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_looping_sidecar_leaves_the_instance_ready_and_says_so() {
+    let Some(cluster) = Cluster::find().await else {
+        return;
+    };
+    apply_crds(&cluster);
+    let mut stack = Stack::start(&cluster, "sidecar").await;
+    let client = cluster.client().await;
+    let igs: Api<InstanceGeneration> = Api::namespaced(client, &stack.namespace.name);
+    let build = testapp::make_build(&stack.staging, "side-1").expect("stage side-1");
+    let mut object = stack.instance_generation("side", &build, 0);
+    object["spec"]["sidecars"] = json!([
+        {"name": "watcher"},
+        {"name": "crasher", "process": {"args": ["--exit-after-ms=50", "--exit-code=5"]}},
+    ]);
+    igs.patch(
+        "side",
+        &PatchParams::apply(FIELD_MANAGER),
+        &Patch::Apply(&object),
+    )
+    .await
+    .expect("apply the instance with its sidecars");
+    let deadline = Instant::now() + STEP_DEADLINE;
+    let ready = loop {
+        stack.assert_running();
+        let ig = igs.get("side").await.expect("get the instance");
+        let node = ig.status.as_ref().and_then(|s| s.nodes.first());
+        let state = |name: &str| {
+            node.and_then(|n| n.sidecars.iter().find(|s| s.name == name))
+                .map(|s| s.state)
+        };
+        if condition(&ig, "Ready").is_some_and(|c| c.status == "True" && c.reason == "SidecarDown")
+            && state("watcher") == Some(genswap_crds::SidecarState::Running)
+            && state("crasher") == Some(genswap_crds::SidecarState::BackOff)
+        {
+            break ig;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never Ready with SidecarDown: {:?}{}",
+            ig.status,
+            stack.diagnosis()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let message = condition(&ready, "Ready")
+        .map(|c| c.message.clone())
+        .unwrap_or_default();
+    assert!(
+        message.contains("SidecarDown:") && message.contains("crasher BackOff (exit code 5"),
+        "{message}"
+    );
+    let crasher = ready
+        .status
+        .as_ref()
+        .and_then(|s| s.nodes.first())
+        .and_then(|n| n.sidecars.iter().find(|s| s.name == "crasher"))
+        .cloned()
+        .expect("the crasher reported");
+    assert!(crasher.restarts >= 1, "{crasher:?}");
+    assert!(
+        get_over(&stack.current_sock("side")).is_ok(),
+        "the instance serves"
+    );
+
+    igs.delete("side", &DeleteParams::default())
+        .await
+        .expect("delete the instance");
+    expect_nothing_left(&stack, &["side"]).await;
+}

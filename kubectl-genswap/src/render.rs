@@ -4,7 +4,7 @@ use std::fmt::Write;
 
 use anstyle::{AnsiColor, Style};
 
-use crate::tree::{AttemptView, NodeView, Tree};
+use crate::tree::{AttemptView, NodeView, SidecarView, Tree};
 
 /// Whether the text carries ANSI styles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -103,6 +103,9 @@ fn node_lines(out: &mut String, node: &NodeView, last: bool, paint: &Painter) {
     }
     let _ = writeln!(out, "{line}");
     let indent = if last { "   " } else { "│  " };
+    for sidecar in &node.sidecars {
+        let _ = writeln!(out, "{indent}├─ {}", sidecar_line(sidecar, paint));
+    }
     if node.attempts.is_empty() {
         let _ = writeln!(out, "{indent}└─ no attempts kept");
     }
@@ -110,6 +113,31 @@ fn node_lines(out: &mut String, node: &NodeView, last: bool, paint: &Painter) {
         let branch = branch(index + 1 == node.attempts.len());
         let _ = writeln!(out, "{indent}{branch}{}", attempt_line(attempt, paint));
     }
+}
+
+fn sidecar_line(sidecar: &SidecarView, paint: &Painter) -> String {
+    let colour = match sidecar.state {
+        "Running" => AnsiColor::Green,
+        "Starting" => AnsiColor::Cyan,
+        _ => AnsiColor::Red,
+    };
+    let mut line = format!(
+        "sidecar {}  {}",
+        sidecar.name,
+        paint.style(colour, sidecar.state)
+    );
+    if sidecar.restarts > 0 {
+        let _ = write!(line, "  restarts {}", sidecar.restarts);
+    }
+    if let Some(exit) = &sidecar.last_exit {
+        let _ = write!(line, "  last exit: {exit}");
+    }
+    if sidecar.state != "Running"
+        && let Some(message) = &sidecar.message
+    {
+        let _ = write!(line, "  {message}");
+    }
+    line
 }
 
 fn attempt_line(attempt: &AttemptView, paint: &Painter) -> String {

@@ -54,8 +54,24 @@ pub struct NodeView {
     pub restarts: i32,
     /// How the last generation exited between attempts, in words.
     pub last_exit: Option<String>,
+    /// The serving generation's sidecars (SPEC 5.13).
+    pub sidecars: Vec<SidecarView>,
     /// Newest first.
     pub attempts: Vec<AttemptView>,
+}
+
+/// A sidecar of a node's serving generation.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SidecarView {
+    pub name: String,
+    /// `Starting`, `Running`, `BackOff` or `Exited`.
+    pub state: &'static str,
+    pub restarts: i32,
+    /// How it last ended, in words.
+    pub last_exit: Option<String>,
+    /// Why it is not running.
+    pub message: Option<String>,
 }
 
 /// One SwapAttempt.
@@ -137,6 +153,20 @@ fn node_view(
                 describe_exit(exit.exit_code, exit.signal, exit.oom_killed)
             )
         }),
+        sidecars: entry
+            .sidecars
+            .iter()
+            .map(|sidecar| SidecarView {
+                name: sidecar.name.clone(),
+                state: sidecar.state.as_str(),
+                restarts: sidecar.restarts,
+                last_exit: sidecar
+                    .last_exit
+                    .as_ref()
+                    .map(|exit| describe_exit(exit.exit_code, exit.signal, false)),
+                message: sidecar.message.clone(),
+            })
+            .collect(),
         attempts: attempts
             .iter()
             .filter(|a| a.spec.node_name == entry.name)

@@ -63,9 +63,13 @@ fn mid_rollout() -> Value {
                 {"build": "b1", "sha256": sha("b1"), "artifact": {"url": "https://builds.example/b1"}, "at": at(7200)}
             ],
             "nodes": [
-                {"name": "a", "generation": 4, "build": "b2", "serving": true},
+                {"name": "a", "generation": 4, "build": "b2", "serving": true,
+                 "sidecars": [{"name": "exporter", "state": "Running", "generation": 4}]},
                 {"name": "b", "generation": 2, "build": "b1", "serving": true, "restarts": 1,
-                 "lastExit": {"generation": 2, "signal": 9, "at": at(600)}},
+                 "lastExit": {"generation": 2, "signal": 9, "at": at(600)},
+                 "sidecars": [{"name": "exporter", "state": "BackOff", "generation": 2, "restarts": 3,
+                               "lastExit": {"exitCode": 1, "at": at(30)},
+                               "message": "exit code 1, 3 in a row; starting it again in 40.0s"}]},
                 {"name": "c", "generation": 3, "build": "b1", "serving": true}
             ],
             "conditions": [

@@ -34,6 +34,11 @@
 //! query is answered (in a hold's gap they wait in the socket's buffer).
 //! After `down` the port is still bound.
 //!
+//! And again with a sidecar (`with_sidecar::*`, SPEC 5.13): the serving
+//! generation ends with exactly its one sidecar, in its cgroup, reaching
+//! it; every other sidecar any agent started is gone, and none ever
+//! reached another generation than its own.
+//!
 //! A bounded subset runs in `cargo test`; the whole matrix is
 //! `cargo test -p node-agent --test crash_matrix -- --ignored`.
 
@@ -41,6 +46,8 @@
 mod cgroup_guard;
 #[path = "crash_support/mod.rs"]
 mod crash_support;
+#[path = "support/sidecar_report.rs"]
+mod sidecar_report;
 #[path = "support/swap_host.rs"]
 mod swap_host;
 #[path = "support/tcp_client.rs"]
@@ -163,28 +170,83 @@ impl Traffic {
     }
 }
 
-/// A manifest of `build`, with `listener` if there is one.
-fn manifest(
-    id: &str,
-    build: &testapp::Build,
-    mode: &'static str,
+/// What a case's instance has beside its build.
+#[derive(Clone, Debug, Default)]
+struct Extras {
     listener: Option<Listener>,
-) -> Manifest {
+    /// A sidecar reporting to this file.
+    sidecar: Option<std::path::PathBuf>,
+}
+
+/// A manifest of `build`, with `extras`.
+fn manifest(id: &str, build: &testapp::Build, mode: &'static str, extras: &Extras) -> Manifest {
     let mut manifest = Manifest::new(id, build, mode);
-    manifest.listener_port = listener.map(Listener::port);
-    manifest.listener_udp = matches!(listener, Some(Listener::Udp(_)));
+    manifest.listener_port = extras.listener.map(Listener::port);
+    manifest.listener_udp = matches!(extras.listener, Some(Listener::Udp(_)));
+    manifest.sidecar_report = extras.sidecar.clone();
     manifest
+}
+
+/// After recovery: the serving generation `serving` (if any) has exactly
+/// its one sidecar, in its cgroup, reaching it; every other sidecar any
+/// agent started is gone; none reached another generation than its own.
+async fn assert_sidecar_follows(node: &Node, report: &std::path::Path, point: &str) {
+    let serving = node.who_serves().await.map(|identity| identity.generation);
+    if let Some(n) = serving {
+        let cgroup = node
+            .instance_cgroup()
+            .join(format!("gen-{n}"))
+            .join("sidecar-watcher");
+        let follows = crash_support::poll_until(crash_support::DEADLINE, || {
+            sidecar_report::saw_own(report, n)
+                && std::fs::read_to_string(cgroup.join("cgroup.procs"))
+                    .is_ok_and(|procs| procs.lines().count() == 1)
+        })
+        .await;
+        assert!(
+            follows,
+            "cut at {point}: generation {n}'s sidecar reaches it; report: {:?}",
+            sidecar_report::lines(report)
+        );
+        let procs = std::fs::read_to_string(cgroup.join("cgroup.procs")).unwrap_or_default();
+        let running: Vec<u32> = procs
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect();
+        let mine = sidecar_report::starts(report, n);
+        assert!(
+            mine.iter().any(|l| running == [sidecar_report::pid_of(l)]),
+            "cut at {point}: the sidecar in generation {n}'s cgroup is one it started: {mine:?} {running:?}"
+        );
+    }
+    for line in sidecar_report::all_starts(report) {
+        let pid = sidecar_report::pid_of(&line);
+        let in_serving = serving.is_some_and(|n| {
+            std::fs::read_to_string(
+                node.instance_cgroup()
+                    .join(format!("gen-{n}"))
+                    .join("sidecar-watcher")
+                    .join("cgroup.procs"),
+            )
+            .is_ok_and(|procs| procs.lines().any(|l| l.trim() == pid.to_string()))
+        });
+        assert!(
+            in_serving || !swap_host::alive(pid),
+            "cut at {point}: sidecar {pid} ({line}) outlived its generation or its agent"
+        );
+    }
+    sidecar_report::assert_each_saw_only_its_own(report);
 }
 
 /// Installs v1 with a first agent and stops it gracefully.
 async fn installed(
     node: &Node,
     mode: &'static str,
-    port: Option<Listener>,
+    extras: &Extras,
 ) -> (testapp::Build, testapp::Build) {
     let v1 = node.build("v1");
     let v2 = node.build("v2");
-    node.write(&manifest("v1", &v1, mode, port));
+    node.write(&manifest("v1", &v1, mode, extras));
     let mut agent = node.start(Crash::No);
     let doc = node
         .status("the install to end", |doc| {
@@ -201,10 +263,10 @@ async fn installed(
 /// recovered by another agent: whatever the point, v1 serves again as a
 /// newer generation, alone, and the restart is never reported as the
 /// install's outcome.
-async fn restart_cut_at(point: &'static str, port: Option<Listener>) {
-    let node = Node::new(&point.replace(['.', '_'], "-"));
+async fn restart_cut_at(node: Node, point: &'static str, extras: Extras) {
+    let port = extras.listener;
     let v1 = node.build("v1");
-    node.write(&manifest("v1", &v1, "overlap", port));
+    node.write(&manifest("v1", &v1, "overlap", &extras));
     let mut agent = node.start(Crash::PauseAt(point));
     let doc = node
         .status("the install to end", |doc| {
@@ -261,15 +323,28 @@ async fn restart_cut_at(point: &'static str, port: Option<Listener>) {
     if let Some(port) = port {
         assert_listener_served(&node, port, point, "v1", load).await;
     }
+    if let Some(report) = &extras.sidecar {
+        assert_sidecar_follows(&node, report, point).await;
+    }
     agent.terminate().await;
 }
 
 /// Runs the release v1 → v2, cut at `point` by `crash`, then recovers with
 /// a third agent and checks everything the module docs list.
 async fn cut_at(point: &'static str, abort: bool, protocol: Option<&str>) {
-    let port = listener_of(protocol);
+    cut_with(point, abort, protocol, false).await;
+}
+
+/// [`cut_at`], with a sidecar when `sidecar`.
+async fn cut_with(point: &'static str, abort: bool, protocol: Option<&str>, sidecar: bool) {
+    let node = Node::new(&point.replace(['.', '_'], "-"));
+    let extras = Extras {
+        listener: listener_of(protocol),
+        sidecar: sidecar.then(|| sidecar_report::report_in(&node.sidecar_dir(), "watcher")),
+    };
+    let port = extras.listener;
     if point.starts_with("restart.") {
-        return restart_cut_at(point, port).await;
+        return restart_cut_at(node, point, extras).await;
     }
     let expect = expected(point);
     let mode = if point.starts_with("overlap.") {
@@ -277,8 +352,7 @@ async fn cut_at(point: &'static str, abort: bool, protocol: Option<&str>) {
     } else {
         "hold"
     };
-    let node = Node::new(&point.replace(['.', '_'], "-"));
-    let (_, v2) = installed(&node, mode, port).await;
+    let (_, v2) = installed(&node, mode, &extras).await;
     let client = (mode == "overlap").then(|| Client::start(node.current_sock()));
     // After `down` nothing serves: requests would wait until they time out.
     let load = port
@@ -291,7 +365,7 @@ async fn cut_at(point: &'static str, abort: bool, protocol: Option<&str>) {
     } else {
         Crash::PauseAt(point)
     });
-    node.write(&manifest("v2", &v2, mode, port));
+    node.write(&manifest("v2", &v2, mode, &extras));
     if abort {
         let status = agent.exited().await;
         assert_eq!(
@@ -371,6 +445,9 @@ async fn cut_at(point: &'static str, abort: bool, protocol: Option<&str>) {
                 assert_eq!(node.keeper_pids().len(), 1, "cut at {point}: one keeper");
             }
         }
+    }
+    if let Some(report) = &extras.sidecar {
+        assert_sidecar_follows(&node, report, point).await;
     }
     agent.terminate().await;
 }
@@ -462,6 +539,16 @@ macro_rules! kill_matrix {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
                     super::cut_at($point, false, Some("tcp")).await;
+                }
+            )*
+        }
+
+        mod with_sidecar {
+            $(
+                $(#[$attr])*
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::cut_with($point, false, None, true).await;
                 }
             )*
         }

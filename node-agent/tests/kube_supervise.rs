@@ -89,3 +89,70 @@ async fn a_killed_generation_is_restarted_and_its_serving_block_applied() {
     assert_eq!(unexpected(server).await, Vec::<String>::new());
     node.tear_down(&["web"]).await;
 }
+
+/// A sidecar that crash-loops (SPEC 5.13) is reported in the install's
+/// serving block with its exits and backoff, by the supervisor's manager,
+/// while the generation serves on untouched.
+#[tokio::test]
+async fn a_crash_looping_sidecar_is_reported_in_the_serving_block() {
+    let node = TestNode::new("kube-sidecar");
+    let b1 = node.build("b1");
+    let mut spec = node.spec("web", 1, &b1, "b1");
+    spec.sidecars = vec![genswap_crds::SidecarSpec {
+        name: "exporter".into(),
+        build: None,
+        process: genswap_crds::ProcessSpec {
+            args: vec!["--exit-after-ms=30".into(), "--exit-code=4".into()],
+            ..genswap_crds::ProcessSpec::default()
+        },
+        restart_policy: None,
+        listeners: Vec::new(),
+    }];
+    let install = kube_support::object(&spec);
+    let (client, mut server) = kube_support::mock_client();
+    let _agent = node.start_agent(client);
+    let _feed = kube_support::list_and_watch(&mut server, std::slice::from_ref(&install)).await;
+    kube_support::running_status(&mut server, &install).await;
+    let status = kube_support::outcome_status(&mut server, &install).await;
+    assert_eq!(
+        status["outcome"], "done",
+        "a sidecar never fails a swap: {status:#}"
+    );
+    let before = node.who_serves("web").await.expect("b1 serves");
+
+    let attempt = name("web", 1);
+    let backing_off = server
+        .expect_serving_patch(NAMESPACE, &attempt, "with the sidecar backing off", |s| {
+            s["sidecars"][0]["state"] == "BackOff"
+        })
+        .await;
+    assert_eq!(
+        backing_off
+            .request
+            .query
+            .get("fieldManager")
+            .map(String::as_str),
+        Some("genswap-node-agent-supervisor")
+    );
+    let serving = backing_off.request.body["status"]["serving"].clone();
+    assert_eq!(
+        serving["state"], "Running",
+        "the generation serves: {serving:#}"
+    );
+    let sidecar = &serving["sidecars"][0];
+    assert_eq!(sidecar["name"], "exporter", "{serving:#}");
+    assert_eq!(sidecar["generation"], 1, "{serving:#}");
+    assert_eq!(sidecar["lastExit"]["exitCode"], 4, "{serving:#}");
+    assert!(
+        sidecar["restarts"].as_i64().is_some_and(|r| r >= 2),
+        "{serving:#}"
+    );
+    assert!(sidecar["restartAt"].is_string(), "{serving:#}");
+    backing_off.respond_json(StatusCode::OK, &install);
+
+    assert_eq!(
+        node.who_serves("web").await.as_ref(),
+        Some(&before),
+        "the generation is untouched"
+    );
+}

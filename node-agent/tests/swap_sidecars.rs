@@ -5,6 +5,8 @@
 
 #[path = "support/cgroup_guard.rs"]
 mod cgroup_guard;
+#[path = "support/sidecar_report.rs"]
+mod sidecar_report;
 #[path = "support/supervisor_watch.rs"]
 mod supervisor_watch;
 #[path = "support/swap_host.rs"]
@@ -12,7 +14,6 @@ mod swap_host;
 #[path = "support/tcp_client.rs"]
 mod tcp_client;
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -21,6 +22,9 @@ use genswap_crds::{
     SidecarState, SidecarStatus,
 };
 use node_agent::engine::{Attempt, EngineConfig, RestartBackoff};
+use sidecar_report::{
+    args, assert_each_saw_only_its_own, field, lines, pid_of, report_in, saw_own, starts,
+};
 use swap_host::{SwapHost, alive, eventually};
 use tcp_client::free_port;
 
@@ -28,81 +32,21 @@ use supervisor_watch::Watching;
 
 /// A report file a `nobody` sidecar may create.
 fn report_file(host: &SwapHost, name: &str) -> PathBuf {
-    let dir = host.staging.with_file_name("sidecars");
-    std::fs::create_dir_all(&dir).expect("report dir");
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).expect("open it");
-    dir.join(name)
+    report_in(&host.staging.with_file_name("sidecars"), name)
 }
 
 /// A sidecar `name` running the instance's build in its sidecar mode.
 fn watcher(name: &str, report: &Path, extra: &[&str]) -> SidecarSpec {
-    let mut args = vec![format!("--sidecar-report={}", report.display())];
-    args.extend(extra.iter().map(|a| a.to_string()));
     SidecarSpec {
         name: name.into(),
         build: None,
         process: ProcessSpec {
-            args,
+            args: args(report, extra),
             ..ProcessSpec::default()
         },
         restart_policy: None,
         listeners: Vec::new(),
     }
-}
-
-fn lines(report: &Path) -> Vec<String> {
-    std::fs::read_to_string(report)
-        .unwrap_or_default()
-        .lines()
-        .map(str::to_string)
-        .collect()
-}
-
-/// `key=value` from a report line.
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    line.split(' ')
-        .find_map(|part| part.strip_prefix(key)?.strip_prefix('='))
-}
-
-/// The start lines of generation `n`'s sidecars.
-fn starts(report: &Path, n: u64) -> Vec<String> {
-    lines(report)
-        .into_iter()
-        .filter(|l| l.starts_with("start ") && field(l, "generation") == Some(&n.to_string()))
-        .collect()
-}
-
-/// Whether a sidecar of generation `n` saw generation `n` answer.
-fn saw_own(report: &Path, n: u64) -> bool {
-    lines(report).iter().any(|l| {
-        l.starts_with("saw ")
-            && field(l, "generation") == Some(&n.to_string())
-            && answered(l) == Some(n)
-    })
-}
-
-/// The generation named by the answer a `saw` line quotes.
-fn answered(line: &str) -> Option<u64> {
-    let (_, answer) = line.split_once(" answer=")?;
-    field(answer, "generation")?.parse().ok()
-}
-
-/// No sidecar ever reached another generation than its own.
-fn assert_each_saw_only_its_own(report: &Path) {
-    for line in lines(report).iter().filter(|l| l.starts_with("saw ")) {
-        let own: Option<u64> = field(line, "generation").and_then(|g| g.parse().ok());
-        assert_eq!(
-            own,
-            answered(line),
-            "a sidecar reached another generation: {line}"
-        );
-    }
-}
-
-fn sidecar_pid(line: &str) -> u32 {
-    field(line, "pid")
-        .and_then(|p| p.parse().ok())
-        .expect("a pid")
 }
 
 /// The generation's sidecar cgroup `name`.
@@ -152,7 +96,7 @@ async fn assert_follows(host: &SwapHost, report: &Path, n: u64, retired: Option<
         Some("unset"),
         "a sidecar gets no GENSWAP_SOCKET of its own"
     );
-    let pid = sidecar_pid(&start[0]);
+    let pid = pid_of(&start[0]);
     let procs = std::fs::read_to_string(sidecar_cgroup(host, n, "watcher").join("cgroup.procs"))
         .expect("the sidecar's cgroup");
     assert_eq!(
@@ -162,7 +106,7 @@ async fn assert_follows(host: &SwapHost, report: &Path, n: u64, retired: Option<
     );
     if let Some(old) = retired {
         for line in starts(report, old) {
-            let pid = sidecar_pid(&line);
+            let pid = pid_of(&line);
             assert!(
                 !alive(pid),
                 "generation {old}'s sidecar {pid} stopped with it"
@@ -225,7 +169,7 @@ async fn a_sidecar_reaches_only_its_generation_across_an_overlap_a_hold_and_a_re
     host.tear_down().await;
     for line in lines(&report).iter().filter(|l| l.starts_with("start ")) {
         assert!(
-            !alive(sidecar_pid(line)),
+            !alive(pid_of(line)),
             "no sidecar outlives the instance: {line}"
         );
     }

@@ -108,6 +108,11 @@ impl Node {
         self.tree.path()
     }
 
+    /// Where a case's sidecars report (see `support/sidecar_report.rs`).
+    pub fn sidecar_dir(&self) -> PathBuf {
+        self.temp.path().join("sidecars")
+    }
+
     /// The cgroup v2 mount the subtree lies in.
     pub fn cgroup_mount(&self) -> &Path {
         self.tree.mount()
@@ -495,6 +500,9 @@ pub struct Manifest {
     pub listener_port: Option<u16>,
     /// The listener on `listener_port` is UDP, named `dns`.
     pub listener_udp: bool,
+    /// A sidecar `watcher` (the testapp in its sidecar mode) reporting to
+    /// this file.
+    pub sidecar_report: Option<PathBuf>,
 }
 
 impl Manifest {
@@ -508,6 +516,7 @@ impl Manifest {
             resources: None,
             listener_port: None,
             listener_udp: false,
+            sidecar_report: None,
         }
     }
 
@@ -534,7 +543,7 @@ spec:
     allNodes: true
   stop:
     timeoutSeconds: 10
-{resources}{listeners}",
+{resources}{listeners}{sidecars}",
             resources = self
                 .resources
                 .as_ref()
@@ -546,6 +555,12 @@ spec:
                     ("web", "tcp")
                 };
                 format!("  listeners: [{{name: {name}, {protocol}: \"127.0.0.1:{port}\"}}]\n")
+            }),
+            sidecars = self.sidecar_report.as_ref().map_or_else(String::new, |report| {
+                format!(
+                    "  sidecars: [{{name: watcher, process: {{args: [\"--sidecar-report={}\"]}}}}]\n",
+                    report.display()
+                )
             }),
             id = self.build_id,
             path = self.path.display(),
