@@ -196,39 +196,8 @@ pub fn files_of(dir: &Path, stem: &str) -> Vec<PathBuf> {
     files
 }
 
-/// The generations with a log in `dir`, ascending.
-pub fn generations_in(dir: &Path) -> Vec<u64> {
-    let mut found: Vec<u64> = fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|entry| {
-            let name = entry.file_name();
-            let name = name.to_str()?;
-            name.split('.').next()?.parse::<u64>().ok().filter(|_| {
-                name.ends_with(".log") || name.contains(".log.") || name.ends_with(".dropped")
-            })
-        })
-        .collect();
-    found.sort_unstable();
-    found.dedup();
-    found
-}
-
-/// The generations with a log of sidecar `name` in `dir`, ascending.
-pub fn sidecar_generations_in(dir: &Path, name: &str) -> Vec<u64> {
-    let mut found: Vec<u64> = sidecar_logs_in(dir)
-        .into_iter()
-        .filter(|(_, sidecar)| sidecar == name)
-        .map(|(generation, _)| generation)
-        .collect();
-    found.sort_unstable();
-    found.dedup();
-    found
-}
-
-/// Every (generation, sidecar) with a file in `dir`.
-fn sidecar_logs_in(dir: &Path) -> Vec<(u64, String)> {
+/// The stems (`N`, `N-<sidecar>`) of the log files in `dir`.
+fn stems_in(dir: &Path) -> Vec<String> {
     fs::read_dir(dir)
         .into_iter()
         .flatten()
@@ -236,11 +205,48 @@ fn sidecar_logs_in(dir: &Path) -> Vec<(u64, String)> {
         .filter_map(|entry| {
             let name = entry.file_name();
             let name = name.to_str()?;
-            let stem = name.split('.').next()?;
+            let is_log =
+                name.ends_with(".log") || name.contains(".log.") || name.ends_with(".dropped");
+            is_log.then(|| name.split('.').next().map(str::to_string))?
+        })
+        .collect()
+}
+
+/// Sorted and without repeats.
+fn ascending(mut found: Vec<u64>) -> Vec<u64> {
+    found.sort_unstable();
+    found.dedup();
+    found
+}
+
+/// The generations with a log in `dir`, ascending.
+pub fn generations_in(dir: &Path) -> Vec<u64> {
+    ascending(
+        stems_in(dir)
+            .iter()
+            .filter_map(|stem| stem.parse().ok())
+            .collect(),
+    )
+}
+
+/// The generations with a log of sidecar `name` in `dir`, ascending.
+pub fn sidecar_generations_in(dir: &Path, name: &str) -> Vec<u64> {
+    ascending(
+        sidecar_logs_in(dir)
+            .into_iter()
+            .filter(|(_, sidecar)| sidecar == name)
+            .map(|(generation, _)| generation)
+            .collect(),
+    )
+}
+
+/// Every (generation, sidecar) with a file in `dir`.
+fn sidecar_logs_in(dir: &Path) -> Vec<(u64, String)> {
+    stems_in(dir)
+        .iter()
+        .filter_map(|stem| {
             let (generation, sidecar) = stem.split_once('-')?;
-            let generation = generation.parse::<u64>().ok()?;
-            (name.ends_with(".log") || name.contains(".log.") || name.ends_with(".dropped"))
-                .then(|| (generation, sidecar.to_string()))
+            Some((generation.parse().ok()?, sidecar.to_string()))
         })
         .collect()
 }

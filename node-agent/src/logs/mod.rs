@@ -169,13 +169,7 @@ impl LogSink {
         generation: u64,
         serving: Option<u64>,
     ) -> Result<GenerationOutput, LogError> {
-        let dir = self.instance_dir(instance);
-        fs::create_dir_all(&dir)
-            .and_then(|()| crate::disk_name::write_record(&dir, instance))
-            .map_err(|source| LogError::Dir {
-                path: dir.clone(),
-                source,
-            })?;
+        let dir = self.made_instance_dir(instance)?;
         let mut keep: Vec<u64> = file::generations_in(&dir);
         keep.retain(|n| *n < generation);
         let newest = keep.len().saturating_sub(GENERATIONS_KEPT - 1);
@@ -194,6 +188,12 @@ impl LogSink {
         generation: u64,
         name: &str,
     ) -> Result<GenerationOutput, LogError> {
+        let dir = self.made_instance_dir(instance)?;
+        self.start_shim(instance, &dir, generation, Some(name))
+    }
+
+    /// The log directory of `instance`, made, with its disk-name record.
+    fn made_instance_dir(&self, instance: &InstanceKey) -> Result<PathBuf, LogError> {
         let dir = self.instance_dir(instance);
         fs::create_dir_all(&dir)
             .and_then(|()| crate::disk_name::write_record(&dir, instance))
@@ -201,7 +201,7 @@ impl LogSink {
                 path: dir.clone(),
                 source,
             })?;
-        self.start_shim(instance, &dir, generation, Some(name))
+        Ok(dir)
     }
 
     fn start_shim(
