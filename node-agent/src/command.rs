@@ -412,6 +412,11 @@ pub async fn kill_commands(generation: &Cgroup) -> Result<usize, crate::cgroup::
 
 /// The command cgroups below a generation's cgroup.
 pub fn command_cgroups(generation: &Path) -> Vec<PathBuf> {
+    child_cgroups(generation, COMMAND_CGROUP_PREFIX)
+}
+
+/// The cgroups below `generation` whose names start with `prefix`.
+pub(crate) fn child_cgroups(generation: &Path, prefix: &str) -> Vec<PathBuf> {
     let Ok(entries) = fs::read_dir(generation) else {
         return Vec::new();
     };
@@ -422,7 +427,7 @@ pub fn command_cgroups(generation: &Path) -> Vec<PathBuf> {
             entry
                 .file_name()
                 .to_str()
-                .is_some_and(|name| name.starts_with(COMMAND_CGROUP_PREFIX))
+                .is_some_and(|name| name.starts_with(prefix))
         })
         .map(|entry| entry.path())
         .collect()

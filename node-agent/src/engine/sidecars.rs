@@ -201,22 +201,11 @@ pub(crate) fn sidecar_cgroup(generation: &Cgroup, name: &str) -> Cgroup {
 /// Kills every sidecar below `generation` with proof and removes their
 /// cgroups (what an earlier agent left). Returns how many there were.
 pub(crate) async fn kill_sidecars(generation: &Cgroup) -> Result<usize, CgroupError> {
-    let Ok(entries) = fs::read_dir(generation.path()) else {
-        return Ok(0);
-    };
-    let mut killed = 0;
-    for entry in entries.flatten() {
-        let is_sidecar = entry.file_type().is_ok_and(|t| t.is_dir())
-            && entry
-                .file_name()
-                .to_str()
-                .is_some_and(|name| name.starts_with(SIDECAR_CGROUP_PREFIX));
-        if is_sidecar {
-            kill_and_remove(&Cgroup::at(entry.path(), None)).await?;
-            killed += 1;
-        }
+    let found = crate::command::child_cgroups(generation.path(), SIDECAR_CGROUP_PREFIX);
+    for path in &found {
+        kill_and_remove(&Cgroup::at(path, None)).await?;
     }
-    Ok(killed)
+    Ok(found.len())
 }
 
 /// One sidecar's life beside its generation: stage, start, await the exit,

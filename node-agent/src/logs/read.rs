@@ -79,10 +79,10 @@ pub fn print(args: &LogsArgs, out: &mut impl Write) -> Result<(), ReadError> {
         None => generations_in(&dir),
         Some(name) => sidecar_generations_in(&dir, name),
     };
-    if have.is_empty() && sidecar.is_some() {
+    if let (true, Some(name)) = (have.is_empty(), sidecar) {
         return Err(ReadError::NoSidecar {
             instance: args.instance.clone(),
-            sidecar: sidecar.unwrap_or_default().to_string(),
+            sidecar: name.to_string(),
             dir,
         });
     }
