@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::probes::{HealthSpec, LifecycleSpec, LivenessSpec};
 use crate::settings::{
     Artifact, BuildSpec, Cause, Demand, InstanceKind, Listeners, Mode, NodeSelector, Outcome,
-    ProcessSpec, ResourcesSpec, RestartPolicy, SettleSpec, SocketSpec, StopSpec,
+    ProcessSpec, ResourcesSpec, RestartPolicy, SettleSpec, SocketSpec, StopSpec, Unpack,
 };
 use crate::sidecars::{SIDECAR_LISTENERS_RULE, SidecarStatus, Sidecars};
 use crate::swap_attempt::LastExit;
@@ -286,6 +286,9 @@ pub struct HistoryEntry {
     pub sha256: String,
     /// Where the build came from, so it can be released again as it was.
     pub artifact: HistoryArtifact,
+    /// What ran in its tree, for a tree build.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entrypoint: Option<String>,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub config_rev: String,
     #[serde(
@@ -308,6 +311,8 @@ pub struct HistoryArtifact {
     pub path: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unpack: Option<Unpack>,
 }
 
 impl From<&Artifact> for HistoryArtifact {
@@ -315,6 +320,7 @@ impl From<&Artifact> for HistoryArtifact {
         Self {
             path: artifact.path.clone(),
             url: artifact.url.clone(),
+            unpack: artifact.unpack,
         }
     }
 }
@@ -324,6 +330,7 @@ impl From<&HistoryArtifact> for Artifact {
         Self {
             path: artifact.path.clone(),
             url: artifact.url.clone(),
+            unpack: artifact.unpack,
         }
     }
 }

@@ -198,9 +198,11 @@ pub enum StopSignal {
     Usr2,
 }
 
-/// The build an instance runs: an immutable artifact pinned by its digest.
+/// The build an instance runs: an immutable artifact pinned by its digest,
+/// a single executable file or an archive of a tree.
 #[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.artifact.unpack) == has(self.entrypoint)").message("build.entrypoint names what to run in a tree: set it exactly when artifact.unpack is set"))]
 pub struct BuildSpec {
     /// The build's name, reported in status and to the process as GENSWAP_BUILD.
     #[schemars(length(max = 128))]
@@ -208,10 +210,34 @@ pub struct BuildSpec {
     pub id: String,
     /// Where the artifact comes from.
     pub artifact: Artifact,
-    /// The sha256 of the artifact, 64 lowercase hex characters.
+    /// The sha256 of the artifact as its source gives it (for an archive,
+    /// of the archive file as stored or downloaded, compressed), 64
+    /// lowercase hex characters.
     #[schemars(length(max = 64))]
     #[x_kube(validation = Rule::new("self.matches('^[0-9a-f]{64}$')").message("build.sha256 must be 64 lowercase hex characters"))]
     pub sha256: String,
+    /// What to run in a tree build (`artifact.unpack`): a path relative to
+    /// the tree's root, without `..`. A symlink on the way is followed as
+    /// inside the tree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    #[x_kube(validation = Rule::new("self.size() > 0 && !self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')").message("build.entrypoint must be a relative path inside the tree, without '..'"))]
+    pub entrypoint: Option<String>,
+}
+
+/// The format of an archive build: the tree it holds is unpacked into the
+/// agent's store and run from there.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Unpack {
+    /// An uncompressed tar.
+    #[serde(rename = "tar")]
+    Tar,
+    /// A gzip-compressed tar.
+    #[serde(rename = "tar+gzip")]
+    TarGzip,
+    /// A zstd-compressed tar.
+    #[serde(rename = "tar+zstd")]
+    TarZstd,
 }
 
 /// Where an artifact comes from: exactly one of `path` and `url`.
@@ -229,6 +255,10 @@ pub struct Artifact {
     #[schemars(length(max = 4096))]
     #[x_kube(validation = Rule::new("self.matches('^https?://[^/]+')").message("build.artifact.url must be an http or https URL"))]
     pub url: Option<String>,
+    /// The artifact is an archive in this format, unpacked into a tree;
+    /// absent, it is a single executable file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unpack: Option<Unpack>,
 }
 
 /// One environment variable of the process.

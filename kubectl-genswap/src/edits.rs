@@ -68,10 +68,19 @@ pub fn undo_target<'a>(
 pub fn undo(ig: &InstanceGeneration, entry: &HistoryEntry) -> Value {
     // Exactly one of path and url: the other is removed, not left over
     // from the build being replaced.
-    let artifact = json!({"path": entry.artifact.path, "url": entry.artifact.url});
+    let artifact = json!({
+        "path": entry.artifact.path,
+        "url": entry.artifact.url,
+        "unpack": entry.artifact.unpack,
+    });
     json!({
         "metadata": {"resourceVersion": ig.metadata.resource_version},
-        "spec": {"build": {"id": entry.build, "artifact": artifact, "sha256": entry.sha256}},
+        "spec": {"build": {
+            "id": entry.build,
+            "artifact": artifact,
+            "sha256": entry.sha256,
+            "entrypoint": entry.entrypoint,
+        }},
     })
 }
 

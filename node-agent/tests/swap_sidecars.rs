@@ -192,8 +192,10 @@ async fn a_crash_looping_sidecar_backs_off_and_never_touches_its_generation() {
         artifact: Artifact {
             path: Some(b1.path.display().to_string()),
             url: None,
+            unpack: None,
         },
         sha256: "0".repeat(64),
+        entrypoint: None,
     });
     with_sidecars(
         &mut install,

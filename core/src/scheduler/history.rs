@@ -30,6 +30,7 @@ pub(super) fn record(history: &mut Vec<HistoryEntry>, spec: &InstanceGenerationS
             build: spec.build.id.clone(),
             sha256: spec.build.sha256.clone(),
             artifact: (&spec.build.artifact).into(),
+            entrypoint: spec.build.entrypoint.clone(),
             config_rev: spec.config_rev.clone(),
             restart_id: spec.restart_id.clone(),
             at: now.clone(),

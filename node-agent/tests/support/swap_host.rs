@@ -20,11 +20,11 @@ use genswap_crds::{
     Artifact, BuildSpec, Cause, Demand, EnvVar, HealthSpec, InstanceKind, Mode, ProcessSpec,
     SettleSpec, StopSignal, StopSpec, SwapAttemptSpec,
 };
+use genswap_store::{Stager, StagerConfig, Store};
 use node_agent::engine::{Attempt, Cancel, Engine, EngineConfig, EngineParts, SwapResult};
 use node_agent::gate::{AttemptGate, AttemptId, GatePoint, GateRefusal, InstanceKey};
 use node_agent::journal::Journal;
 use node_agent::logs::{LogSettings, LogSink};
-use node_agent::stage::{Stager, StagerConfig, Store};
 use node_agent::switch::RunLayout;
 
 use crate::cgroup_guard::{TestCgroupTree, instance_pids};
@@ -298,8 +298,10 @@ pub fn spec(rev: i64, build: &testapp::Build, id: &str) -> SwapAttemptSpec {
             artifact: Artifact {
                 path: Some(build.path.display().to_string()),
                 url: None,
+                unpack: None,
             },
             sha256: build.sha256.clone(),
+            entrypoint: None,
         },
         mode: Mode::Overlap,
         demand: Demand::None,
