@@ -10,7 +10,8 @@
 //! | the attempt's lifetime ended (shutdown, intentional stop), whatever the step met | `cancelled` | `abandoned` |
 //! | the gate refused (superseded, not the node's owner, shutting down, swaps off) | `stale` | `abandoned` |
 //! | the instance is mid-operation, or its serving generation cannot overlap | `stale` | `abandoned` |
-//! | staging refused (missing, unreadable, not executable, digest mismatch, outside the root, escaping symlink, too large, download failed) | `stale` | `abandoned` |
+//! | staging refused (missing, unreadable, not executable, outside the root, escaping symlink, too large, download failed, the store unusable) | `stale` | `abandoned` |
+//! | staging found the build broken (a digest mismatch, an archive entry or limit refused, an entrypoint that cannot run) | `failed` | `failed` (nothing ran: `executed: false`) |
 //! | resources that do not parse, a requested limit whose controller is not enabled, a cgroup that could not be made fresh or written | `stale` | `abandoned` |
 //! | uid 0 refused, the run dir not usable, the intent journal not written before the exec | `stale` | `abandoned` |
 //! | a spawn refused or failed before the exec (cgroup placement, setsid, setuid, chdir, fork) | `stale` | `abandoned` |
@@ -32,8 +33,8 @@ use crate::gate::{GatePoint, GateRefusal};
 use crate::health::HealthError;
 use crate::journal::JournalError;
 use crate::spawn::SpawnError;
-use crate::stage::StageError;
 use crate::switch::SwitchError;
+use genswap_store::StageError;
 
 /// How one step of an attempt ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -229,7 +230,6 @@ pub fn classify<T>(result: &Result<T, StepError>, lifetime_ended: bool) -> StepO
         StepError::SwapsOff
         | StepError::Gate { .. }
         | StepError::Admission(_)
-        | StepError::Stage(_)
         | StepError::Tier(_)
         | StepError::Cgroup(_)
         | StepError::RootRefused { .. }
@@ -238,6 +238,12 @@ pub fn classify<T>(result: &Result<T, StepError>, lifetime_ended: bool) -> StepO
         | StepError::Listener(_)
         | StepError::Journal(_)
         | StepError::Internal(_) => StepOutcome::Stale,
+        // Staging refused: the build's own bytes (not the pinned ones, an
+        // archive that breaks a rule, an entrypoint that cannot run) are its
+        // failure, though nothing of it ran; a source that is missing or
+        // does not answer is a refusal that may pass.
+        StepError::Stage(error) if error.is_build_fault() => StepOutcome::Failed,
+        StepError::Stage(_) => StepOutcome::Stale,
         // Faults of the host after the build ran: the link that did not
         // move, a stop without proof. Not the build's doing.
         StepError::Switch(_) | StepError::Stop(_) => StepOutcome::Stale,
@@ -329,10 +335,8 @@ mod tests {
                 refusal: GateRefusal::Superseded { newest: 9 },
             },
             StepError::Admission(AdmissionRefusal::Busy),
-            StepError::Stage(StageError::DigestMismatch {
-                source_name: "/staging/b2".into(),
-                expected: "a".repeat(64),
-                actual: "b".repeat(64),
+            StepError::Stage(StageError::Missing {
+                path: "/staging/b2".into(),
             }),
             StepError::Cgroup(CgroupError::LimitNotApplied {
                 controller: Controller::Memory,
@@ -384,6 +388,20 @@ mod tests {
     #[test]
     fn only_the_builds_own_failures_are_failed() {
         let failed = [
+            StepError::Stage(StageError::DigestMismatch {
+                source_name: "/staging/b2".into(),
+                expected: "a".repeat(64),
+                actual: "b".repeat(64),
+            }),
+            StepError::Stage(StageError::Unpack {
+                source_name: "/staging/b2.tar".into(),
+                format: "tar",
+                error: genswap_store::UnpackError::Refused {
+                    layer: "the archive".into(),
+                    entry: "../x".into(),
+                    rule: genswap_store::Rule::ParentComponent,
+                },
+            }),
             StepError::Spawn(SpawnError::Exec {
                 generation: 2,
                 exe: "/store/sha256-ab".into(),

@@ -27,8 +27,8 @@ use crate::engine::{Engine, EngineConfig, EngineParts};
 use crate::gate::NewestRevisionGate;
 use crate::journal::{Journal, JournalError};
 use crate::logs::{LogError, LogSettings, LogSink};
-use crate::stage::{StageError, Stager, StagerConfig, Store, StoreError};
 use crate::switch::RunLayout;
+use genswap_store::{StageError, Stager, StagerConfig, Store, StoreError};
 
 /// The cgroup subtree under the discovered v2 mount when `--cgroup-root` is
 /// not given.

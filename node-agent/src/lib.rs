@@ -45,7 +45,6 @@ pub mod probe;
 pub mod process;
 pub mod sandbox;
 pub mod spawn;
-pub mod stage;
 pub mod standalone;
 pub mod steering;
 pub mod switch;

@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use genswap_crds::{Artifact, Outcome};
+use genswap_store::{Stager, StagerConfig, Store};
 use http::{Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Empty, StreamBody};
@@ -35,7 +36,6 @@ use node_agent::classify::StepOutcome;
 use node_agent::engine::{Attempt, Cancel, Engine, EngineConfig, EngineParts, Step, SwapResult};
 use node_agent::gate::{AttemptGate, AttemptId, GatePoint, GateRefusal};
 use node_agent::journal::Journal;
-use node_agent::stage::{Stager, StagerConfig, Store};
 use node_agent::switch::RunLayout;
 use sha2::{Digest, Sha256};
 use swap_host::{NOBODY, OpenGate, SwapHost};
@@ -268,6 +268,7 @@ fn url_attempt(host: &SwapHost, url: &str) -> Attempt {
     attempt.spec.build.artifact = Artifact {
         path: None,
         url: Some(url.to_string()),
+        unpack: None,
     };
     attempt
 }

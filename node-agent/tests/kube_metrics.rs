@@ -37,7 +37,7 @@ impl Endpoints {
     }
 
     async fn get(&self, path: &str) -> (u16, String, String) {
-        node_agent::stage::install_crypto_provider();
+        genswap_store::install_crypto_provider();
         let response = tokio::time::timeout(DEADLINE, reqwest::get(format!("{}{path}", self.base)))
             .await
             .expect("answered in time")

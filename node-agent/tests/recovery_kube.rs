@@ -16,6 +16,7 @@ mod swap_host;
 use std::sync::Arc;
 
 use genswap_crds::{Cause, InstanceKind, Mode, Outcome, StopSpec};
+use genswap_store::{Stager, StagerConfig, Store};
 use http::StatusCode;
 use kube_node::TestNode;
 use kube_support::{NAMESPACE, attempt_object, eventually, mock_client, start_agent, test_config};
@@ -23,7 +24,6 @@ use node_agent::cgroup::CgroupManager;
 use node_agent::engine::{Attempt, Cancel, Engine, EngineConfig, EngineParts};
 use node_agent::journal::{AttemptRef, Journal, Phase, Record};
 use node_agent::logs::{LogSettings, LogSink};
-use node_agent::stage::{Stager, StagerConfig, Store};
 use node_agent::switch::RunLayout;
 use serde_json::json;
 use swap_host::OpenGate;

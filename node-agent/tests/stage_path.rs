@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use genswap_crds::Artifact;
-use node_agent::stage::{ENTRY_MODE, StageError, Staged, Stager, StagerConfig, Store};
+use genswap_store::{ENTRY_MODE, StageError, Staged, Stager, StagerConfig, Store};
 use sha2::{Digest, Sha256};
 
 struct Fixture {
@@ -19,7 +19,7 @@ struct Fixture {
 
 impl Fixture {
     fn new() -> Self {
-        Self::with_cap(node_agent::stage::DEFAULT_MAX_ARTIFACT_BYTES)
+        Self::with_cap(genswap_store::DEFAULT_MAX_ARTIFACT_BYTES)
     }
 
     fn with_cap(max_bytes: u64) -> Self {
@@ -97,8 +97,13 @@ async fn a_good_artifact_lands_in_the_store_read_only_and_runs() {
     let artifact = Artifact {
         path: Some(source.to_string_lossy().into_owned()),
         url: None,
+        unpack: None,
     };
-    let staged = fx.stager.stage(&artifact, &digest).await.expect("staged");
+    let staged = fx
+        .stager
+        .stage_file(&artifact, &digest)
+        .await
+        .expect("staged");
 
     assert_eq!(staged.sha256, digest);
     assert_eq!(staged.bytes, bytes.len() as u64);

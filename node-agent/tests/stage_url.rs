@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use genswap_crds::Artifact;
+use genswap_store::{ENTRY_MODE, StageError, Stager, StagerConfig, Store};
 use http::{Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Empty, Full, StreamBody};
@@ -17,7 +18,6 @@ use hyper::body::{Frame, Incoming};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
-use node_agent::stage::{ENTRY_MODE, StageError, Stager, StagerConfig, Store};
 use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -153,10 +153,11 @@ async fn a_good_url_is_stored_and_runs() {
     let artifact = Artifact {
         path: None,
         url: Some(format!("http://{}/good", server.addr)),
+        unpack: None,
     };
     let staged = fx
         .stager
-        .stage(&artifact, &sha256(&payload))
+        .stage_file(&artifact, &sha256(&payload))
         .await
         .expect("staged");
     assert_eq!(staged.sha256, sha256(&payload));

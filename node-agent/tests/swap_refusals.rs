@@ -1,7 +1,8 @@
 //! Attempts refused before anything of the build runs: staging rules, a
 //! limit this host cannot apply, swaps off. Each is `abandoned` with
-//! `executed: false`, nothing of the build is spawned, and the incumbent
-//! keeps serving.
+//! `executed: false` (a digest mismatch, the build's own fault, is
+//! `failed`), nothing of the build is spawned, and the incumbent keeps
+//! serving.
 
 #[path = "support/cgroup_guard.rs"]
 mod cgroup_guard;
@@ -40,14 +41,28 @@ async fn assert_refused(
     result
 }
 
+/// Bytes that are not the pinned ones are the build's own failure (it is
+/// held down, SPEC 5.14), though nothing of it ran: `failed`, executed
+/// false, the stage step failed, b1 serves.
 #[tokio::test]
-async fn digest_mismatch_is_abandoned_and_nothing_spawns() {
+async fn digest_mismatch_fails_the_build_and_nothing_spawns() {
     let host = SwapHost::new("refuse-digest");
     host.install(1, "b1").await;
+    let before = host.who_serves().await.expect("b1 serves");
     let b2 = host.build("b2");
     let mut attempt = host.attempt(2, &b2, "b2");
     attempt.spec.build.sha256 = "0".repeat(64);
-    assert_refused(&host, &attempt, Step::Stage, &["digest", "b2"]).await;
+    let result = host.swap(&attempt).await;
+    assert_eq!(result.outcome, Outcome::Failed, "{result:?}");
+    assert!(!result.executed, "nothing ran: {result:?}");
+    let last = result.steps.last().expect("a step record");
+    assert_eq!(
+        (last.step, last.result),
+        (Step::Stage, StepOutcome::Failed),
+        "{result:?}"
+    );
+    swap_host::assert_says(&result.reason, &["digest", "b2"]);
+    host.assert_still_serves(&before).await;
     host.tear_down().await;
 }
 

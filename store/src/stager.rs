@@ -1,6 +1,10 @@
 //! Staging: resolve an artifact, copy it into the agent's content-addressed
 //! store while hashing it, and refuse anything that is not exactly the build
-//! the attempt pinned (SPEC §5.5 step 1, §7).
+//! the attempt pinned (SPEC §5.5 step 1, §5.14, §7).
+//!
+//! A single-file build is copied whole; an archive (`artifact.unpack`) is
+//! hashed and unpacked in the same pass into a tree ([`crate::tree`],
+//! [`crate::unpack`]), and what runs is its `build.entrypoint`.
 //!
 //! The bytes hashed are the bytes executed. A path artifact is opened once
 //! and read from that one descriptor into a temp file in the store; a URL
@@ -10,10 +14,13 @@
 //! write (0711). The engine executes that store path, never the source, so
 //! replacing or rewriting the source after staging changes nothing.
 //!
-//! Every [`StageError`] is a refusal before anything of the build ran: for
-//! the one classifier (SPEC §5.4) it is `stale`, the attempt ends
-//! `abandoned` with `executed: false`, and the message names the file or
-//! URL and the rule it broke.
+//! Every [`StageError`] is a refusal before anything of the build ran, and
+//! its message names the file or URL and the rule it broke.
+//! [`StageError::is_build_fault`] tells the one classifier (SPEC §5.4)
+//! which refusals are the build's own (bytes that are not the pinned ones,
+//! an archive entry refused, an entrypoint that cannot run: `failed`, held
+//! down) and which are the host's or the source's (a missing file, a server
+//! that does not answer: `abandoned`, tried again).
 
 use std::collections::HashMap;
 use std::fs::{self, File};
@@ -24,14 +31,15 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
-use genswap_crds::Artifact;
+use genswap_crds::{Artifact, BuildSpec, Unpack};
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 use tokio::sync::mpsc;
 
-use crate::disk_name::temp_name;
-use crate::switch::fsync_dir;
+use crate::archive::{self, Chunk, ChunkReader, Hashing};
+use crate::fs_util::{TEMP_PREFIX, fsync_dir, temp_name};
+use crate::tree::{self, EntrypointProblem, TREE_PREFIX, TreeBuild, TreeRecord, TreeStamps};
+use crate::unpack::{TreeLimits, UnpackError};
 
 /// The prefix of every store entry's file name.
 pub const ENTRY_PREFIX: &str = "sha256-";
@@ -47,12 +55,15 @@ const COPY_BUFFER: usize = 64 * 1024;
 /// What staging produced: the store file the engine executes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Staged {
-    /// `<store>/sha256-<hex>`: the only path the engine may execute.
+    /// What the engine executes: `<store>/sha256-<hex>` for a single file,
+    /// the entrypoint's real path inside a stored tree for an archive.
     pub path: PathBuf,
-    /// Lowercase hex sha256 of the file, equal to the pinned digest.
+    /// Lowercase hex sha256 of the artifact, equal to the pinned digest.
     pub sha256: String,
-    /// Its size.
+    /// The artifact's size; for a tree, the bytes of its files.
     pub bytes: u64,
+    /// For a tree build: the tree's root (`<store>/tree-sha256-<hex>/rootfs`).
+    pub tree: Option<PathBuf>,
 }
 
 /// Why the store could not be opened or written.
@@ -166,10 +177,64 @@ pub enum StageError {
     },
     #[error("the HTTP client for artifact URLs could not be built: {0}")]
     Client(#[source] reqwest::Error),
+    #[error("archive {source_name} ({format}) cannot be unpacked: {error}")]
+    Unpack {
+        source_name: String,
+        format: &'static str,
+        #[source]
+        error: UnpackError,
+    },
+    #[error("build.entrypoint {entrypoint:?} cannot run from the tree of {source_name}: {}", entrypoint_problem(.problem))]
+    Entrypoint {
+        source_name: String,
+        entrypoint: String,
+        problem: EntrypointProblem,
+    },
+    #[error("an archive build needs build.entrypoint: the file to run inside its tree")]
+    NoEntrypoint,
+    #[error(
+        "build.entrypoint names a file inside a tree, and this artifact is a single file (set artifact.unpack)"
+    )]
+    EntrypointWithoutTree,
+    #[error("the stored tree {path} could not be made or read: {source}")]
+    Tree {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("the staging task ended abnormally: {0}")]
     Task(String),
+}
+
+impl StageError {
+    /// Whether the build itself is at fault: its bytes are not the pinned
+    /// ones, its archive breaks a rule or a limit, its entrypoint cannot
+    /// run. Retrying cannot help; the rest (a missing or unreadable source,
+    /// a server that fails, the store's own trouble) may pass.
+    pub fn is_build_fault(&self) -> bool {
+        match self {
+            StageError::DigestMismatch { .. }
+            | StageError::Entrypoint { .. }
+            | StageError::NoEntrypoint
+            | StageError::EntrypointWithoutTree => true,
+            // A read error that reaches here is the archive's format: an
+            // interrupted source is reported as its own error instead.
+            StageError::Unpack { error, .. } => {
+                error.is_archive_fault() || matches!(error, UnpackError::Read { .. })
+            }
+            _ => false,
+        }
+    }
+}
+
+fn entrypoint_problem(problem: &EntrypointProblem) -> String {
+    match problem {
+        EntrypointProblem::Missing => "nothing is at that path in the tree".into(),
+        EntrypointProblem::NotExecutable(what) => format!("it is {what}"),
+        EntrypointProblem::NotRelative => "it is not a relative path inside the tree".into(),
+    }
 }
 
 fn declared_size(size: Option<u64>) -> String {
@@ -183,6 +248,8 @@ pub struct Store {
     dir: PathBuf,
     /// Entries this process hashed, by digest, with the stamp they had.
     verified: Mutex<HashMap<String, EntryStamp>>,
+    /// Trees this process verified, by digest, with their stamps.
+    verified_trees: Mutex<HashMap<String, TreeStamps>>,
 }
 
 /// What says an entry's bytes are still the ones hashed: the kernel sets a
@@ -264,6 +331,7 @@ impl Store {
         Ok(Self {
             dir,
             verified: Mutex::new(HashMap::new()),
+            verified_trees: Mutex::new(HashMap::new()),
         })
     }
 
@@ -279,6 +347,7 @@ impl Store {
             path,
             sha256: sha256.to_string(),
             bytes: size,
+            tree: None,
         })
     }
 
@@ -318,28 +387,87 @@ impl Store {
         self.dir.join(format!("{ENTRY_PREFIX}{sha256}"))
     }
 
-    /// Deletes temp files of copies a crash interrupted; returns how many.
-    /// Call only while holding the node lock (another agent's copy in flight
-    /// would lose its temp file).
+    /// Deletes the temp files and temp trees of copies and unpacks a crash
+    /// interrupted; returns how many. Call only while holding the node lock
+    /// (another agent's copy in flight would lose its temp file).
     pub fn remove_temp_files(&self) -> io::Result<usize> {
         let mut removed = 0;
+        let prefix = format!("{TEMP_PREFIX}.tmp-");
         for entry in fs::read_dir(&self.dir)? {
             let entry = entry?;
             if entry
                 .file_name()
                 .to_str()
-                .is_some_and(|name| name.starts_with(".incoming.tmp-"))
+                .is_some_and(|name| name.starts_with(&prefix))
             {
-                fs::remove_file(entry.path())?;
+                tree::remove_entry(&entry.path())?;
                 removed += 1;
             }
         }
         Ok(removed)
     }
 
+    /// `<store>/tree-sha256-<hex>`, whether or not it exists.
+    pub fn tree_path(&self, sha256: &str) -> PathBuf {
+        self.dir.join(format!("{TREE_PREFIX}{sha256}"))
+    }
+
+    /// The stored tree of `sha256`, when it is there and whole: unchanged
+    /// since this process verified it (its stamps), or verified now against
+    /// its listing. A tree that fails the check is moved aside (removed at
+    /// the next start) and `None` sends the caller to unpack it again.
+    fn tree_hit(&self, sha256: &str) -> Result<Option<TreeRecord>, StageError> {
+        let entry = self.tree_path(sha256);
+        let tree_error = |source| StageError::Tree {
+            path: entry.clone(),
+            source,
+        };
+        if fs::symlink_metadata(&entry).is_err() {
+            return Ok(None);
+        }
+        let remembered = self.lock_trees().get(sha256).cloned();
+        if let Some(remembered) = remembered
+            && TreeStamps::of(&entry).ok().as_ref() == Some(&remembered)
+            && let Some(record) = tree::read_record(&entry)
+        {
+            return Ok(Some(record));
+        }
+        let began = SystemTime::now();
+        let before = TreeStamps::of(&entry).map_err(tree_error)?;
+        let verified = tree::verify(&entry).map_err(tree_error)?;
+        let after = TreeStamps::of(&entry).map_err(tree_error)?;
+        match verified {
+            Some(record) if record.sha256 == sha256 => {
+                if before == after && before.settled_before(began) {
+                    self.lock_trees().insert(sha256.to_string(), before);
+                }
+                Ok(Some(record))
+            }
+            _ => {
+                tracing::warn!(tree = %entry.display(), "stored tree does not match its listing; moving it aside and unpacking it again");
+                self.lock_trees().remove(sha256);
+                let aside = self.dir.join(temp_name(TEMP_PREFIX));
+                fs::rename(&entry, &aside).map_err(tree_error)?;
+                Ok(None)
+            }
+        }
+    }
+
+    fn lock_trees(&self) -> std::sync::MutexGuard<'_, HashMap<String, TreeStamps>> {
+        // A poisoned lock guards a map a panicking thread left whole.
+        self.verified_trees
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Deletes an entry no generation runs any more (garbage collection).
     pub fn remove(&self, sha256: &str) -> io::Result<()> {
         self.lock_verified().remove(sha256);
+        self.lock_trees().remove(sha256);
+        match tree::remove_entry(&self.tree_path(sha256)) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
         match fs::remove_file(self.entry_path(sha256)) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             other => other,
@@ -348,7 +476,7 @@ impl Store {
 
     /// A new temp file in the store that hashes what is written to it.
     fn begin(&self, limit: u64, source_name: String) -> Result<EntryWriter<'_>, StoreError> {
-        let temp = self.dir.join(temp_name(".incoming"));
+        let temp = self.dir.join(temp_name(TEMP_PREFIX));
         let file = fs::OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -461,6 +589,7 @@ impl EntryWriter<'_> {
             path: entry,
             sha256: actual,
             bytes: self.bytes,
+            tree: None,
         })
     }
 }
@@ -509,16 +638,21 @@ pub struct StagerConfig {
     pub connect_timeout: Duration,
     /// The whole download of a URL artifact, headers and body.
     pub download_timeout: Duration,
+    /// What an unpacked tree may hold (`--max-tree-bytes`,
+    /// `--max-tree-entries`).
+    pub tree_limits: TreeLimits,
 }
 
 impl StagerConfig {
-    /// Defaults: a 1 GiB cap, 10 s to connect, 5 min to download.
+    /// Defaults: a 1 GiB cap on what is read, 10 s to connect, 5 min to
+    /// download, and [`TreeLimits::default`].
     pub fn new(staging_root: impl Into<PathBuf>) -> Self {
         Self {
             staging_root: staging_root.into(),
             max_bytes: DEFAULT_MAX_ARTIFACT_BYTES,
             connect_timeout: Duration::from_secs(10),
             download_timeout: Duration::from_secs(300),
+            tree_limits: TreeLimits::default(),
         }
     }
 }
@@ -536,6 +670,9 @@ struct StagerInner {
     /// The staging root with every symlink resolved.
     root: PathBuf,
     http: reqwest::Client,
+    /// One unpack at a time per digest: two instances naming the same
+    /// archive wait for one tree instead of making two.
+    tree_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Stager {
@@ -558,6 +695,7 @@ impl Stager {
                 config,
                 root,
                 http,
+                tree_locks: Mutex::new(HashMap::new()),
             }),
         })
     }
@@ -572,9 +710,24 @@ impl Stager {
         &self.inner.config
     }
 
-    /// Stages `artifact` (its path or its URL) and verifies it against
-    /// `expected_sha256`. The file I/O runs on tokio's blocking pool.
-    pub async fn stage(
+    /// Stages `build` (its path or its URL; a file, or an archive unpacked
+    /// into a tree) and verifies it against its pinned digest. The file
+    /// I/O runs on tokio's blocking pool.
+    pub async fn stage(&self, build: &BuildSpec) -> Result<Staged, StageError> {
+        let artifact = &build.artifact;
+        match (artifact.unpack, &build.entrypoint) {
+            (None, None) => self.stage_file(artifact, &build.sha256).await,
+            (None, Some(_)) => Err(StageError::EntrypointWithoutTree),
+            (Some(_), None) => Err(StageError::NoEntrypoint),
+            (Some(format), Some(entrypoint)) => {
+                self.stage_tree(artifact, format, &build.sha256, entrypoint)
+                    .await
+            }
+        }
+    }
+
+    /// Stages a single-file artifact (its path or its URL).
+    pub async fn stage_file(
         &self,
         artifact: &Artifact,
         expected_sha256: &str,
@@ -594,6 +747,190 @@ impl Stager {
         }
     }
 
+    /// Stages an archive into a tree, unless the tree of its digest is
+    /// stored and whole already (then no source is read), and resolves the
+    /// entrypoint in it.
+    async fn stage_tree(
+        &self,
+        artifact: &Artifact,
+        format: Unpack,
+        expected_sha256: &str,
+        entrypoint: &str,
+    ) -> Result<Staged, StageError> {
+        check_digest(expected_sha256)?;
+        let lock = {
+            let mut locks = self
+                .inner
+                .tree_locks
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            locks
+                .entry(expected_sha256.to_string())
+                .or_default()
+                .clone()
+        };
+        let _one_at_a_time = lock.lock().await;
+        let this = self.clone();
+        let expected = expected_sha256.to_string();
+        let hit = tokio::task::spawn_blocking(move || this.inner.store.tree_hit(&expected))
+            .await
+            .map_err(|e| StageError::Task(e.to_string()))??;
+        let record = match hit {
+            Some(record) => record,
+            None => match (&artifact.path, &artifact.url) {
+                (Some(path), None) => {
+                    let this = self.clone();
+                    let (path, expected) = (path.clone(), expected_sha256.to_string());
+                    tokio::task::spawn_blocking(move || {
+                        this.unpack_path_blocking(&path, format, &expected)
+                    })
+                    .await
+                    .map_err(|e| StageError::Task(e.to_string()))??
+                }
+                (None, Some(url)) => self.unpack_url(url, format, expected_sha256).await?,
+                (Some(_), Some(_)) => return Err(StageError::BothSources),
+                (None, None) => return Err(StageError::NoSource),
+            },
+        };
+        let tree = self.inner.store.tree_path(expected_sha256);
+        let rootfs =
+            fs::canonicalize(tree.join(tree::ROOTFS)).map_err(|source| StageError::Tree {
+                path: tree.clone(),
+                source,
+            })?;
+        let path = tree::resolve_entrypoint(&rootfs, entrypoint).map_err(|problem| {
+            StageError::Entrypoint {
+                source_name: record.source.clone(),
+                entrypoint: entrypoint.to_string(),
+                problem,
+            }
+        })?;
+        Ok(Staged {
+            path,
+            sha256: record.sha256,
+            bytes: record.bytes,
+            tree: Some(rootfs),
+        })
+    }
+
+    /// Unpacks an archive at `path` (under the staging root, by the same
+    /// rules as a file, less the exec bit) into the store.
+    fn unpack_path_blocking(
+        &self,
+        path: &str,
+        format: Unpack,
+        expected_sha256: &str,
+    ) -> Result<TreeRecord, StageError> {
+        let (file, _) = self.open_checked(path, false)?;
+        let source = Hashing::new(file, self.inner.config.max_bytes);
+        let over_limit = source.over_limit_flag();
+        let result = self.unpack_blocking(source, format, expected_sha256, path);
+        result.map_err(|error| match error {
+            StageError::Unpack {
+                error: UnpackError::Read { source, .. },
+                ..
+            } if over_limit.load(std::sync::atomic::Ordering::Relaxed) => {
+                let _ = source;
+                StageError::TooLarge {
+                    source_name: path.to_string(),
+                    limit: self.inner.config.max_bytes,
+                    size: None,
+                }
+            }
+            other => other,
+        })
+    }
+
+    /// Applies one archive stream to a new tree, checks its digest, and
+    /// puts the tree in place.
+    fn unpack_blocking<R: Read>(
+        &self,
+        source: Hashing<R>,
+        format: Unpack,
+        expected_sha256: &str,
+        source_name: &str,
+    ) -> Result<TreeRecord, StageError> {
+        let store = &self.inner.store;
+        let tree_error = |source| StageError::Tree {
+            path: store.dir().to_path_buf(),
+            source,
+        };
+        let format_name = archive::format_name(format);
+        let unpack_error = |error| StageError::Unpack {
+            source_name: source_name.to_string(),
+            format: format_name,
+            error,
+        };
+        let mut build =
+            TreeBuild::begin(store.dir(), self.inner.config.tree_limits).map_err(tree_error)?;
+        let source = archive::unpack_stream(source, format, &mut build, "the archive")
+            .map_err(unpack_error)?;
+        let (actual, _) = source.finish().map_err(|source| {
+            unpack_error(UnpackError::Read {
+                layer: "the archive".into(),
+                source,
+            })
+        })?;
+        if actual != expected_sha256 {
+            return Err(StageError::DigestMismatch {
+                source_name: source_name.to_string(),
+                expected: expected_sha256.to_string(),
+                actual,
+            });
+        }
+        let mut record = TreeRecord {
+            sha256: actual,
+            source: source_name.to_string(),
+            format: format_name.to_string(),
+            bytes: 0,
+            entries: 0,
+        };
+        build.finish(&mut record).map_err(|error| match error {
+            tree::FinishError::Unpack(error) => unpack_error(error),
+            tree::FinishError::Io(source) => tree_error(source),
+        })?;
+        Ok(record)
+    }
+
+    /// Downloads an archive and unpacks it as it arrives.
+    async fn unpack_url(
+        &self,
+        url: &str,
+        format: Unpack,
+        expected_sha256: &str,
+    ) -> Result<TreeRecord, StageError> {
+        let (parsed, shown) = parse_url(url)?;
+        let (chunks, received) = mpsc::channel::<Chunk>(16);
+        let this = self.clone();
+        let expected = expected_sha256.to_string();
+        let source_name = shown.clone();
+        let writer = tokio::task::spawn_blocking(move || {
+            let reader = ChunkReader::new(received);
+            let interrupted = reader.interrupted_flag();
+            let source = Hashing::new(reader, this.inner.config.max_bytes);
+            let result = this.unpack_blocking(source, format, &expected, &source_name);
+            (
+                result,
+                interrupted.load(std::sync::atomic::Ordering::Relaxed),
+            )
+        });
+        let after = self.inner.config.download_timeout;
+        let download = tokio::time::timeout(after, self.download(parsed, &shown, &chunks)).await;
+        drop(chunks);
+        let (written, interrupted) = writer.await.map_err(|e| StageError::Task(e.to_string()))?;
+        match download {
+            Err(_) => Err(StageError::Timeout { url: shown, after }),
+            // The writer stopped first on the archive's own fault: that is
+            // the reason. A writer that saw the download stop reports the
+            // download's.
+            Ok(Err(download_error)) => match written {
+                Err(error) if !interrupted => Err(error),
+                _ => Err(download_error),
+            },
+            Ok(Ok(())) => written,
+        }
+    }
+
     /// Stages a path artifact on the calling thread (blocking file I/O).
     ///
     /// The rules, each its own refusal: absolute; no `..` component;
@@ -608,7 +945,7 @@ impl Stager {
         expected_sha256: &str,
     ) -> Result<Staged, StageError> {
         check_digest(expected_sha256)?;
-        let (file, size) = self.open_checked(path)?;
+        let (file, size) = self.open_checked(path, true)?;
         // Every check of the source above still runs; what a hit skips is
         // reading it. The entry, not the source, is what runs, and it still
         // holds the bytes hashed as the pinned digest.
@@ -624,7 +961,8 @@ impl Stager {
     }
 
     /// Resolves `path` under the staging root and opens it for the copy.
-    fn open_checked(&self, path: &str) -> Result<(File, u64), StageError> {
+    /// An archive (`executable: false`) needs no exec bit.
+    fn open_checked(&self, path: &str, executable: bool) -> Result<(File, u64), StageError> {
         let owned = || path.to_string();
         let lexical = Path::new(path);
         if !lexical.is_absolute() {
@@ -678,7 +1016,7 @@ impl Stager {
         if meta.len() == 0 {
             return Err(StageError::Empty { path: owned() });
         }
-        if meta.mode() & 0o111 == 0 {
+        if executable && meta.mode() & 0o111 == 0 {
             return Err(StageError::NotExecutable {
                 path: owned(),
                 mode: meta.mode() & 0o7777,
@@ -719,17 +1057,7 @@ impl Stager {
     /// download that exceeds its timeouts.
     pub async fn stage_url(&self, url: &str, expected_sha256: &str) -> Result<Staged, StageError> {
         check_digest(expected_sha256)?;
-        let parsed = reqwest::Url::parse(url).map_err(|e| StageError::UnsupportedUrl {
-            url: url.to_string(),
-            reason: e.to_string(),
-        })?;
-        let shown = redacted(&parsed);
-        if !matches!(parsed.scheme(), "http" | "https") {
-            return Err(StageError::UnsupportedUrl {
-                url: shown,
-                reason: format!("scheme {:?} is not http or https", parsed.scheme()),
-            });
-        }
+        let (parsed, shown) = parse_url(url)?;
         let limit = self.inner.config.max_bytes;
 
         // The writer runs on the blocking pool and finishes only on `Done`:
@@ -826,10 +1154,20 @@ impl Stager {
     }
 }
 
-/// What the downloader hands the store writer.
-enum Chunk {
-    Data(Bytes),
-    Done,
+/// An http or https URL, and the way messages show it.
+fn parse_url(url: &str) -> Result<(reqwest::Url, String), StageError> {
+    let parsed = reqwest::Url::parse(url).map_err(|e| StageError::UnsupportedUrl {
+        url: url.to_string(),
+        reason: e.to_string(),
+    })?;
+    let shown = redacted(&parsed);
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return Err(StageError::UnsupportedUrl {
+            url: shown,
+            reason: format!("scheme {:?} is not http or https", parsed.scheme()),
+        });
+    }
+    Ok((parsed, shown))
 }
 
 /// Reads `file` to its end into `entry`. `size` is only the expected length:

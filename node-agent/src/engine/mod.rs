@@ -81,8 +81,8 @@ use crate::gate::{AttemptGate, InstanceKey};
 use crate::journal::{GenerationRecord, Journal, JournalError};
 use crate::logs::LogSink;
 use crate::spawn::Spawned;
-use crate::stage::Stager;
 use crate::switch::RunLayout;
+use genswap_store::Stager;
 
 /// The engine's settings.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -28,8 +28,8 @@ use crate::switch::{CURRENT_SOCKET, RunLayout};
 use genswap_crds::ProbeAction;
 use genswap_crds::SwapAttemptSpec;
 
-pub(super) use crate::stage::Staged;
-use crate::stage::Stager;
+pub(super) use genswap_store::Staged;
+use genswap_store::Stager;
 
 /// Runs blocking file work (the journal's fsyncs) off the async threads.
 pub(super) async fn blocking<T, E>(
@@ -49,7 +49,7 @@ where
 
 /// SPEC 5.5 step 1: the artifact into the store, verified.
 pub(super) async fn stage(stager: &Stager, build: &BuildSpec) -> Result<Staged, StepError> {
-    Ok(stager.stage(&build.artifact, &build.sha256).await?)
+    Ok(stager.stage(build).await?)
 }
 
 /// Refuses uid 0 (asked for, or inherited from a root agent when no user is

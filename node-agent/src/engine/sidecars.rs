@@ -37,7 +37,7 @@ use crate::cgroup::{Cgroup, CgroupError, stop_signal};
 use crate::gate::InstanceKey;
 use crate::logs::LogSink;
 use crate::spawn::{ActivatedSocket, Output, SpawnSpec};
-use crate::stage::Stager;
+use genswap_store::Stager;
 
 /// The prefix of a sidecar's cgroup, below its generation's.
 pub const SIDECAR_CGROUP_PREFIX: &str = "sidecar-";
@@ -314,7 +314,7 @@ async fn run_once(
     listeners: &[ActivatedSocket],
 ) -> RunEnd {
     let exe = match &sidecar.build {
-        Some(build) => match target.stager.stage(&build.artifact, &build.sha256).await {
+        Some(build) => match target.stager.stage(build).await {
             Ok(staged) => staged.path,
             Err(error) => {
                 return RunEnd::NotStarted(format!(

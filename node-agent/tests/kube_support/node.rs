@@ -15,12 +15,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use genswap_crds::{StopSpec, SwapAttemptSpec};
+use genswap_store::{Stager, StagerConfig, Store};
 use node_agent::engine::{Engine, EngineConfig, EngineParts};
 use node_agent::gate::{InstanceKey, NewestRevisionGate};
 use node_agent::journal::Journal;
 use node_agent::logs::{LogSettings, LogSink};
 use node_agent::ownership::default_lock_path;
-use node_agent::stage::{Stager, StagerConfig, Store};
 use node_agent::switch::RunLayout;
 
 use crate::cgroup_guard::TestCgroupTree;

@@ -69,11 +69,11 @@ use crate::journal::{
     AttemptRef, CorruptEntry, ExitRecord, GenerationRecord, InstanceEntry, JournalError,
     OutcomeRecord, Phase, Record, SavedLimits, unix_millis_now,
 };
-use crate::stage::ENTRY_PREFIX;
 use crate::switch::{
     CURRENT_SOCKET, SwitchError, current_generation, point_current_allowing_unbound,
     remove_temp_links,
 };
+use genswap_store::ENTRY_PREFIX;
 
 mod host;
 mod instance;

@@ -1,0 +1,30 @@
+//! genswap's build store (SPEC 5.5 step 1, 5.14): where a build named by
+//! an attempt becomes bytes on the node that the engine may execute.
+//!
+//! - [`stager`]: the one question the engine asks ([`Stager::stage`]): a
+//!   build's source (a file by path or URL, or an archive of a tree),
+//!   verified against its pinned digest, into the content-addressed store;
+//! - [`unpack`]: applying an archive to a tree without ever writing outside
+//!   it, within limits;
+//! - [`tree`]: trees in the store, unpacked once per digest, read-only,
+//!   re-verified cheaply on a hit;
+//! - `archive`: one pass from the source through the hash and the
+//!   decompressor into the unpacker.
+//!
+//! It knows nothing of generations, cgroups or Kubernetes; [`StageError`]
+//! is its one error, and [`StageError::is_build_fault`] says whether the
+//! build or the host is to blame.
+
+mod archive;
+mod fs_util;
+pub mod stager;
+pub mod tree;
+pub mod unpack;
+
+pub use archive::format_name;
+pub use stager::{
+    DEFAULT_MAX_ARTIFACT_BYTES, ENTRY_MODE, ENTRY_PREFIX, STORE_DIR_MODE, StageError, Staged,
+    Stager, StagerConfig, Store, StoreError, install_crypto_provider,
+};
+pub use tree::{EntrypointProblem, TREE_PREFIX};
+pub use unpack::{DEFAULT_MAX_TREE_BYTES, DEFAULT_MAX_TREE_ENTRIES, Rule, TreeLimits, UnpackError};
