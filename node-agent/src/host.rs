@@ -63,6 +63,15 @@ pub struct HostArgs {
     /// The content-addressed artifact store. Default: `<state-dir>/store`.
     #[arg(long, env = "GENSWAP_STORE_DIR", value_name = "DIR")]
     pub store_dir: Option<PathBuf>,
+    /// The most bytes of file contents an unpacked tree (an archive build)
+    /// may hold, a quantity such as `4Gi`; an archive that would pass it
+    /// is refused at the entry that would, before that entry is written.
+    #[arg(long, env = "GENSWAP_MAX_TREE_BYTES", value_name = "SIZE", default_value = "4Gi", value_parser = parse_tree_bytes)]
+    pub max_tree_bytes: u64,
+    /// The most entries (files, directories, links) an unpacked tree may
+    /// hold.
+    #[arg(long, env = "GENSWAP_MAX_TREE_ENTRIES", value_name = "N", default_value_t = genswap_store::DEFAULT_MAX_TREE_ENTRIES, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_tree_entries: u64,
     /// `off` refuses every attempt (`abandoned`, nothing is spawned).
     #[arg(long, env = "GENSWAP_SWAP", value_enum, default_value_t = Swaps::On)]
     pub swap: Swaps,
@@ -159,6 +168,10 @@ impl HostArgs {
             state_dir: self.state_dir.clone(),
             staging_root: self.staging_root.clone(),
             store_dir: self.store_dir.clone(),
+            tree_limits: genswap_store::TreeLimits {
+                max_bytes: self.max_tree_bytes,
+                max_entries: self.max_tree_entries,
+            },
             engine: EngineConfig {
                 allow_root: self.allow_root_instances,
                 swaps_on: self.swap == Swaps::On,
@@ -184,6 +197,15 @@ impl HostArgs {
     }
 }
 
+/// `--max-tree-bytes`: a Kubernetes quantity of bytes, at least one.
+fn parse_tree_bytes(text: &str) -> Result<u64, String> {
+    match crate::cgroup::parse_memory_quantity(text) {
+        Ok(0) => Err("the tree limit must be at least 1 byte".into()),
+        Ok(bytes) => Ok(bytes),
+        Err(error) => Err(error.to_string()),
+    }
+}
+
 /// `--log-max-size`: a Kubernetes quantity of bytes, at least one.
 fn parse_log_size(text: &str) -> Result<u64, String> {
     match crate::cgroup::parse_memory_quantity(text) {
@@ -206,6 +228,8 @@ pub struct HostSettings {
     pub staging_root: PathBuf,
     /// `None`: `<state_dir>/store`.
     pub store_dir: Option<PathBuf>,
+    /// What an unpacked tree may hold.
+    pub tree_limits: genswap_store::TreeLimits,
     /// Root instances and swaps on/off.
     pub engine: EngineConfig,
     /// Where generations' output is written.
@@ -341,8 +365,9 @@ impl Host {
         }
         create_dir(&settings.staging_root, 0o755, "the staging root")?;
         let store = Store::open(store_dir).map_err(HostError::Store)?;
-        let stager = Stager::new(store, StagerConfig::new(&settings.staging_root))
-            .map_err(HostError::Stager)?;
+        let mut stager_config = StagerConfig::new(&settings.staging_root);
+        stager_config.tree_limits = settings.tree_limits;
+        let stager = Stager::new(store, stager_config).map_err(HostError::Stager)?;
         let journal = Journal::open(&settings.state_dir).map_err(HostError::Journal)?;
         let logs = LogSink::new(settings.logs.clone(), &cgroups).map_err(HostError::Logs)?;
         let engine = Engine::new(
@@ -533,6 +558,7 @@ mod tests {
             state_dir: dir.join("state"),
             staging_root: dir.join("staging"),
             store_dir: None,
+            tree_limits: genswap_store::TreeLimits::default(),
             engine: EngineConfig::default(),
             logs: LogSettings {
                 dir: dir.join("logs"),

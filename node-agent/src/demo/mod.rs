@@ -271,6 +271,7 @@ async fn run_in(sandbox: &Sandbox) -> Result<DemoReport, DemoError> {
         state_dir: dir.join("state"),
         staging_root: staging.clone(),
         store_dir: None,
+        tree_limits: genswap_store::TreeLimits::default(),
         engine: EngineConfig::default(),
         logs: LogSettings {
             dir: dir.join("logs"),
