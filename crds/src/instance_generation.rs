@@ -312,6 +312,8 @@ pub struct HistoryArtifact {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unpack: Option<Unpack>,
 }
 
@@ -320,6 +322,7 @@ impl From<&Artifact> for HistoryArtifact {
         Self {
             path: artifact.path.clone(),
             url: artifact.url.clone(),
+            image: artifact.image.clone(),
             unpack: artifact.unpack,
         }
     }
@@ -330,6 +333,7 @@ impl From<&HistoryArtifact> for Artifact {
         Self {
             path: artifact.path.clone(),
             url: artifact.url.clone(),
+            image: artifact.image.clone(),
             unpack: artifact.unpack,
         }
     }

@@ -202,7 +202,8 @@ pub enum StopSignal {
 /// a single executable file or an archive of a tree.
 #[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("has(self.artifact.unpack) == has(self.entrypoint)").message("build.entrypoint names what to run in a tree: set it exactly when artifact.unpack is set"))]
+#[x_kube(validation = Rule::new("has(self.entrypoint) ? (has(self.artifact.unpack) || has(self.artifact.image)) : !has(self.artifact.unpack)").message("build.entrypoint names what to run in a tree: required for an archive (artifact.unpack), optional for an image, not allowed for a single file"))]
+#[x_kube(validation = Rule::new("!has(self.artifact.image) || self.artifact.image.endsWith('@sha256:' + self.sha256)").message("build.sha256 must be the digest the image reference is pinned by"))]
 pub struct BuildSpec {
     /// The build's name, reported in status and to the process as GENSWAP_BUILD.
     #[schemars(length(max = 128))]
@@ -210,15 +211,17 @@ pub struct BuildSpec {
     pub id: String,
     /// Where the artifact comes from.
     pub artifact: Artifact,
-    /// The sha256 of the artifact as its source gives it (for an archive,
-    /// of the archive file as stored or downloaded, compressed), 64
-    /// lowercase hex characters.
+    /// The sha256 of the artifact as its source gives it, 64 lowercase hex
+    /// characters: of the file; of an archive as stored or downloaded
+    /// (compressed); of an image, the manifest (or index) digest its
+    /// reference is pinned by.
     #[schemars(length(max = 64))]
     #[x_kube(validation = Rule::new("self.matches('^[0-9a-f]{64}$')").message("build.sha256 must be 64 lowercase hex characters"))]
     pub sha256: String,
-    /// What to run in a tree build (`artifact.unpack`): a path relative to
-    /// the tree's root, without `..`. A symlink on the way is followed as
-    /// inside the tree.
+    /// What to run in a tree build: a path relative to the tree's root,
+    /// without `..`; a symlink on the way is followed as inside the tree.
+    /// Required for an archive; for an image, its config's `Entrypoint`
+    /// (else `Cmd`) by default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 4096))]
     #[x_kube(validation = Rule::new("self.size() > 0 && !self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')").message("build.entrypoint must be a relative path inside the tree, without '..'"))]
@@ -240,10 +243,11 @@ pub enum Unpack {
     TarZstd,
 }
 
-/// Where an artifact comes from: exactly one of `path` and `url`.
+/// Where an artifact comes from: exactly one of `path`, `url` and `image`.
 #[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("has(self.path) != has(self.url)").message("build.artifact needs exactly one of path and url"))]
+#[x_kube(validation = Rule::new("(has(self.path) ? 1 : 0) + (has(self.url) ? 1 : 0) + (has(self.image) ? 1 : 0) == 1").message("build.artifact needs exactly one of path, url and image"))]
+#[x_kube(validation = Rule::new("!has(self.image) || !has(self.unpack)").message("build.artifact.unpack is for path and url archives: an image's layers carry their own format"))]
 pub struct Artifact {
     /// An absolute path on the node, under the agent's staging root.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -255,6 +259,14 @@ pub struct Artifact {
     #[schemars(length(max = 4096))]
     #[x_kube(validation = Rule::new("self.matches('^https?://[^/]+')").message("build.artifact.url must be an http or https URL"))]
     pub url: Option<String>,
+    /// An OCI image or artifact in a registry, pinned by digest:
+    /// `registry/repository[:tag]@sha256:<hex>` (a tag is allowed and
+    /// ignored; a tag alone is refused). Its layers are unpacked in order
+    /// into a tree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    #[x_kube(validation = Rule::new("self.matches('^[^@\\\\s]+@sha256:[0-9a-f]{64}$')").message("build.artifact.image must be pinned by digest: registry/repository[:tag]@sha256:<64 lowercase hex>"))]
+    pub image: Option<String>,
     /// The artifact is an archive in this format, unpacked into a tree;
     /// absent, it is a single executable file.
     #[serde(default, skip_serializing_if = "Option::is_none")]

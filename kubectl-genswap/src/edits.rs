@@ -66,11 +66,12 @@ pub fn undo_target<'a>(
 /// as read, so a change since then fails the write (409) instead of being
 /// undone by it.
 pub fn undo(ig: &InstanceGeneration, entry: &HistoryEntry) -> Value {
-    // Exactly one of path and url: the other is removed, not left over
+    // Exactly one of path, url and image: the others are removed, not left over
     // from the build being replaced.
     let artifact = json!({
         "path": entry.artifact.path,
         "url": entry.artifact.url,
+        "image": entry.artifact.image,
         "unpack": entry.artifact.unpack,
     });
     json!({

@@ -268,6 +268,7 @@ fn url_attempt(host: &SwapHost, url: &str) -> Attempt {
     attempt.spec.build.artifact = Artifact {
         path: None,
         url: Some(url.to_string()),
+        image: None,
         unpack: None,
     };
     attempt

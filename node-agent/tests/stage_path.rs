@@ -97,6 +97,7 @@ async fn a_good_artifact_lands_in_the_store_read_only_and_runs() {
     let artifact = Artifact {
         path: Some(source.to_string_lossy().into_owned()),
         url: None,
+        image: None,
         unpack: None,
     };
     let staged = fx

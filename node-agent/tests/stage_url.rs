@@ -153,6 +153,7 @@ async fn a_good_url_is_stored_and_runs() {
     let artifact = Artifact {
         path: None,
         url: Some(format!("http://{}/good", server.addr)),
+        image: None,
         unpack: None,
     };
     let staged = fx

@@ -192,6 +192,7 @@ async fn a_crash_looping_sidecar_backs_off_and_never_touches_its_generation() {
         artifact: Artifact {
             path: Some(b1.path.display().to_string()),
             url: None,
+            image: None,
             unpack: None,
         },
         sha256: "0".repeat(64),

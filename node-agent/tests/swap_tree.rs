@@ -102,6 +102,7 @@ fn tree_attempt(
     attempt.spec.build.artifact = Artifact {
         path: Some(archive.display().to_string()),
         url: None,
+        image: None,
         unpack: Some(format),
     };
     attempt.spec.build.sha256 = sha256.to_string();

@@ -58,6 +58,7 @@ async fn a_download_cut_mid_archive_is_the_sources_fault_and_the_next_one_succee
         artifact: Artifact {
             path: None,
             url: Some(url.clone()),
+            image: None,
             unpack: Some(Unpack::TarGzip),
         },
         sha256: digest.clone(),

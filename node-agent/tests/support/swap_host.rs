@@ -298,6 +298,7 @@ pub fn spec(rev: i64, build: &testapp::Build, id: &str) -> SwapAttemptSpec {
             artifact: Artifact {
                 path: Some(build.path.display().to_string()),
                 url: None,
+                image: None,
                 unpack: None,
             },
             sha256: build.sha256.clone(),

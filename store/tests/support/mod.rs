@@ -117,6 +117,7 @@ pub fn archive_build(path: &Path, format: Unpack, sha256: &str, entrypoint: &str
         artifact: Artifact {
             path: Some(path.display().to_string()),
             url: None,
+            image: None,
             unpack: Some(format),
         },
         sha256: sha256.into(),
