@@ -72,6 +72,24 @@ pub struct HostArgs {
     /// hold.
     #[arg(long, env = "GENSWAP_MAX_TREE_ENTRIES", value_name = "N", default_value_t = genswap_store::DEFAULT_MAX_TREE_ENTRIES, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_tree_entries: u64,
+    /// Registry credentials for image builds: a docker `config.json`
+    /// (`auths` by registry, with `auth` or `username`/`password`), the
+    /// format of a `kubernetes.io/dockerconfigjson` Secret. Read at each
+    /// pull, so a rotated Secret needs no restart.
+    #[arg(long, env = "GENSWAP_REGISTRY_CONFIG", value_name = "FILE")]
+    pub registry_config: Option<PathBuf>,
+    /// PEM certificates to trust for registries besides the system's roots.
+    #[arg(long, env = "GENSWAP_REGISTRY_CA", value_name = "FILE")]
+    pub registry_ca: Option<PathBuf>,
+    /// A registry (`host:port`) reached over plain HTTP; may be repeated.
+    /// Every other registry is reached over TLS.
+    #[arg(
+        long,
+        env = "GENSWAP_INSECURE_REGISTRY",
+        value_name = "HOST:PORT",
+        value_delimiter = ','
+    )]
+    pub insecure_registry: Vec<String>,
     /// `off` refuses every attempt (`abandoned`, nothing is spawned).
     #[arg(long, env = "GENSWAP_SWAP", value_enum, default_value_t = Swaps::On)]
     pub swap: Swaps,
@@ -172,6 +190,11 @@ impl HostArgs {
                 max_bytes: self.max_tree_bytes,
                 max_entries: self.max_tree_entries,
             },
+            registries: genswap_store::RegistrySettings {
+                config: self.registry_config.clone(),
+                ca: self.registry_ca.clone(),
+                insecure: self.insecure_registry.clone(),
+            },
             engine: EngineConfig {
                 allow_root: self.allow_root_instances,
                 swaps_on: self.swap == Swaps::On,
@@ -230,6 +253,8 @@ pub struct HostSettings {
     pub store_dir: Option<PathBuf>,
     /// What an unpacked tree may hold.
     pub tree_limits: genswap_store::TreeLimits,
+    /// Credentials, CA and plain-HTTP hosts for image builds.
+    pub registries: genswap_store::RegistrySettings,
     /// Root instances and swaps on/off.
     pub engine: EngineConfig,
     /// Where generations' output is written.
@@ -367,6 +392,7 @@ impl Host {
         let store = Store::open(store_dir).map_err(HostError::Store)?;
         let mut stager_config = StagerConfig::new(&settings.staging_root);
         stager_config.tree_limits = settings.tree_limits;
+        stager_config.registries = settings.registries.clone();
         let stager = Stager::new(store, stager_config).map_err(HostError::Stager)?;
         let journal = Journal::open(&settings.state_dir).map_err(HostError::Journal)?;
         let logs = LogSink::new(settings.logs.clone(), &cgroups).map_err(HostError::Logs)?;
@@ -559,6 +585,7 @@ mod tests {
             staging_root: dir.join("staging"),
             store_dir: None,
             tree_limits: genswap_store::TreeLimits::default(),
+            registries: Default::default(),
             engine: EngineConfig::default(),
             logs: LogSettings {
                 dir: dir.join("logs"),

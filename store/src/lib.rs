@@ -8,6 +8,8 @@
 //!   it, within limits;
 //! - [`tree`]: trees in the store, unpacked once per digest, read-only,
 //!   re-verified cheaply on a hit;
+//! - [`registry`]: images and OCI artifacts from a registry (oci-client),
+//!   with the node's credentials;
 //! - `archive`: one pass from the source through the hash and the
 //!   decompressor into the unpacker.
 //!
@@ -17,11 +19,14 @@
 
 mod archive;
 mod fs_util;
+pub mod registry;
 pub mod stager;
 pub mod tree;
 pub mod unpack;
 
 pub use archive::format_name;
+pub use registry::{ImageConfig, RegistryError, RegistrySettings};
+pub use stager::RunDefaults;
 pub use stager::{
     DEFAULT_MAX_ARTIFACT_BYTES, ENTRY_MODE, ENTRY_PREFIX, STORE_DIR_MODE, StageError, Staged,
     Stager, StagerConfig, Store, StoreError, install_crypto_provider,

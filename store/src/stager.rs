@@ -38,6 +38,7 @@ use tokio::sync::mpsc;
 
 use crate::archive::{self, Chunk, ChunkReader, Hashing};
 use crate::fs_util::{TEMP_PREFIX, fsync_dir, temp_name};
+use crate::registry::{ImageConfig, Registries, RegistryError, RegistrySettings, Resolved};
 use crate::tree::{self, EntrypointProblem, TREE_PREFIX, TreeBuild, TreeRecord, TreeStamps};
 use crate::unpack::{TreeLimits, UnpackError};
 
@@ -64,6 +65,53 @@ pub struct Staged {
     pub bytes: u64,
     /// For a tree build: the tree's root (`<store>/tree-sha256-<hex>/rootfs`).
     pub tree: Option<PathBuf>,
+    /// What an image's config adds to the spec's process.
+    pub run: RunDefaults,
+}
+
+/// What an image's config gives a generation unless the spec says
+/// otherwise, as a container runtime uses it: the rest of `Entrypoint`
+/// always, `Cmd` when `process.args` is empty, `Env` under the spec's
+/// variables, `WorkingDir` (inside the tree) when the spec has none. A
+/// `build.entrypoint` replaces `Entrypoint` and `Cmd`, as a pod's `command`
+/// does. The image's `User` is never used.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RunDefaults {
+    /// Arguments that always follow the executable (`Entrypoint[1..]`).
+    pub args: Vec<String>,
+    /// Arguments used when the spec gives none (`Cmd`).
+    pub cmd: Vec<String>,
+    /// `Env`, in order.
+    pub env: Vec<(String, String)>,
+    /// `WorkingDir`, resolved inside the tree.
+    pub working_dir: Option<PathBuf>,
+}
+
+impl Staged {
+    /// The arguments after the executable, given the spec's.
+    pub fn args(&self, spec_args: &[String]) -> Vec<String> {
+        let mut args = self.run.args.clone();
+        if spec_args.is_empty() {
+            args.extend(self.run.cmd.iter().cloned());
+        } else {
+            args.extend(spec_args.iter().cloned());
+        }
+        args
+    }
+
+    /// The environment, given the spec's: the image's variables first, each
+    /// replaced by the spec's of the same name.
+    pub fn env(&self, spec_env: Vec<(String, String)>) -> Vec<(String, String)> {
+        let mut env: Vec<(String, String)> = self
+            .run
+            .env
+            .iter()
+            .filter(|(name, _)| !spec_env.iter().any(|(theirs, _)| theirs == name))
+            .cloned()
+            .collect();
+        env.extend(spec_env);
+        env
+    }
 }
 
 /// Why the store could not be opened or written.
@@ -190,8 +238,13 @@ pub enum StageError {
         entrypoint: String,
         problem: EntrypointProblem,
     },
-    #[error("an archive build needs build.entrypoint: the file to run inside its tree")]
-    NoEntrypoint,
+    #[error("{source_name} names nothing to run: {why}")]
+    NoEntrypoint {
+        source_name: String,
+        why: &'static str,
+    },
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
     #[error(
         "build.entrypoint names a file inside a tree, and this artifact is a single file (set artifact.unpack)"
     )]
@@ -217,8 +270,9 @@ impl StageError {
         match self {
             StageError::DigestMismatch { .. }
             | StageError::Entrypoint { .. }
-            | StageError::NoEntrypoint
+            | StageError::NoEntrypoint { .. }
             | StageError::EntrypointWithoutTree => true,
+            StageError::Registry(error) => error.is_build_fault(),
             // A read error that reaches here is the archive's format: an
             // interrupted source is reported as its own error instead.
             StageError::Unpack { error, .. } => {
@@ -348,6 +402,7 @@ impl Store {
             sha256: sha256.to_string(),
             bytes: size,
             tree: None,
+            run: RunDefaults::default(),
         })
     }
 
@@ -590,6 +645,7 @@ impl EntryWriter<'_> {
             sha256: actual,
             bytes: self.bytes,
             tree: None,
+            run: RunDefaults::default(),
         })
     }
 }
@@ -641,6 +697,8 @@ pub struct StagerConfig {
     /// What an unpacked tree may hold (`--max-tree-bytes`,
     /// `--max-tree-entries`).
     pub tree_limits: TreeLimits,
+    /// Credentials, CA and plain-HTTP hosts for images.
+    pub registries: RegistrySettings,
 }
 
 impl StagerConfig {
@@ -653,6 +711,7 @@ impl StagerConfig {
             connect_timeout: Duration::from_secs(10),
             download_timeout: Duration::from_secs(300),
             tree_limits: TreeLimits::default(),
+            registries: RegistrySettings::default(),
         }
     }
 }
@@ -673,6 +732,7 @@ struct StagerInner {
     /// One unpack at a time per digest: two instances naming the same
     /// archive wait for one tree instead of making two.
     tree_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    registries: Registries,
 }
 
 impl Stager {
@@ -689,6 +749,7 @@ impl Stager {
             .timeout(config.download_timeout)
             .build()
             .map_err(StageError::Client)?;
+        let registries = Registries::new(config.registries.clone(), config.connect_timeout)?;
         Ok(Self {
             inner: Arc::new(StagerInner {
                 store,
@@ -696,6 +757,7 @@ impl Stager {
                 root,
                 http,
                 tree_locks: Mutex::new(HashMap::new()),
+                registries,
             }),
         })
     }
@@ -715,12 +777,17 @@ impl Stager {
     /// I/O runs on tokio's blocking pool.
     pub async fn stage(&self, build: &BuildSpec) -> Result<Staged, StageError> {
         let artifact = &build.artifact;
-        match (artifact.unpack, &build.entrypoint) {
+        let entrypoint = build.entrypoint.as_deref();
+        if artifact.image.is_some() {
+            return self
+                .stage_tree(artifact, None, &build.sha256, entrypoint)
+                .await;
+        }
+        match (artifact.unpack, entrypoint) {
             (None, None) => self.stage_file(artifact, &build.sha256).await,
             (None, Some(_)) => Err(StageError::EntrypointWithoutTree),
-            (Some(_), None) => Err(StageError::NoEntrypoint),
-            (Some(format), Some(entrypoint)) => {
-                self.stage_tree(artifact, format, &build.sha256, entrypoint)
+            (Some(format), entrypoint) => {
+                self.stage_tree(artifact, Some(format), &build.sha256, entrypoint)
                     .await
             }
         }
@@ -747,15 +814,15 @@ impl Stager {
         }
     }
 
-    /// Stages an archive into a tree, unless the tree of its digest is
-    /// stored and whole already (then no source is read), and resolves the
-    /// entrypoint in it.
+    /// Stages an archive (`format`) or an image into a tree, unless the
+    /// tree of its digest is stored and whole already (then no source is
+    /// read), and resolves what to run in it.
     async fn stage_tree(
         &self,
         artifact: &Artifact,
-        format: Unpack,
+        format: Option<Unpack>,
         expected_sha256: &str,
-        entrypoint: &str,
+        entrypoint: Option<&str>,
     ) -> Result<Staged, StageError> {
         check_digest(expected_sha256)?;
         let lock = {
@@ -777,8 +844,8 @@ impl Stager {
             .map_err(|e| StageError::Task(e.to_string()))??;
         let record = match hit {
             Some(record) => record,
-            None => match (&artifact.path, &artifact.url) {
-                (Some(path), None) => {
+            None => match (&artifact.path, &artifact.url, &artifact.image, format) {
+                (Some(path), None, None, Some(format)) => {
                     let this = self.clone();
                     let (path, expected) = (path.clone(), expected_sha256.to_string());
                     tokio::task::spawn_blocking(move || {
@@ -787,9 +854,14 @@ impl Stager {
                     .await
                     .map_err(|e| StageError::Task(e.to_string()))??
                 }
-                (None, Some(url)) => self.unpack_url(url, format, expected_sha256).await?,
-                (Some(_), Some(_)) => return Err(StageError::BothSources),
-                (None, None) => return Err(StageError::NoSource),
+                (None, Some(url), None, Some(format)) => {
+                    self.unpack_url(url, format, expected_sha256).await?
+                }
+                (None, None, Some(image), None) => {
+                    self.unpack_image(image, expected_sha256).await?
+                }
+                (None, None, None, _) => return Err(StageError::NoSource),
+                _ => return Err(StageError::BothSources),
             },
         };
         let tree = self.inner.store.tree_path(expected_sha256);
@@ -798,19 +870,151 @@ impl Stager {
                 path: tree.clone(),
                 source,
             })?;
-        let path = tree::resolve_entrypoint(&rootfs, entrypoint).map_err(|problem| {
-            StageError::Entrypoint {
-                source_name: record.source.clone(),
-                entrypoint: entrypoint.to_string(),
-                problem,
-            }
-        })?;
+        let (path, run) = run_in_tree(&rootfs, &record, entrypoint)?;
         Ok(Staged {
             path,
             sha256: record.sha256,
             bytes: record.bytes,
             tree: Some(rootfs),
+            run,
         })
+    }
+
+    /// Pulls an image's layers into a new tree, one after the other, each
+    /// streamed from the registry through its hash and decompressor into
+    /// the unpacker.
+    async fn unpack_image(
+        &self,
+        image: &str,
+        expected_sha256: &str,
+    ) -> Result<TreeRecord, StageError> {
+        use futures::StreamExt;
+        let registries = &self.inner.registries;
+        let Resolved {
+            reference,
+            layers,
+            config,
+            platform,
+        } = registries.resolve(image, expected_sha256).await?;
+        let store_dir = self.inner.store.dir().to_path_buf();
+        let tree_error = |source| StageError::Tree {
+            path: store_dir.clone(),
+            source,
+        };
+        let mut build =
+            TreeBuild::begin(&store_dir, self.inner.config.tree_limits).map_err(tree_error)?;
+        let unavailable = |answered: String| {
+            StageError::Registry(RegistryError::Unavailable {
+                registry: reference.resolve_registry().to_string(),
+                reference: image.to_string(),
+                answered,
+            })
+        };
+        let after = self.inner.config.download_timeout;
+        for layer in &layers {
+            let size = u64::try_from(layer.descriptor.size).unwrap_or(0);
+            let limit = size.min(self.inner.config.max_bytes);
+            if size > self.inner.config.max_bytes {
+                return Err(StageError::TooLarge {
+                    source_name: format!("{image} {}", layer.name),
+                    limit: self.inner.config.max_bytes,
+                    size: Some(size),
+                });
+            }
+            let (chunks, received) = mpsc::channel::<Chunk>(16);
+            let (format, name) = (layer.format, layer.name.clone());
+            let source_name = format!("{image} {}", layer.name);
+            let writer = tokio::task::spawn_blocking(move || {
+                let reader = ChunkReader::new(received);
+                let interrupted = reader.interrupted_flag();
+                let result =
+                    archive::unpack_stream(Hashing::new(reader, limit), format, &mut build, &name)
+                        .and_then(|rest| {
+                            rest.finish().map_err(|source| UnpackError::Read {
+                                layer: name.clone(),
+                                source,
+                            })
+                        });
+                let interrupted = interrupted.load(std::sync::atomic::Ordering::Relaxed);
+                (build, result, interrupted)
+            });
+            let download = async {
+                let mut stream = registries.layer_stream(&reference, layer).await?;
+                while let Some(chunk) = stream.next().await {
+                    let chunk = chunk.map_err(unavailable)?;
+                    if chunks.send(Chunk::Data(chunk)).await.is_err() {
+                        return Err(StageError::Task("the layer writer stopped".into()));
+                    }
+                }
+                let _ = chunks.send(Chunk::Done).await;
+                Ok(())
+            };
+            let downloaded = tokio::time::timeout(after, download).await;
+            drop(chunks);
+            let (returned, written, interrupted) =
+                writer.await.map_err(|e| StageError::Task(e.to_string()))?;
+            build = returned;
+            let unpack_error = |error| StageError::Unpack {
+                source_name: source_name.clone(),
+                format: archive::format_name(format),
+                error,
+            };
+            let (actual, bytes) = match (downloaded, written) {
+                (Err(_), _) => {
+                    return Err(unavailable(format!(
+                        "{} did not arrive within {after:?}",
+                        layer.name
+                    )));
+                }
+                // The layer's own fault stopped the writer first.
+                (_, Err(error)) if !interrupted && error.is_archive_fault() => {
+                    return Err(unpack_error(error));
+                }
+                (Ok(Err(download_error)), _) => return Err(download_error),
+                (Ok(Ok(())), Err(error)) => return Err(unpack_error(error)),
+                (Ok(Ok(())), Ok(done)) => done,
+            };
+            let want = layer
+                .descriptor
+                .digest
+                .strip_prefix("sha256:")
+                .unwrap_or_default();
+            if actual != want || bytes != size {
+                return Err(unavailable(format!(
+                    "served {bytes} bytes of sha256:{actual} for {}, not its {size} bytes",
+                    layer.name
+                )));
+            }
+        }
+        let mut record = TreeRecord {
+            sha256: expected_sha256.to_string(),
+            source: image.to_string(),
+            format: if config.is_some() {
+                "image"
+            } else {
+                "artifact"
+            }
+            .to_string(),
+            bytes: 0,
+            entries: 0,
+            image: config,
+            platform,
+        };
+        let this_store = store_dir.clone();
+        tokio::task::spawn_blocking(move || build.finish(&mut record).map(|_| record))
+            .await
+            .map_err(|e| StageError::Task(e.to_string()))?
+            .map_err(|error| match error {
+                tree::FinishError::Unpack(error) => StageError::Unpack {
+                    source_name: image.to_string(),
+                    format: "image",
+                    error,
+                },
+                tree::FinishError::Io(source) => StageError::Tree {
+                    path: this_store,
+                    source,
+                },
+            })
     }
 
     /// Unpacks an archive at `path` (under the staging root, by the same
@@ -884,6 +1088,8 @@ impl Stager {
             format: format_name.to_string(),
             bytes: 0,
             entries: 0,
+            image: None,
+            platform: None,
         };
         build.finish(&mut record).map_err(|error| match error {
             tree::FinishError::Unpack(error) => unpack_error(error),
@@ -1153,6 +1359,81 @@ impl Stager {
         Ok(())
     }
 }
+
+/// What runs in a stored tree, and with what defaults: `build.entrypoint`
+/// when given, else the image config's `Entrypoint` (or `Cmd`), looked up
+/// as a container runtime would (a bare name through the image's `PATH`).
+fn run_in_tree(
+    rootfs: &Path,
+    record: &TreeRecord,
+    entrypoint: Option<&str>,
+) -> Result<(PathBuf, RunDefaults), StageError> {
+    let config = record.image.clone().unwrap_or_default();
+    let env: Vec<(String, String)> = config
+        .env
+        .iter()
+        .map(|pair| match pair.split_once('=') {
+            Some((name, value)) => (name.to_string(), value.to_string()),
+            None => (pair.clone(), String::new()),
+        })
+        .collect();
+    let path_var = env
+        .iter()
+        .find(|(name, _)| name == "PATH")
+        .map_or(DEFAULT_IMAGE_PATH, |(_, value)| value.as_str());
+    let entrypoint_error = |entrypoint: &str, problem| StageError::Entrypoint {
+        source_name: record.source.clone(),
+        entrypoint: entrypoint.to_string(),
+        problem,
+    };
+    let (exe, args, cmd) = match entrypoint {
+        Some(entrypoint) => (
+            tree::resolve_entrypoint(rootfs, entrypoint)
+                .map_err(|p| entrypoint_error(entrypoint, p))?,
+            Vec::new(),
+            Vec::new(),
+        ),
+        None => {
+            let ImageConfig {
+                entrypoint: ep,
+                cmd,
+                ..
+            } = &config;
+            let (command, args, cmd) = match (ep.split_first(), cmd.split_first()) {
+                (Some((command, rest)), _) => (command, rest.to_vec(), cmd.clone()),
+                (None, Some((command, rest))) => (command, Vec::new(), rest.to_vec()),
+                (None, None) => {
+                    return Err(StageError::NoEntrypoint {
+                        source_name: record.source.clone(),
+                        why: if record.image.is_some() {
+                            "its config has neither Entrypoint nor Cmd; set build.entrypoint"
+                        } else {
+                            "it has no image config; set build.entrypoint"
+                        },
+                    });
+                }
+            };
+            let exe = tree::resolve_command(rootfs, command, path_var)
+                .map_err(|p| entrypoint_error(command, p))?;
+            (exe, args, cmd)
+        }
+    };
+    let working_dir = (!config.working_dir.is_empty())
+        .then(|| tree::resolve_dir(rootfs, &config.working_dir))
+        .flatten();
+    Ok((
+        exe,
+        RunDefaults {
+            args,
+            cmd,
+            env,
+            working_dir,
+        },
+    ))
+}
+
+/// The `PATH` a command is looked up in when the image sets none.
+const DEFAULT_IMAGE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// An http or https URL, and the way messages show it.
 fn parse_url(url: &str) -> Result<(reqwest::Url, String), StageError> {

@@ -64,6 +64,12 @@ pub struct TreeRecord {
     pub bytes: u64,
     /// Entries.
     pub entries: u64,
+    /// An image's run defaults (an artifact's config gives none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<crate::registry::ImageConfig>,
+    /// The platform chosen from an image index.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform: Option<String>,
 }
 
 /// One entry's stamp: what says it did not change.
@@ -298,6 +304,45 @@ pub enum EntrypointProblem {
     NotExecutable(String),
     /// The path is not a relative path inside the tree.
     NotRelative,
+}
+
+/// Resolves a command as a container runtime does, inside the tree: a
+/// name with a `/` as a path from the tree's root, a bare name through
+/// each directory of `path` (the image's `PATH`) in turn.
+pub fn resolve_command(
+    rootfs: &Path,
+    command: &str,
+    path: &str,
+) -> Result<PathBuf, EntrypointProblem> {
+    if command.contains('/') {
+        return resolve_entrypoint(rootfs, command);
+    }
+    let mut first_problem = EntrypointProblem::Missing;
+    for dir in path.split(':').filter(|d| !d.is_empty()) {
+        match resolve_entrypoint(rootfs, &format!("{}/{command}", dir.trim_end_matches('/'))) {
+            Ok(found) => return Ok(found),
+            Err(EntrypointProblem::Missing | EntrypointProblem::NotRelative) => {}
+            Err(other) => first_problem = other,
+        }
+    }
+    Err(first_problem)
+}
+
+/// The real path of the directory `dir` inside the tree, resolved as
+/// [`resolve_entrypoint`] resolves a file; `None` when it is not one.
+pub fn resolve_dir(rootfs: &Path, dir: &str) -> Option<PathBuf> {
+    let relative = dir.trim_start_matches('/');
+    if relative.is_empty() {
+        return Some(rootfs.to_path_buf());
+    }
+    unpack::relative_path(relative.as_bytes()).ok()?;
+    let root = open_dir(rootfs).ok()?;
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    let found = openat2(root.as_fd(), relative, how).ok()?;
+    let real = fs::read_link(unpack::fd_path(found.as_fd())).ok()?;
+    real.starts_with(rootfs).then_some(real)
 }
 
 /// Resolves `entrypoint` inside the tree `rootfs` as a process whose root

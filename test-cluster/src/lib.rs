@@ -11,6 +11,9 @@
 //! passes having checked nothing. `GENSWAP_KUBE=required` (CI sets it)
 //! turns that into a failure.
 //!
+//! Beside it, a real OCI registry and images pushed by real tools
+//! ([`registry`]).
+//!
 //! Around it: the credentials of a chart's ServiceAccounts
 //! ([`ControlPlane::service_account_kubeconfig`]), a real helm
 //! ([`helm::helm`]), and processes stopped by PID whatever happens
@@ -24,5 +27,6 @@ mod control_plane;
 pub mod helm;
 pub mod objects;
 pub mod process;
+pub mod registry;
 
 pub use control_plane::{ControlPlane, SKIP_LINE, client_for, workspace};

@@ -272,6 +272,7 @@ async fn run_in(sandbox: &Sandbox) -> Result<DemoReport, DemoError> {
         staging_root: staging.clone(),
         store_dir: None,
         tree_limits: genswap_store::TreeLimits::default(),
+        registries: Default::default(),
         engine: EngineConfig::default(),
         logs: LogSettings {
             dir: dir.join("logs"),

@@ -524,8 +524,9 @@ pub(super) struct Handed {
 }
 
 /// SPEC 5.5 step 5: starts the successor inside its fresh cgroup, with its
-/// own socket, uid/gid and environment. Its working directory defaults to
-/// the instance's run dir, which its uid can use.
+/// own socket, uid/gid and environment. Its working directory is the
+/// spec's, else an image's `WorkingDir` inside its tree, else the
+/// instance's run dir, which its uid can use.
 pub(super) async fn spawn(
     spec: &genswap_crds::SwapAttemptSpec,
     successor: &GenerationRecord,
@@ -547,8 +548,9 @@ pub(super) async fn spawn(
         successor.n,
         &successor.build,
     );
-    request.args = spec.process.args.clone();
-    request.env = env_of(&spec.process);
+    // An image's config fills in what the spec leaves out (SPEC 5.14).
+    request.args = staged.args(&spec.process.args);
+    request.env = staged.env(env_of(&spec.process));
     // The agent's own, when it gives them.
     request.env.retain(|(name, _)| {
         name != crate::notify::ENV_NOTIFY_SOCKET && name != crate::notify::ENV_WATCHDOG_USEC
@@ -569,7 +571,9 @@ pub(super) async fn spawn(
         spec.process
             .working_dir
             .as_deref()
-            .map_or_else(|| run_dir.to_path_buf(), PathBuf::from),
+            .map(PathBuf::from)
+            .or_else(|| staged.run.working_dir.clone())
+            .unwrap_or_else(|| run_dir.to_path_buf()),
     );
     (request.uid, request.gid) = owner_of(&spec.process);
     request.allow_root = allow_root;

@@ -313,9 +313,9 @@ async fn run_once(
     cgroup: &Cgroup,
     listeners: &[ActivatedSocket],
 ) -> RunEnd {
-    let exe = match &sidecar.build {
+    let (exe, staged) = match &sidecar.build {
         Some(build) => match target.stager.stage(build).await {
-            Ok(staged) => staged.path,
+            Ok(staged) => (staged.path.clone(), Some(staged)),
             Err(error) => {
                 return RunEnd::NotStarted(format!(
                     "its build {} could not be staged: {}",
@@ -325,7 +325,7 @@ async fn run_once(
             }
         },
         None => match &target.store_path {
-            Some(path) => path.clone(),
+            Some(path) => (path.clone(), None),
             None => {
                 return RunEnd::NotStarted(
                     "the generation's executable is not known to this agent".into(),
@@ -369,17 +369,24 @@ async fn run_once(
         &target.build,
     );
     request.target_pid = Some(target.pid);
-    request.args = process.args.clone();
-    request.env = process
+    let env = process
         .env
         .iter()
         .map(|var| (var.name.clone(), var.value.clone()))
         .collect();
+    // A sidecar's own image fills in what its spec leaves out, as the
+    // generation's does.
+    (request.args, request.env) = match &staged {
+        Some(staged) => (staged.args(&process.args), staged.env(env)),
+        None => (process.args.clone(), env),
+    };
     request.working_dir = Some(
         process
             .working_dir
             .as_deref()
-            .map_or_else(|| target.run_dir.clone(), PathBuf::from),
+            .map(PathBuf::from)
+            .or_else(|| staged.as_ref().and_then(|s| s.run.working_dir.clone()))
+            .unwrap_or_else(|| target.run_dir.clone()),
     );
     let id = |own: Option<i64>, instance: Option<i64>| {
         own.or(instance).and_then(|id| u32::try_from(id).ok())

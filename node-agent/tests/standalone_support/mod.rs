@@ -110,6 +110,7 @@ impl StandaloneHost {
             staging_root: staging.clone(),
             store_dir: Some(temp.path().join("store")),
             tree_limits: genswap_store::TreeLimits::default(),
+            registries: Default::default(),
             engine: EngineConfig::default(),
             logs: LogSettings::in_dir(temp.path().join("logs"), env!("CARGO_BIN_EXE_node-agent")),
         };
