@@ -427,7 +427,12 @@ async fn wrong_credentials_a_missing_digest_and_an_unknown_ca_are_the_registrys_
         .stage(&image_build(&reference, &missing, None))
         .await
         .expect_err("404");
-    assert_unavailable(&fx, &error, &registry.addr, &["404 MANIFEST_UNKNOWN", &missing]);
+    assert_unavailable(
+        &fx,
+        &error,
+        &registry.addr,
+        &["404 MANIFEST_UNKNOWN", &missing],
+    );
     good.stage(&build).await.expect("the right credentials");
 }
 

@@ -59,6 +59,20 @@ impl SwapHost {
 
     /// A node whose agent's cgroup root is `<tree>/genswap`.
     pub fn in_tree(tag: &str, config: EngineConfig, tree: TestCgroupTree) -> SwapHost {
+        SwapHost::in_tree_staging(tag, config, tree, |_| {})
+    }
+
+    /// A node whose stager is configured by `tune` (registries, limits).
+    pub fn with_stager(tag: &str, tune: impl FnOnce(&mut StagerConfig)) -> SwapHost {
+        SwapHost::in_tree_staging(tag, EngineConfig::default(), TestCgroupTree::new(tag), tune)
+    }
+
+    fn in_tree_staging(
+        tag: &str,
+        config: EngineConfig,
+        tree: TestCgroupTree,
+        tune: impl FnOnce(&mut StagerConfig),
+    ) -> SwapHost {
         let dir = tempfile::Builder::new()
             .prefix(&format!("genswap-{tag}-"))
             .tempdir()
@@ -70,9 +84,11 @@ impl SwapHost {
         let run_dir = dir.path().join("run");
         let state_dir = dir.path().join("state");
         fs::create_dir(&staging).expect("staging root");
+        let mut stager_config = StagerConfig::new(&staging);
+        tune(&mut stager_config);
         let stager = Stager::new(
             Store::open(dir.path().join("store")).expect("store"),
-            StagerConfig::new(&staging),
+            stager_config,
         )
         .expect("stager");
         let cgroups = tree.manager();
