@@ -72,6 +72,14 @@ pub struct HostArgs {
     /// hold.
     #[arg(long, env = "GENSWAP_MAX_TREE_ENTRIES", value_name = "N", default_value_t = genswap_store::DEFAULT_MAX_TREE_ENTRIES, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_tree_entries: u64,
+    /// Builds the store keeps besides those in use (what serves, retires or
+    /// starts, and each instance's previous build), newest first.
+    #[arg(long, env = "GENSWAP_STORE_KEEP", value_name = "N", default_value_t = genswap_store::retention::DEFAULT_STORE_KEEP)]
+    pub store_keep: usize,
+    /// What everything the store keeps may add up to, a quantity such as
+    /// `10Gi`. Builds in use are kept even past it.
+    #[arg(long, env = "GENSWAP_STORE_MAX_BYTES", value_name = "SIZE", default_value = "10Gi", value_parser = parse_tree_bytes)]
+    pub store_max_bytes: u64,
     /// Registry credentials for image builds: a docker `config.json`
     /// (`auths` by registry, with `auth` or `username`/`password`), the
     /// format of a `kubernetes.io/dockerconfigjson` Secret. Read at each
@@ -190,6 +198,10 @@ impl HostArgs {
                 max_bytes: self.max_tree_bytes,
                 max_entries: self.max_tree_entries,
             },
+            retention: genswap_store::RetentionPolicy {
+                keep: self.store_keep,
+                max_bytes: self.store_max_bytes,
+            },
             registries: genswap_store::RegistrySettings {
                 config: self.registry_config.clone(),
                 ca: self.registry_ca.clone(),
@@ -220,10 +232,11 @@ impl HostArgs {
     }
 }
 
-/// `--max-tree-bytes`: a Kubernetes quantity of bytes, at least one.
+/// `--max-tree-bytes`, `--store-max-bytes`: a Kubernetes quantity of
+/// bytes, at least one.
 fn parse_tree_bytes(text: &str) -> Result<u64, String> {
     match crate::cgroup::parse_memory_quantity(text) {
-        Ok(0) => Err("the tree limit must be at least 1 byte".into()),
+        Ok(0) => Err("the size must be at least 1 byte".into()),
         Ok(bytes) => Ok(bytes),
         Err(error) => Err(error.to_string()),
     }
@@ -255,6 +268,8 @@ pub struct HostSettings {
     pub tree_limits: genswap_store::TreeLimits,
     /// Credentials, CA and plain-HTTP hosts for image builds.
     pub registries: genswap_store::RegistrySettings,
+    /// What the store keeps.
+    pub retention: genswap_store::RetentionPolicy,
     /// Root instances and swaps on/off.
     pub engine: EngineConfig,
     /// Where generations' output is written.
@@ -393,6 +408,7 @@ impl Host {
         let mut stager_config = StagerConfig::new(&settings.staging_root);
         stager_config.tree_limits = settings.tree_limits;
         stager_config.registries = settings.registries.clone();
+        stager_config.retention = settings.retention;
         let stager = Stager::new(store, stager_config).map_err(HostError::Stager)?;
         let journal = Journal::open(&settings.state_dir).map_err(HostError::Journal)?;
         let logs = LogSink::new(settings.logs.clone(), &cgroups).map_err(HostError::Logs)?;
@@ -586,6 +602,7 @@ mod tests {
             store_dir: None,
             tree_limits: genswap_store::TreeLimits::default(),
             registries: Default::default(),
+            retention: Default::default(),
             engine: EngineConfig::default(),
             logs: LogSettings {
                 dir: dir.join("logs"),

@@ -10,6 +10,7 @@
 //!   re-verified cheaply on a hit;
 //! - [`registry`]: images and OCI artifacts from a registry (oci-client),
 //!   with the node's credentials;
+//! - [`retention`]: what the store keeps, and the rest removed;
 //! - `archive`: one pass from the source through the hash and the
 //!   decompressor into the unpacker.
 //!
@@ -20,12 +21,14 @@
 mod archive;
 mod fs_util;
 pub mod registry;
+pub mod retention;
 pub mod stager;
 pub mod tree;
 pub mod unpack;
 
 pub use archive::format_name;
 pub use registry::{ImageConfig, RegistryError, RegistrySettings};
+pub use retention::{RetentionPolicy, RetentionReport};
 pub use stager::RunDefaults;
 pub use stager::{
     DEFAULT_MAX_ARTIFACT_BYTES, ENTRY_MODE, ENTRY_PREFIX, STORE_DIR_MODE, StageError, Staged,

@@ -22,7 +22,7 @@
 //! down) and which are the host's or the source's (a missing file, a server
 //! that does not answer: `abandoned`, tried again).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
@@ -39,6 +39,7 @@ use tokio::sync::mpsc;
 use crate::archive::{self, Chunk, ChunkReader, Hashing};
 use crate::fs_util::{TEMP_PREFIX, fsync_dir, temp_name};
 use crate::registry::{ImageConfig, Registries, RegistryError, RegistrySettings, Resolved};
+use crate::retention::{self, EntryKind, RetentionPolicy, RetentionReport, StoredEntry};
 use crate::tree::{self, EntrypointProblem, TREE_PREFIX, TreeBuild, TreeRecord, TreeStamps};
 use crate::unpack::{TreeLimits, UnpackError};
 
@@ -304,6 +305,9 @@ pub struct Store {
     verified: Mutex<HashMap<String, EntryStamp>>,
     /// Trees this process verified, by digest, with their stamps.
     verified_trees: Mutex<HashMap<String, TreeStamps>>,
+    /// When this process last staged each entry: retention keeps the
+    /// newest.
+    last_used: Mutex<HashMap<String, SystemTime>>,
 }
 
 /// What says an entry's bytes are still the ones hashed: the kernel sets a
@@ -386,6 +390,7 @@ impl Store {
             dir,
             verified: Mutex::new(HashMap::new()),
             verified_trees: Mutex::new(HashMap::new()),
+            last_used: Mutex::new(HashMap::new()),
         })
     }
 
@@ -460,6 +465,103 @@ impl Store {
             }
         }
         Ok(removed)
+    }
+
+    /// Notes that `sha256` was staged now.
+    fn used(&self, sha256: &str) {
+        self.last_used
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(sha256.to_string(), SystemTime::now());
+    }
+
+    /// Every entry of the store, with its size and when it was last used
+    /// (staged by this process, else stored).
+    pub fn entries(&self) -> io::Result<Vec<StoredEntry>> {
+        let used = self
+            .last_used
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let mut entries = Vec::new();
+        for item in fs::read_dir(&self.dir)? {
+            let item = item?;
+            let name = item.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let (kind, sha256) = if let Some(hex) = name.strip_prefix(TREE_PREFIX) {
+                (EntryKind::Tree, hex)
+            } else if let Some(hex) = name.strip_prefix(ENTRY_PREFIX) {
+                (EntryKind::File, hex)
+            } else {
+                continue;
+            };
+            if check_digest(sha256).is_err() {
+                continue;
+            }
+            let meta = fs::symlink_metadata(item.path())?;
+            let bytes = match kind {
+                EntryKind::File => meta.len(),
+                EntryKind::Tree => tree::read_record(&item.path()).map_or(0, |r| r.bytes),
+            };
+            let stored = meta.modified().unwrap_or(UNIX_EPOCH);
+            entries.push(StoredEntry {
+                sha256: sha256.to_string(),
+                kind,
+                bytes,
+                last_used: used.get(sha256).copied().unwrap_or(stored).max(stored),
+            });
+        }
+        Ok(entries)
+    }
+
+    /// Removes what `policy` does not keep, never an entry in `protected`
+    /// (digests) and never a tree being staged right now.
+    pub fn collect(
+        &self,
+        protected: &HashSet<String>,
+        policy: RetentionPolicy,
+    ) -> io::Result<RetentionReport> {
+        let entries = self.entries()?;
+        let remove = retention::plan(&entries, protected, policy);
+        let mut report = RetentionReport::default();
+        let removed_names: HashSet<(&str, EntryKind)> =
+            remove.iter().map(|e| (e.sha256.as_str(), e.kind)).collect();
+        for entry in &entries {
+            if !removed_names.contains(&(entry.sha256.as_str(), entry.kind)) {
+                report.kept += 1;
+                report.kept_bytes += entry.bytes;
+            }
+        }
+        for entry in remove {
+            let (name, result) = match entry.kind {
+                EntryKind::File => {
+                    self.lock_verified().remove(&entry.sha256);
+                    let path = self.entry_path(&entry.sha256);
+                    (path.clone(), fs::remove_file(&path))
+                }
+                EntryKind::Tree => {
+                    self.lock_trees().remove(&entry.sha256);
+                    let path = self.tree_path(&entry.sha256);
+                    (path.clone(), tree::remove_entry(&path))
+                }
+            };
+            let shown = name
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            match result {
+                Ok(()) => {
+                    report.removed.push(shown);
+                    report.freed_bytes += entry.bytes;
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => report.failed.push(format!("{shown}: {e}")),
+            }
+        }
+        if !report.removed.is_empty() {
+            fsync_dir(&self.dir)?;
+        }
+        Ok(report)
     }
 
     /// `<store>/tree-sha256-<hex>`, whether or not it exists.
@@ -699,6 +801,8 @@ pub struct StagerConfig {
     pub tree_limits: TreeLimits,
     /// Credentials, CA and plain-HTTP hosts for images.
     pub registries: RegistrySettings,
+    /// What the store keeps (`--store-keep`, `--store-max-bytes`).
+    pub retention: RetentionPolicy,
 }
 
 impl StagerConfig {
@@ -712,6 +816,7 @@ impl StagerConfig {
             download_timeout: Duration::from_secs(300),
             tree_limits: TreeLimits::default(),
             registries: RegistrySettings::default(),
+            retention: RetentionPolicy::default(),
         }
     }
 }
@@ -776,6 +881,34 @@ impl Stager {
     /// into a tree) and verifies it against its pinned digest. The file
     /// I/O runs on tokio's blocking pool.
     pub async fn stage(&self, build: &BuildSpec) -> Result<Staged, StageError> {
+        let staged = self.stage_build(build).await?;
+        self.inner.store.used(&staged.sha256);
+        Ok(staged)
+    }
+
+    /// Removes what the store's retention policy does not keep (see
+    /// [`crate::retention`]): never a digest in `protected`, nor a tree
+    /// being staged now. Blocking file I/O.
+    pub fn collect(&self, protected: &HashSet<String>) -> io::Result<RetentionReport> {
+        let mut protected = protected.clone();
+        {
+            let locks = self
+                .inner
+                .tree_locks
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            for (sha256, lock) in locks.iter() {
+                if lock.try_lock().is_err() {
+                    protected.insert(sha256.clone());
+                }
+            }
+        }
+        self.inner
+            .store
+            .collect(&protected, self.inner.config.retention)
+    }
+
+    async fn stage_build(&self, build: &BuildSpec) -> Result<Staged, StageError> {
         let artifact = &build.artifact;
         let entrypoint = build.entrypoint.as_deref();
         if artifact.image.is_some() {

@@ -273,6 +273,7 @@ async fn run_in(sandbox: &Sandbox) -> Result<DemoReport, DemoError> {
         store_dir: None,
         tree_limits: genswap_store::TreeLimits::default(),
         registries: Default::default(),
+        retention: Default::default(),
         engine: EngineConfig::default(),
         logs: LogSettings {
             dir: dir.join("logs"),

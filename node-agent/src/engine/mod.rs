@@ -275,6 +275,10 @@ pub struct Engine {
     notices: supervise::Notices,
     /// The serving generations' sidecars, as their tasks post them.
     sidecar_board: sidecars::Board,
+    /// The build digests of the attempts running now, by a token each:
+    /// staged, or about to be, before the journal names them, and kept by
+    /// the store's retention meanwhile.
+    staging: Mutex<(u64, HashMap<u64, Vec<String>>)>,
 }
 
 impl Engine {
@@ -296,6 +300,7 @@ impl Engine {
             listeners,
             notices: supervise::Notices::new(),
             sidecar_board: sidecars::Board::default(),
+            staging: Mutex::new((0, HashMap::new())),
         }
     }
 
@@ -377,7 +382,82 @@ impl Engine {
         gate: &dyn AttemptGate,
         cancel: &Cancel,
     ) -> SwapResult {
-        flow::run(self, attempt, gate, cancel).await
+        let token = self.hold_builds(&attempt.spec);
+        let result = flow::run(self, attempt, gate, cancel).await;
+        self.release_builds(token);
+        // After each outcome, the store keeps what retention says.
+        self.collect_store().await;
+        result
+    }
+
+    fn hold_builds(&self, spec: &genswap_crds::SwapAttemptSpec) -> u64 {
+        let mut staging = self.staging.lock().unwrap_or_else(PoisonError::into_inner);
+        staging.0 += 1;
+        let token = staging.0;
+        staging.1.insert(token, crate::journal::builds_of(spec));
+        token
+    }
+
+    fn release_builds(&self, token: u64) {
+        self.staging
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .1
+            .remove(&token);
+    }
+
+    /// The store's retention (SPEC 5.14): removes the entries that no
+    /// generation runs or may run again (what the journal names: serving,
+    /// retiring and starting generations, each lineage's builds and the one
+    /// before it), beyond the newest `--store-keep` within
+    /// `--store-max-bytes`. With a journal file that cannot be read,
+    /// nothing is removed: what it names is not known.
+    pub async fn collect_store(&self) -> Option<genswap_store::RetentionReport> {
+        let mut protected: std::collections::HashSet<String> = self
+            .staging
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .1
+            .values()
+            .flatten()
+            .cloned()
+            .collect();
+        protected.extend(
+            self.lock_instances()
+                .values()
+                .filter_map(|state| state.info.as_ref().map(|info| info.sha256.clone())),
+        );
+        let journal = Arc::clone(&self.journal);
+        let stager = self.stager.clone();
+        let collected = parts::blocking(move || {
+            let (entries, corrupt) = journal.load_all().map_err(|e| e.to_string())?;
+            if let Some(bad) = corrupt.first() {
+                return Err(format!(
+                    "the journal file {} cannot be read, so what it keeps is not known",
+                    bad.path.display()
+                ));
+            }
+            for entry in entries {
+                protected.extend(entry.builds_in_use());
+            }
+            stager.collect(&protected).map_err(|e| e.to_string())
+        })
+        .await;
+        match collected {
+            Ok(report) => {
+                if !report.removed.is_empty() {
+                    tracing::info!(removed = ?report.removed, freed_bytes = report.freed_bytes, kept = report.kept, kept_bytes = report.kept_bytes, "the store removed builds nothing keeps");
+                }
+                for failure in &report.failed {
+                    tracing::warn!(%failure, "the store could not remove a build");
+                }
+                Some(report)
+            }
+            Err(error) => {
+                tracing::warn!(%error, "the store keeps everything this time");
+                None
+            }
+        }
     }
 
     /// Stops `instance`'s serving generation with proof of exit (its

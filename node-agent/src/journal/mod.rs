@@ -74,7 +74,8 @@ mod record;
 
 pub use record::{
     AttemptRef, CorruptEntry, ExitRecord, FIRST_GENERATION, FORMAT_VERSION, GenerationRecord,
-    InstanceEntry, Lineage, OutcomeRecord, Phase, Record, SavedLimits, Supervised, unix_millis_now,
+    InstanceEntry, Lineage, OutcomeRecord, Phase, Record, SavedLimits, Supervised, builds_of,
+    unix_millis_now,
 };
 
 /// How far a write must have reached the disk before it returns (see the
@@ -257,6 +258,11 @@ impl Journal {
                 Lineage::Keep => {}
                 Lineage::Set(supervised) => {
                     entry.last_exit = None;
+                    if let Some(replaced) = &entry.supervised
+                        && replaced.spec.build.sha256 != supervised.spec.build.sha256
+                    {
+                        entry.previous_builds = record::builds_of(&replaced.spec);
+                    }
                     entry.supervised = Some(*supervised);
                 }
                 Lineage::Restarted {

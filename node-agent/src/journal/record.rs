@@ -427,6 +427,51 @@ pub struct InstanceEntry {
     /// What the supervisor keeps between attempts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub supervised: Option<Supervised>,
+    /// The builds (digests: the main build's, its sidecars') of the lineage
+    /// the current one replaced: the store keeps them for a rollback.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub previous_builds: Vec<String>,
+}
+
+impl InstanceEntry {
+    /// Every build digest this instance runs, may run again, or is
+    /// starting: what the store must keep for it.
+    pub fn builds_in_use(&self) -> Vec<String> {
+        let mut digests = Vec::new();
+        let mut generation = |g: &Option<GenerationRecord>| {
+            if let Some(g) = g {
+                digests.push(g.sha256.clone());
+            }
+        };
+        generation(&self.serving);
+        // An attempt in flight (or one a crash interrupted) may still run
+        // its incumbent or its successor; a finished one runs what serves.
+        let in_flight = self.attempt.as_ref().filter(|r| r.outcome.is_none());
+        if let Some(record) = in_flight {
+            generation(&record.incumbent);
+            generation(&record.successor);
+            if let Some(spec) = &record.spec {
+                digests.extend(builds_of(spec));
+            }
+        }
+        if let Some(supervised) = &self.supervised {
+            digests.extend(builds_of(&supervised.spec));
+        }
+        digests.extend(self.previous_builds.iter().cloned());
+        digests.retain(|d| !d.is_empty());
+        digests
+    }
+}
+
+/// The digests of an attempt's build and its sidecars' own builds.
+pub fn builds_of(spec: &SwapAttemptSpec) -> Vec<String> {
+    std::iter::once(spec.build.sha256.clone())
+        .chain(
+            spec.sidecars
+                .iter()
+                .filter_map(|s| s.build.as_ref().map(|b| b.sha256.clone())),
+        )
+        .collect()
 }
 
 impl InstanceEntry {
@@ -440,6 +485,7 @@ impl InstanceEntry {
             unreported: Vec::new(),
             last_exit: None,
             supervised: None,
+            previous_builds: Vec::new(),
         }
     }
 

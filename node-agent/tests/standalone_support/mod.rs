@@ -111,6 +111,7 @@ impl StandaloneHost {
             store_dir: Some(temp.path().join("store")),
             tree_limits: genswap_store::TreeLimits::default(),
             registries: Default::default(),
+            retention: Default::default(),
             engine: EngineConfig::default(),
             logs: LogSettings::in_dir(temp.path().join("logs"), env!("CARGO_BIN_EXE_node-agent")),
         };

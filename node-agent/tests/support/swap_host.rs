@@ -37,6 +37,8 @@ pub const NOBODY: i64 = 65534;
 /// One test's node.
 pub struct SwapHost {
     pub engine: std::sync::Arc<Engine>,
+    /// The engine's stager (the same store).
+    pub stager: Stager,
     pub instance: InstanceKey,
     /// `<dir>/staging`: the staging root artifacts must be under.
     pub staging: PathBuf,
@@ -96,12 +98,13 @@ impl SwapHost {
         let parts = EngineParts {
             cgroups,
             layout: RunLayout::new(&run_dir),
-            stager,
+            stager: stager.clone(),
             journal: Journal::open(&state_dir).expect("journal"),
             logs,
         };
         SwapHost {
             engine: std::sync::Arc::new(Engine::new(parts, config)),
+            stager,
             instance: InstanceKey::new("default", "app").expect("instance key"),
             staging,
             run_dir,

@@ -548,6 +548,19 @@ impl Engine {
             errors = report.errors.len(),
             "crash recovery done"
         );
+        // The store after a crash: unfinished copies and unpacks go, then
+        // what retention does not keep (SPEC 5.14).
+        let store = self.stager.clone();
+        match parts::blocking(move || store.store().remove_temp_files()).await {
+            Ok(0) => {}
+            Ok(removed) => {
+                tracing::info!(removed, "removed the store's unfinished copies and trees")
+            }
+            Err(error) => tracing::warn!(%error, "cannot remove the store's unfinished copies"),
+        }
+        if journal_readable {
+            self.collect_store().await;
+        }
         report
     }
 

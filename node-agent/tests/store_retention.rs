@@ -1,0 +1,141 @@
+//! The store's retention through the engine (SPEC 5.14): with a byte limit
+//! the builds in use alone pass and nothing else kept (`--store-keep 0`),
+//! a collection in the middle of an overlap removes neither the serving
+//! nor the starting tree; after it, the previous build stays for a
+//! rollback; one release later it goes.
+
+#[path = "support/cgroup_guard.rs"]
+mod cgroup_guard;
+#[path = "support/swap_host.rs"]
+mod swap_host;
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::process::Command;
+
+use genswap_crds::{Artifact, Outcome, Unpack};
+use genswap_store::RetentionPolicy;
+use node_agent::engine::{Attempt, Cancel};
+use sha2::{Digest, Sha256};
+use swap_host::{OpenGate, SwapHost};
+
+/// A tree archive of the test app's server, distinct per `name`.
+fn testapp_archive(host: &SwapHost, name: &str) -> (PathBuf, String) {
+    let src = host
+        .staging
+        .parent()
+        .expect("temp dir")
+        .join(format!("src-{name}"));
+    fs::create_dir_all(src.join("bin")).expect("bin");
+    let server = host.build(&format!("server-{name}"));
+    fs::copy(&server.path, src.join("bin/testapp")).expect("server");
+    fs::set_permissions(src.join("bin/testapp"), fs::Permissions::from_mode(0o755)).expect("chmod");
+    fs::write(src.join("name"), name).expect("name");
+    let archive = host.staging.join(format!("{name}.tar.gz"));
+    let status = Command::new("tar")
+        .arg("-C")
+        .arg(&src)
+        .args(["-czf"])
+        .arg(&archive)
+        .arg(".")
+        .status()
+        .expect("tar");
+    assert!(status.success());
+    let digest = hex::encode(Sha256::digest(fs::read(&archive).expect("archive")));
+    (archive, digest)
+}
+
+fn tree_attempt(
+    host: &SwapHost,
+    rev: i64,
+    name: &str,
+    (archive, digest): &(PathBuf, String),
+) -> Attempt {
+    let filler = host.build(&format!("filler-{rev}"));
+    let mut attempt = host.attempt(rev, &filler, name);
+    attempt.spec.build.artifact = Artifact {
+        path: Some(archive.display().to_string()),
+        url: None,
+        image: None,
+        unpack: Some(Unpack::TarGzip),
+    };
+    attempt.spec.build.sha256 = digest.clone();
+    attempt.spec.build.entrypoint = Some("bin/testapp".into());
+    attempt
+}
+
+fn stored(host: &SwapHost) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(host.stager.store().dir())
+        .expect("store")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("tree-"))
+        .collect();
+    names.sort();
+    names
+}
+
+fn tree(digest: &str) -> String {
+    format!("tree-sha256-{digest}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_never_removes_a_tree_in_use_even_past_its_limit() {
+    let host = SwapHost::with_stager("retention", |config| {
+        config.retention = RetentionPolicy {
+            keep: 0,
+            max_bytes: 1,
+        };
+    });
+    let a = testapp_archive(&host, "a");
+    let b = testapp_archive(&host, "b");
+    let c = testapp_archive(&host, "c");
+    let unused = testapp_archive(&host, "unused");
+
+    let result = host.swap(&tree_attempt(&host, 1, "a", &a)).await;
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    // A tree nothing runs: staged, then left.
+    host.stager
+        .stage(&tree_attempt(&host, 99, "unused", &unused).spec.build)
+        .await
+        .expect("staged");
+    assert_eq!(stored(&host).len(), 2);
+
+    // The overlap to b, its successor slow to bind: collect in the middle.
+    let mut attempt = tree_attempt(&host, 2, "b", &b);
+    swap_host::knob(&mut attempt, "TESTAPP_BOOT_DELAY_MS", "1500");
+    let engine = host.engine.clone();
+    let overlap =
+        tokio::spawn(async move { engine.swap(&attempt, &OpenGate, &Cancel::new()).await });
+    swap_host::eventually("the successor's cgroup", || {
+        host.generation_cgroups().contains(&2)
+    })
+    .await;
+    let report = host.engine.collect_store().await.expect("collected");
+    assert_eq!(report.removed, vec![tree(&unused.1)], "{report:?}");
+    assert_eq!(stored(&host), {
+        let mut both = vec![tree(&a.1), tree(&b.1)];
+        both.sort();
+        both
+    });
+    assert!(
+        report.kept_bytes > 1,
+        "the limit is passed by what is in use: {report:?}"
+    );
+    let result = overlap.await.expect("the overlap");
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    assert_eq!(host.who_serves().await.expect("serves").build, "b");
+
+    // After the overlap a stays: it is the previous build.
+    let mut both = vec![tree(&a.1), tree(&b.1)];
+    both.sort();
+    assert_eq!(stored(&host), both);
+
+    // One release later, a is neither serving nor previous: it goes.
+    let result = host.swap(&tree_attempt(&host, 3, "c", &c)).await;
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    let mut now = vec![tree(&b.1), tree(&c.1)];
+    now.sort();
+    assert_eq!(stored(&host), now);
+    host.tear_down().await;
+}
