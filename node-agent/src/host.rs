@@ -301,6 +301,13 @@ pub enum HostError {
     /// A configured directory is too long for the paths made under it.
     #[error(transparent)]
     PathTooLong(#[from] PathLimitError),
+    /// A file the pod mounts could not be kept readable across the join.
+    #[error("cannot keep {} readable after joining the host's mount namespace: {source}", path.display())]
+    Pin {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     /// A directory the agent needs could not be created.
     #[error("cannot create {what} {path}: {source}")]
     CreateDir {
@@ -500,6 +507,41 @@ pub fn join_host_namespaces() -> Result<JoinedNamespaces, HostError> {
     Ok(joined)
 }
 
+/// The directories [`pin_through_fd`] keeps open for the process's life.
+static PINNED_DIRS: std::sync::Mutex<Vec<fs::File>> = std::sync::Mutex::new(Vec::new());
+
+/// A file given by a path in the agent's own mount namespace (a Secret or
+/// ConfigMap the pod mounts), kept readable after the agent joins the
+/// host's: its directory stays open and the file is named through
+/// `/proc/self/fd/<n>/<name>`, so an update of the mount (an atomic swap
+/// of its `..data` link) is still seen. Call it before
+/// [`join_host_namespaces`].
+pub fn pin_through_fd(path: &Path) -> Result<PathBuf, HostError> {
+    let fail = |source: io::Error| HostError::Pin {
+        path: path.to_path_buf(),
+        source,
+    };
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(fail(io::Error::from(io::ErrorKind::InvalidInput)));
+    };
+    let dir = fs::File::open(if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    })
+    .map_err(fail)?;
+    let pinned = PathBuf::from(format!(
+        "/proc/self/fd/{}",
+        std::os::fd::AsRawFd::as_raw_fd(&dir)
+    ))
+    .join(name);
+    PINNED_DIRS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push(dir);
+    Ok(pinned)
+}
+
 /// Whether this process is in PID 1's cgroup namespace. Where PID 1's cannot
 /// be inspected (no hostPID, or a sandbox that hides it) this cannot be
 /// told, and it says yes: the joining step reports that case itself.
@@ -679,5 +721,21 @@ mod tests {
     #[test]
     fn an_unknown_swap_value_is_refused() {
         assert!(Cli::try_parse_from(["node-agent", "--swap=maybe"]).is_err());
+    }
+
+    #[test]
+    fn a_pinned_file_stays_readable_when_its_path_names_something_else() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mounted = dir.path().join("mounted");
+        fs::create_dir(&mounted).expect("mount dir");
+        fs::write(mounted.join("config.json"), "v1").expect("config");
+        let pinned = pin_through_fd(&mounted.join("config.json")).expect("pinned");
+        // The path stops naming the mount (as after the namespace join) ...
+        fs::rename(&mounted, dir.path().join("elsewhere")).expect("move");
+        fs::create_dir(&mounted).expect("another dir at the path");
+        assert_eq!(fs::read_to_string(&pinned).expect("read"), "v1");
+        // ... and an update of the mount is still seen.
+        fs::write(dir.path().join("elsewhere/config.json"), "v2").expect("update");
+        assert_eq!(fs::read_to_string(&pinned).expect("read"), "v2");
     }
 }

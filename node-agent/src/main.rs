@@ -104,6 +104,18 @@ struct DemoArgs {
 }
 
 impl Command {
+    fn host_mut(&mut self) -> Option<&mut HostArgs> {
+        match self {
+            Command::Run(args) => Some(&mut args.host),
+            Command::Standalone(args) => Some(&mut args.host),
+            Command::Demo(args) => Some(&mut args.host),
+            Command::Logs(_)
+            | Command::Paths(_)
+            | Command::LogShim(_)
+            | Command::ListenerKeeper => None,
+        }
+    }
+
     fn host(&self) -> Option<&HostArgs> {
         match self {
             Command::Run(args) => Some(&args.host),
@@ -226,13 +238,27 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(command: Command) -> Result<(), MainError> {
+fn run(mut command: Command) -> Result<(), MainError> {
     let join = match &command {
         Command::Run(args) => !args.host.no_host_namespaces,
         Command::Standalone(args) => args.join_host_namespaces,
         _ => false,
     };
     if join {
+        // What the pod mounts (its service account, a registry Secret) is
+        // gone from view once the agent is in the host's mount namespace:
+        // keep each directory open and read through it.
+        if matches!(command, Command::Run(_)) {
+            node_agent::kube::pin_in_cluster_config()?;
+        }
+        if let Some(host) = command.host_mut() {
+            for path in [&mut host.registry_config, &mut host.registry_ca]
+                .into_iter()
+                .flatten()
+            {
+                *path = host::pin_through_fd(path)?;
+            }
+        }
         // Before the runtime starts any thread: setns into a mount
         // namespace needs a single-threaded process.
         let joined = host::join_host_namespaces()?;
