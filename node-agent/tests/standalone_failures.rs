@@ -1,6 +1,7 @@
 //! Standalone mode when a build is wrong: a digest that does not match is
-//! refused before anything runs, a build that fails its health check is held
-//! down while the incumbent keeps serving, and a changed `spec.retry`
+//! refused before anything runs and held down (the bytes are not the
+//! build's), a build that fails its health check is held down while the
+//! incumbent keeps serving, and a changed `spec.retry`
 //! re-arms one more attempt of it. Real processes, real cgroups.
 
 #[path = "support/cgroup_guard.rs"]
@@ -14,7 +15,7 @@ use genswap_crds::{Cause, ConditionType, Outcome};
 use standalone_support::{Manifest, StandaloneHost, key};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wrong_digest_is_abandoned_without_running_anything() {
+async fn a_wrong_digest_fails_the_build_without_running_anything() {
     let host = StandaloneHost::start("digest");
     let one = host.build("build-1");
     let other = host.build("build-other");
@@ -30,7 +31,7 @@ async fn a_wrong_digest_is_abandoned_without_running_anything() {
         .await;
 
     let last = doc.last_attempt().expect("a last attempt");
-    assert_eq!(last.outcome, Outcome::Abandoned, "{last:?}");
+    assert_eq!(last.outcome, Outcome::Failed, "{last:?}");
     assert!(!last.executed, "nothing of the build ran: {last:?}");
     assert!(
         last.reason.contains("sha256") || last.reason.contains("digest"),
@@ -40,9 +41,14 @@ async fn a_wrong_digest_is_abandoned_without_running_anything() {
     let attempt = doc.attempt(last.sched_rev).expect("the attempt");
     assert_eq!(attempt.status.executed, Some(false));
     assert!(!doc.is_true(ConditionType::Ready));
-    assert!(
-        doc.status.held_down.is_empty(),
-        "abandoned is never the build's fault"
+    assert_eq!(
+        doc.status
+            .held_down
+            .iter()
+            .map(|h| h.build.as_str())
+            .collect::<Vec<_>>(),
+        vec!["build-1"],
+        "bytes that are not the pinned ones are the build's fault: held down"
     );
     assert!(
         host.generation_cgroups(&hello).is_empty(),

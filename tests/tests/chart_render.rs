@@ -447,6 +447,81 @@ fn swap_off_reaches_the_agent_flags() {
 }
 
 #[test]
+fn a_private_registry_reaches_the_agent_as_files_it_mounts_read_only() {
+    let file = chart_support::chart_dir().join("ci/registry-values.yaml");
+    let (daemonset, _) = agent_daemonset(&[&file]);
+    let pod = daemonset.spec.template.spec.expect("pod spec");
+    let agent = container(&pod, "node-agent");
+    let settings = parse_agent_args(agent).host.settings();
+    assert_eq!(
+        settings.registries.config.as_deref(),
+        Some(Path::new("/etc/genswap/registry/config.json"))
+    );
+    assert_eq!(
+        settings.registries.ca.as_deref(),
+        Some(Path::new("/etc/genswap/registry-ca/ca.crt"))
+    );
+    assert_eq!(settings.registries.insecure, vec!["10.0.0.9:5000"]);
+    assert_eq!(
+        (settings.retention.keep, settings.retention.max_bytes),
+        (2, 20 << 30)
+    );
+    assert_eq!(
+        (
+            settings.tree_limits.max_bytes,
+            settings.tree_limits.max_entries
+        ),
+        (2 << 30, 200_000)
+    );
+    let mounts = agent.volume_mounts.clone().unwrap_or_default();
+    for (name, path) in [
+        ("registry-config", "/etc/genswap/registry"),
+        ("registry-ca", "/etc/genswap/registry-ca"),
+    ] {
+        let mount = mounts
+            .iter()
+            .find(|m| m.name == name)
+            .unwrap_or_else(|| panic!("no {name} mount"));
+        assert_eq!(
+            (mount.mount_path.as_str(), mount.read_only),
+            (path, Some(true))
+        );
+    }
+    let volumes = pod.volumes.clone().unwrap_or_default();
+    let secret = volumes
+        .iter()
+        .find(|v| v.name == "registry-config")
+        .and_then(|v| v.secret.clone())
+        .expect("the Secret volume");
+    assert_eq!(secret.secret_name.as_deref(), Some("genswap-registry"));
+    let items = secret.items.unwrap_or_default();
+    assert_eq!(
+        items
+            .iter()
+            .map(|i| (i.key.as_str(), i.path.as_str()))
+            .collect::<Vec<_>>(),
+        vec![(".dockerconfigjson", "config.json")]
+    );
+    // Without those values the agent mounts nothing of the kind and
+    // pulls anonymously.
+    let (daemonset, _) = agent_daemonset(&[]);
+    let pod = daemonset.spec.template.spec.expect("pod spec");
+    let settings = parse_agent_args(container(&pod, "node-agent"))
+        .host
+        .settings();
+    assert_eq!(
+        settings.registries,
+        genswap_store::RegistrySettings::default()
+    );
+    assert!(
+        !pod.volumes
+            .unwrap_or_default()
+            .iter()
+            .any(|v| v.name.starts_with("registry"))
+    );
+}
+
+#[test]
 fn one_namespace_scopes_both_binaries() {
     let file = chart_support::chart_dir().join("ci/one-namespace-values.yaml");
     let docs = render(&[&file], &[]);
