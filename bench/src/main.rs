@@ -30,6 +30,7 @@ mod report;
 mod sandbox;
 mod scale;
 mod stats;
+mod store;
 mod watch;
 mod write_cost;
 mod zero;
@@ -116,6 +117,12 @@ enum Command {
     Cluster(ClusterArgs),
     /// The load generator (started by the benchmark as its own process).
     Loadgen(loadgen::LoadArgs),
+    /// Staging an image from a registry on loopback against skopeo and
+    /// tar by hand; memory; staging a stored digest again.
+    Store(store::StoreArgs),
+    /// One stager pulling one image (started by `store` as its own process).
+    #[command(hide = true)]
+    StageImage(store::StageImageArgs),
 }
 
 #[derive(Clone, Debug, clap::Args)]
@@ -245,6 +252,18 @@ async fn run(command: Command) -> Result<(), BenchError> {
         Command::Scale(args) => (args, false, true),
         Command::Cluster(args) => return run_cluster(args).await,
         Command::Loadgen(_) => return Ok(()),
+        Command::Store(args) => {
+            let bench = std::env::current_exe().map_err(|source| BenchError::Setup {
+                what: "find this program".into(),
+                source,
+            })?;
+            return store::run(&args, &bench).await;
+        }
+        Command::StageImage(args) => {
+            let report = store::stage_image(&args).await?;
+            println!("{}", serde_json::to_string(&report).unwrap_or_default());
+            return Ok(());
+        }
     };
     let out = out_dir(args.out.clone())?;
     let binaries = prepare::ensure(zero_on)?;
