@@ -14,7 +14,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::process::Command;
 
-use genswap_crds::{Artifact, Outcome, Unpack};
+use genswap_crds::{Outcome, Unpack};
 use genswap_store::RetentionPolicy;
 use node_agent::engine::{Attempt, Cancel};
 use sha2::{Digest, Sha256};
@@ -52,17 +52,10 @@ fn tree_attempt(
     name: &str,
     (archive, digest): &(PathBuf, String),
 ) -> Attempt {
-    let filler = host.build(&format!("filler-{rev}"));
-    let mut attempt = host.attempt(rev, &filler, name);
-    attempt.spec.build.artifact = Artifact {
-        path: Some(archive.display().to_string()),
-        url: None,
-        image: None,
-        unpack: Some(Unpack::TarGzip),
-    };
-    attempt.spec.build.sha256 = digest.clone();
-    attempt.spec.build.entrypoint = Some("bin/testapp".into());
-    attempt
+    host.attempt_of(
+        rev,
+        swap_host::archive_build(name, archive, digest, Unpack::TarGzip, "bin/testapp"),
+    )
 }
 
 fn stored(host: &SwapHost) -> Vec<String> {

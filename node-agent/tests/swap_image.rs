@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use genswap_crds::{Artifact, Outcome};
+use genswap_crds::{Artifact, BuildSpec, Outcome};
 use genswap_store::RegistrySettings;
 use node_agent::classify::StepOutcome;
 use node_agent::engine::{Attempt, Step};
@@ -53,17 +53,20 @@ fn push_testapp_image(host: &SwapHost, registry: &Registry, name: &str) -> Strin
 }
 
 fn image_attempt(host: &SwapHost, rev: i64, id: &str, image: String, digest: &str) -> Attempt {
-    let filler = host.build(&format!("filler-{rev}"));
-    let mut attempt = host.attempt(rev, &filler, id);
-    attempt.spec.build.artifact = Artifact {
-        path: None,
-        url: None,
-        image: Some(image),
-        unpack: None,
-    };
-    attempt.spec.build.sha256 = digest.to_string();
-    attempt.spec.build.entrypoint = None;
-    attempt
+    host.attempt_of(
+        rev,
+        BuildSpec {
+            id: id.into(),
+            artifact: Artifact {
+                path: None,
+                url: None,
+                image: Some(image),
+                unpack: None,
+            },
+            sha256: digest.into(),
+            entrypoint: None,
+        },
+    )
 }
 
 /// Requests through `socket`, a new connection each, until `stop`: how

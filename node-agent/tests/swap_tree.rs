@@ -15,7 +15,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use genswap_crds::{Artifact, Outcome, Unpack};
+use genswap_crds::{Outcome, Unpack};
 use node_agent::classify::StepOutcome;
 use node_agent::engine::{Attempt, Step};
 use sha2::{Digest, Sha256};
@@ -87,7 +87,7 @@ fn python_archive(
     (archive, digest)
 }
 
-/// An overlap attempt of the archive at `archive`.
+/// An overlap attempt of the archive at `archive`, running `bin/serve`.
 fn tree_attempt(
     host: &SwapHost,
     rev: i64,
@@ -96,18 +96,10 @@ fn tree_attempt(
     sha256: &str,
     format: Unpack,
 ) -> Attempt {
-    // Any build fills in the rest of the spec; the build is replaced.
-    let filler = host.build(&format!("filler-{rev}"));
-    let mut attempt = host.attempt(rev, &filler, id);
-    attempt.spec.build.artifact = Artifact {
-        path: Some(archive.display().to_string()),
-        url: None,
-        image: None,
-        unpack: Some(format),
-    };
-    attempt.spec.build.sha256 = sha256.to_string();
-    attempt.spec.build.entrypoint = Some("bin/serve".into());
-    attempt
+    host.attempt_of(
+        rev,
+        swap_host::archive_build(id, archive, sha256, format, "bin/serve"),
+    )
 }
 
 async fn greeting(host: &SwapHost) -> String {

@@ -504,7 +504,18 @@ pub fn write_manifest(
         manifest["artifactType"] = serde_json::json!(kind);
     }
     let bytes = serde_json::to_vec(&manifest).expect("manifest");
-    let descriptor = put_blob(layout, "application/vnd.oci.image.manifest.v1+json", &bytes);
+    put_tagged(
+        layout,
+        "application/vnd.oci.image.manifest.v1+json",
+        &bytes,
+        name,
+    )
+}
+
+/// Puts a manifest or index blob into the layout and tags it `name`;
+/// returns its digest (hex).
+fn put_tagged(layout: &Path, media_type: &str, bytes: &[u8], name: &str) -> String {
+    let descriptor = put_blob(layout, media_type, bytes);
     let digest = descriptor["digest"]
         .as_str()
         .expect("digest")
@@ -550,12 +561,10 @@ pub fn write_index(layout: &Path, name: &str, entries: &[(&str, &str)]) -> Strin
         "manifests": manifests,
     }))
     .expect("index");
-    let descriptor = put_blob(layout, "application/vnd.oci.image.index.v1+json", &bytes);
-    let digest = descriptor["digest"]
-        .as_str()
-        .expect("digest")
-        .trim_start_matches("sha256:")
-        .to_string();
-    tag_in_layout(layout, descriptor, name);
-    digest
+    put_tagged(
+        layout,
+        "application/vnd.oci.image.index.v1+json",
+        &bytes,
+        name,
+    )
 }

@@ -130,6 +130,18 @@ impl SwapHost {
         }
     }
 
+    /// An overlap attempt of `build` (a tree, an image): the spec
+    /// [`SwapHost::attempt`] makes, with this build in place of a file.
+    pub fn attempt_of(&self, rev: i64, build: BuildSpec) -> Attempt {
+        let none = testapp::Build {
+            path: PathBuf::new(),
+            sha256: String::new(),
+        };
+        let mut attempt = self.attempt(rev, &none, &build.id);
+        attempt.spec.build = build;
+        attempt
+    }
+
     /// Runs `attempt` with a gate that always passes.
     pub async fn swap(&self, attempt: &Attempt) -> SwapResult {
         self.engine.swap(attempt, &OpenGate, &Cancel::new()).await
@@ -300,6 +312,28 @@ impl SwapHost {
             .await
             .expect("stop the instance");
         self.assert_only(None);
+    }
+}
+
+/// A tree build of the archive at `archive` (`format`), running
+/// `entrypoint` inside it.
+pub fn archive_build(
+    id: &str,
+    archive: &Path,
+    sha256: &str,
+    format: genswap_crds::Unpack,
+    entrypoint: &str,
+) -> BuildSpec {
+    BuildSpec {
+        id: id.into(),
+        artifact: Artifact {
+            path: Some(archive.display().to_string()),
+            url: None,
+            image: None,
+            unpack: Some(format),
+        },
+        sha256: sha256.into(),
+        entrypoint: Some(entrypoint.into()),
     }
 }
 
