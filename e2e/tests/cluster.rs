@@ -26,7 +26,10 @@
 //!    lists nothing once the attempts are gone;
 //! 4. deletes a namespace with instances in it, as a user would, and waits
 //!    for every instance to stop and leave nothing behind, whatever order
-//!    the namespace controller deletes the objects in.
+//!    the namespace controller deletes the objects in;
+//! 5. rolls out image builds from a real registry on loopback (TLS, basic
+//!    auth from a docker config.json): an overlap under load with no failed
+//!    request, and credentials that stop working retried until they work.
 //!
 //! On a cluster of one's own, do not run it where the genswap chart runs
 //! agents: they would take the suite's attempts for their node too.
@@ -733,4 +736,200 @@ async fn a_crash_looping_sidecar_leaves_the_instance_ready_and_says_so() {
         .await
         .expect("delete the instance");
     expect_nothing_left(&stack, &["side"]).await;
+}
+
+/// An image of the test app's server at `/bin/testapp`, built by umoci in
+/// `dir` and pushed as `apps/testapp:<name>`; its digest (hex).
+fn push_testapp_image(
+    registry: &test_cluster::registry::Registry,
+    dir: &std::path::Path,
+    name: &str,
+) -> String {
+    let image = test_cluster::registry::Umoci::new(&dir.join(format!("image-{name}")), name);
+    let rootfs = image.rootfs();
+    std::fs::create_dir_all(rootfs.join("bin")).expect("bin");
+    let server = testapp::make_build(dir, &format!("server-{name}")).expect("the server");
+    std::fs::copy(&server.path, rootfs.join("bin/testapp")).expect("copy the server");
+    image.layer();
+    image.config(&["--config.entrypoint", "/bin/testapp"]);
+    registry.push(&image.layout, image.tag(), "apps/testapp", name, &[])
+}
+
+/// Image builds on a real API server (SPEC 5.14): the controller and the
+/// agent as processes, the agent pulling from a real registry on loopback
+/// (TLS from the test's CA, basic auth from a docker config.json). An
+/// image installs and a second one overlaps it while a client sends
+/// requests through `current.sock`, none failing; credentials that stop
+/// working make the next attempt `abandoned` (nothing ran, the reason
+/// names the registry's 401) and the controller retries it with backoff,
+/// which succeeds once the file holds the right password again (read at
+/// each pull, no restart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_roll_out_from_a_registry_and_a_refusal_is_retried() {
+    let Some(cluster) = Cluster::find().await else {
+        return;
+    };
+    let Some(registry) =
+        test_cluster::registry::Registry::start(test_cluster::registry::Access::TlsWithAuth)
+    else {
+        return;
+    };
+    apply_crds(&cluster);
+    let images = support::host_dir();
+    let credentials = images.path().join("config.json");
+    let right = |registry: &test_cluster::registry::Registry| {
+        registry.write_docker_config(
+            &credentials,
+            test_cluster::registry::USER,
+            test_cluster::registry::PASSWORD,
+        )
+    };
+    right(&registry);
+    let mut stack = Stack::start_with(
+        &cluster,
+        "image",
+        vec![
+            "--registry-config".into(),
+            credentials.clone().into(),
+            "--registry-ca".into(),
+            registry.ca.clone().into(),
+        ],
+    )
+    .await;
+    let client = cluster.client().await;
+    let igs: Api<InstanceGeneration> = Api::namespaced(client.clone(), &stack.namespace.name);
+    let attempts: Api<SwapAttempt> = Api::namespaced(client, &stack.namespace.name);
+    let digests: Vec<String> = ["one", "two", "three"]
+        .iter()
+        .map(|name| push_testapp_image(&registry, images.path(), name))
+        .collect();
+    let (namespace, hostname) = (stack.namespace.name.clone(), stack.hostname.clone());
+    let apply = |name: &str, digest: &str| {
+        let mut object = json!({
+            "apiVersion": "genswap.dev/v1alpha1",
+            "kind": "InstanceGeneration",
+            "metadata": {"name": "img", "namespace": namespace},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": hostname},
+                "build": {
+                    "id": format!("image-{name}"),
+                    "artifact": {"image": format!("{}/apps/testapp:{name}@sha256:{digest}", registry.addr)},
+                    "sha256": digest,
+                },
+                "process": {"user": INSTANCE_ID, "group": INSTANCE_ID},
+                "health": {"path": "/", "timeoutSeconds": 10},
+                "settle": {"seconds": 0},
+                "stop": {"timeoutSeconds": 5},
+            },
+        });
+        object["spec"]["build"]["id"] = json!(format!("image-{name}"));
+        object
+    };
+    let wait_serving = |build: String| {
+        let igs = igs.clone();
+        async move {
+            let deadline = Instant::now() + STEP_DEADLINE;
+            loop {
+                let ig = igs.get("img").await.expect("get the instance");
+                if is_true(&ig, "Ready") && serves(&ig, &build) {
+                    return ig;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{build} never served: {:?}",
+                    ig.status
+                );
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
+    };
+    let patch = |object: Value| {
+        let igs = igs.clone();
+        async move {
+            igs.patch(
+                "img",
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&object),
+            )
+            .await
+            .expect("apply the instance");
+        }
+    };
+
+    patch(apply("one", &digests[0])).await;
+    wait_serving("image-one".into()).await;
+    stack.assert_running();
+
+    // The second image overlaps the first under load.
+    let socket = stack.current_sock("img");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let (mut answered, mut failures) = (0u64, Vec::new());
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                match get_over(&socket) {
+                    Ok(_) => answered += 1,
+                    Err(error) => failures.push(error),
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            (answered, failures)
+        })
+    };
+    patch(apply("two", &digests[1])).await;
+    wait_serving("image-two".into()).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (answered, failures) = load.join().expect("the client");
+    eprintln!(
+        "image overlap on a real API server: {answered} answered, {} failed",
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{failures:?}");
+    assert!(answered > 20, "{answered}");
+
+    // The credentials stop working: abandoned with the registry's answer,
+    // then retried until they work again.
+    registry.write_docker_config(&credentials, test_cluster::registry::USER, "wrong");
+    patch(apply("three", &digests[2])).await;
+    let deadline = Instant::now() + STEP_DEADLINE;
+    let refused = loop {
+        stack.assert_running();
+        let list = attempts
+            .list(&ListParams::default())
+            .await
+            .expect("list attempts");
+        if let Some(found) = list.items.into_iter().find(|a| {
+            a.spec.build.id == "image-three"
+                && a.status.as_ref().and_then(|s| s.outcome) == Some(Outcome::Abandoned)
+        }) {
+            break found;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no abandoned attempt{}",
+            stack.diagnosis()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    let status = refused.status.clone().expect("a status");
+    assert_eq!(status.executed, Some(false), "{status:?}");
+    let reason = status.reason.clone().unwrap_or_default();
+    assert!(
+        reason.contains(&registry.addr) && reason.contains("401"),
+        "{reason}"
+    );
+    right(&registry);
+    let ig = wait_serving("image-three".into()).await;
+    assert!(
+        ig.status.as_ref().is_some_and(|s| s.held_down.is_empty()),
+        "a registry's refusal holds nothing down: {:?}",
+        ig.status
+    );
+    assert!(get_over(&stack.current_sock("img")).is_ok());
+
+    igs.delete("img", &DeleteParams::default())
+        .await
+        .expect("delete the instance");
+    expect_nothing_left(&stack, &["img"]).await;
 }

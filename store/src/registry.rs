@@ -126,10 +126,14 @@ impl RegistryError {
     }
 }
 
-/// The registry client and settings of one stager.
+/// The registry settings of one stager. Each pull gets a client of its
+/// own: `oci-client` keeps the first credentials it was given for a
+/// registry, and `--registry-config` is read at each pull so that a
+/// rotated Secret takes effect.
 pub(crate) struct Registries {
-    client: Client,
     settings: RegistrySettings,
+    ca: Option<Vec<u8>>,
+    connect_timeout: std::time::Duration,
 }
 
 impl std::fmt::Debug for Registries {
@@ -150,6 +154,9 @@ pub(crate) struct Layer {
 
 /// What a manifest says to unpack and run.
 pub(crate) struct Resolved {
+    /// The client of this pull, with its credentials.
+    pub client: Client,
+    pub auth: RegistryAuth,
     pub reference: Reference,
     pub layers: Vec<Layer>,
     pub config: Option<ImageConfig>,
@@ -162,27 +169,36 @@ impl Registries {
         settings: RegistrySettings,
         connect_timeout: std::time::Duration,
     ) -> Result<Self, RegistryError> {
+        let ca = match &settings.ca {
+            Some(path) => Some(fs::read(path).map_err(|e| {
+                RegistryError::Settings(format!("--registry-ca {}: {e}", path.display()))
+            })?),
+            None => None,
+        };
+        Ok(Self {
+            settings,
+            ca,
+            connect_timeout,
+        })
+    }
+
+    /// A client for one pull.
+    fn client(&self) -> Client {
         let mut config = ClientConfig {
-            protocol: ClientProtocol::HttpsExcept(settings.insecure.clone()),
+            protocol: ClientProtocol::HttpsExcept(self.settings.insecure.clone()),
             platform_resolver: Some(Box::new(|entries| {
                 node_platform_entry(entries).map(|e| e.digest.clone())
             })),
-            connect_timeout: Some(connect_timeout),
+            connect_timeout: Some(self.connect_timeout),
             ..ClientConfig::default()
         };
-        if let Some(ca) = &settings.ca {
-            let data = fs::read(ca).map_err(|e| {
-                RegistryError::Settings(format!("--registry-ca {}: {e}", ca.display()))
-            })?;
+        if let Some(data) = &self.ca {
             config.extra_root_certificates.push(Certificate {
                 encoding: CertificateEncoding::Pem,
-                data,
+                data: data.clone(),
             });
         }
-        Ok(Self {
-            client: Client::new(config),
-            settings,
-        })
+        Client::new(config)
     }
 
     /// The credentials `--registry-config` holds for `registry`.
@@ -223,8 +239,8 @@ impl Registries {
             answered,
         };
         let auth = self.auth_for(&registry)?;
-        let (body, _) = self
-            .client
+        let client = self.client();
+        let (body, _) = client
             .pull_manifest_raw(&reference, &auth, ACCEPTED_MANIFESTS)
             .await
             .map_err(|e| unavailable(answer_of(&e)))?;
@@ -249,8 +265,7 @@ impl Registries {
                     })?
                     .to_string();
                 let chosen = reference.clone_with_digest(digest.clone());
-                let (body, _) = self
-                    .client
+                let (body, _) = client
                     .pull_manifest_raw(&chosen, &auth, ACCEPTED_MANIFESTS)
                     .await
                     .map_err(|e| unavailable(answer_of(&e)))?;
@@ -289,15 +304,15 @@ impl Registries {
             return Err(unusable("its manifest has no layers".into()));
         }
         let config = if is_image_config(&manifest.config.media_type) {
-            let bytes = self
-                .blob(
-                    &manifest_reference,
-                    &manifest.config,
-                    MAX_CONFIG_BYTES,
-                    &auth,
-                )
-                .await
-                .map_err(&unavailable)?;
+            let bytes = blob(
+                &client,
+                &manifest_reference,
+                &manifest.config,
+                MAX_CONFIG_BYTES,
+                &auth,
+            )
+            .await
+            .map_err(&unavailable)?;
             let file: ConfigFile = serde_json::from_slice(&bytes)
                 .map_err(|e| unusable(format!("its config cannot be read: {e}")))?;
             Some(file.config.map(ImageConfig::from).unwrap_or_default())
@@ -305,69 +320,70 @@ impl Registries {
             None
         };
         Ok(Resolved {
+            client,
+            auth,
             reference: manifest_reference,
             layers,
             config,
             platform,
         })
     }
+}
 
-    /// A small blob, whole, checked against its descriptor.
-    async fn blob(
-        &self,
-        reference: &Reference,
-        descriptor: &OciDescriptor,
-        limit: u64,
-        auth: &RegistryAuth,
-    ) -> Result<Vec<u8>, String> {
-        self.client
-            .store_auth_if_needed(reference.resolve_registry(), auth)
-            .await;
-        let mut stream = self
-            .client
-            .pull_blob_stream(reference, descriptor)
-            .await
-            .map_err(|e| answer_of(&e))?;
-        let mut bytes = Vec::new();
-        while let Some(chunk) = stream.next().await {
-            let chunk =
-                chunk.map_err(|e| format!("the blob {} stopped: {e}", descriptor.digest))?;
-            bytes.extend_from_slice(&chunk);
-            if bytes.len() as u64 > limit {
-                return Err(format!(
-                    "the blob {} is larger than {limit} bytes",
-                    descriptor.digest
-                ));
-            }
+/// A small blob, whole, checked against its descriptor.
+async fn blob(
+    client: &Client,
+    reference: &Reference,
+    descriptor: &OciDescriptor,
+    limit: u64,
+    auth: &RegistryAuth,
+) -> Result<Vec<u8>, String> {
+    client
+        .store_auth_if_needed(reference.resolve_registry(), auth)
+        .await;
+    let mut stream = client
+        .pull_blob_stream(reference, descriptor)
+        .await
+        .map_err(|e| answer_of(&e))?;
+    let mut bytes = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| format!("the blob {} stopped: {e}", descriptor.digest))?;
+        bytes.extend_from_slice(&chunk);
+        if bytes.len() as u64 > limit {
+            return Err(format!(
+                "the blob {} is larger than {limit} bytes",
+                descriptor.digest
+            ));
         }
-        let hex = descriptor
-            .digest
-            .strip_prefix("sha256:")
-            .unwrap_or_default();
-        check_bytes(&bytes, hex)?;
-        Ok(bytes)
     }
+    let hex = descriptor
+        .digest
+        .strip_prefix("sha256:")
+        .unwrap_or_default();
+    check_bytes(&bytes, hex)?;
+    Ok(bytes)
+}
 
-    /// The stream of one layer's bytes.
+impl Resolved {
+    /// The stream of one layer's bytes, through this pull's client.
     pub(crate) async fn layer_stream(
         &self,
-        reference: &Reference,
         layer: &Layer,
     ) -> Result<impl futures::Stream<Item = Result<bytes::Bytes, String>> + use<>, RegistryError>
     {
-        let registry = reference.resolve_registry().to_string();
-        let unavailable = |answered: String| RegistryError::Unavailable {
-            registry: registry.clone(),
-            reference: reference.whole(),
-            answered,
-        };
-        let auth = self.auth_for(&registry)?;
-        self.client.store_auth_if_needed(&registry, &auth).await;
+        let registry = self.reference.resolve_registry().to_string();
+        self.client
+            .store_auth_if_needed(&registry, &self.auth)
+            .await;
         let stream = self
             .client
-            .pull_blob_stream(reference, &layer.descriptor)
+            .pull_blob_stream(&self.reference, &layer.descriptor)
             .await
-            .map_err(|e| unavailable(answer_of(&e)))?;
+            .map_err(|e| RegistryError::Unavailable {
+                registry: registry.clone(),
+                reference: self.reference.whole(),
+                answered: answer_of(&e),
+            })?;
         let name = layer.name.clone();
         Ok(stream.map(move |chunk| chunk.map_err(|e| format!("{name} stopped: {e}"))))
     }

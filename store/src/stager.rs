@@ -1023,12 +1023,15 @@ impl Stager {
     ) -> Result<TreeRecord, StageError> {
         use futures::StreamExt;
         let registries = &self.inner.registries;
+        let resolved = registries.resolve(image, expected_sha256).await?;
         let Resolved {
             reference,
             layers,
             config,
             platform,
-        } = registries.resolve(image, expected_sha256).await?;
+            ..
+        } = &resolved;
+        let (config, platform) = (config.clone(), platform.clone());
         let store_dir = self.inner.store.dir().to_path_buf();
         let tree_error = |source| StageError::Tree {
             path: store_dir.clone(),
@@ -1044,7 +1047,7 @@ impl Stager {
             })
         };
         let after = self.inner.config.download_timeout;
-        for layer in &layers {
+        for layer in layers {
             let size = u64::try_from(layer.descriptor.size).unwrap_or(0);
             let limit = size.min(self.inner.config.max_bytes);
             if size > self.inner.config.max_bytes {
@@ -1072,7 +1075,7 @@ impl Stager {
                 (build, result, interrupted)
             });
             let download = async {
-                let mut stream = registries.layer_stream(&reference, layer).await?;
+                let mut stream = resolved.layer_stream(layer).await?;
                 while let Some(chunk) = stream.next().await {
                     let chunk = chunk.map_err(unavailable)?;
                     if chunks.send(Chunk::Data(chunk)).await.is_err() {

@@ -421,7 +421,10 @@ async fn wrong_credentials_a_missing_digest_and_an_unknown_ca_are_the_registrys_
         .expect_err("TLS");
     assert_unavailable(&fx, &error, &registry.addr, &["certificate"]);
 
-    let good = stager(&fx, settings_for(&fx, &registry, registry::PASSWORD));
+    // The same stager once the file holds the right password: the config
+    // is read at each pull, so a rotated Secret needs no restart.
+    settings_for(&fx, &registry, registry::PASSWORD);
+    let good = wrong;
     let missing = "1".repeat(64);
     let error = good
         .stage(&image_build(&reference, &missing, None))

@@ -397,6 +397,11 @@ impl Stack {
     /// Starts the controller and the agent for a new namespace and Node,
     /// both named after `tag`.
     pub async fn start(cluster: &Cluster, tag: &str) -> Stack {
+        Stack::start_with(cluster, tag, Vec::new()).await
+    }
+
+    /// [`Stack::start`], the agent given `extra` flags too.
+    pub async fn start_with(cluster: &Cluster, tag: &str, extra: Vec<OsString>) -> Stack {
         let cgroup_mount = host_requirements();
         let binaries = build_binaries();
         let node = cluster.node(tag).await;
@@ -449,7 +454,8 @@ impl Stack {
             .arg("--staging-root")
             .arg(&staging)
             .arg("--log-dir")
-            .arg(dir.path().join("logs"));
+            .arg(dir.path().join("logs"))
+            .args(extra);
         let controller = ChildGuard::spawn(
             "genswap-controller",
             controller_cmd,
