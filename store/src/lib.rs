@@ -19,20 +19,23 @@
 //! build or the host is to blame.
 
 mod archive;
+mod error;
 mod fs_util;
 pub mod registry;
 pub mod retention;
 pub mod stager;
+pub mod store;
 pub mod tree;
 pub mod unpack;
 
 pub use archive::format_name;
+pub use error::StageError;
 pub use registry::{ImageConfig, RegistryError, RegistrySettings};
 pub use retention::{RetentionPolicy, RetentionReport};
 pub use stager::RunDefaults;
 pub use stager::{
-    DEFAULT_MAX_ARTIFACT_BYTES, ENTRY_MODE, ENTRY_PREFIX, STORE_DIR_MODE, StageError, Staged,
-    Stager, StagerConfig, Store, StoreError, install_crypto_provider,
+    DEFAULT_MAX_ARTIFACT_BYTES, Staged, Stager, StagerConfig, install_crypto_provider,
 };
+pub use store::{ENTRY_MODE, ENTRY_PREFIX, STORE_DIR_MODE, Store, StoreError};
 pub use tree::{EntrypointProblem, TREE_PREFIX};
 pub use unpack::{DEFAULT_MAX_TREE_BYTES, DEFAULT_MAX_TREE_ENTRIES, Rule, TreeLimits, UnpackError};
