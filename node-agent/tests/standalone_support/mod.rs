@@ -346,6 +346,8 @@ pub struct Manifest {
     pub resources: Option<String>,
     /// `spec.listeners` as a YAML flow sequence.
     pub listeners: Option<String>,
+    /// An archive build: its `artifact.unpack` and its `build.entrypoint`.
+    pub tree: Option<(&'static str, String)>,
 }
 
 impl Manifest {
@@ -366,6 +368,7 @@ impl Manifest {
             node_selector: BTreeMap::new(),
             resources: None,
             listeners: None,
+            tree: None,
         }
     }
 
@@ -406,8 +409,8 @@ spec:{node_selector}
   build:
     id: {id}
     artifact:
-      path: {path}
-    sha256: {sha}
+      path: {path}{unpack}
+    sha256: {sha}{entrypoint}
   mode: {mode}
   retry: \"{retry}\"
   process:
@@ -430,6 +433,18 @@ spec:{node_selector}
                 .listeners
                 .as_ref()
                 .map_or_else(String::new, |l| format!("  listeners: {l}\n")),
+            unpack = self
+                .tree
+                .as_ref()
+                .map_or_else(String::new, |(format, _)| format!(
+                    "\n      unpack: {format}"
+                )),
+            entrypoint = self
+                .tree
+                .as_ref()
+                .map_or_else(String::new, |(_, entrypoint)| format!(
+                    "\n    entrypoint: {entrypoint}"
+                )),
             name = self.name,
             id = self.build_id,
             path = self.path.display(),
