@@ -14,7 +14,7 @@
 //!    fresh cgroup subtree, and stages test-app builds from a temp dir;
 //! 3. walks one InstanceGeneration through install, an overlap release, a
 //!    failing build held down (Stalled=True), a retry that succeeds, a bad
-//!    digest abandoned without running anything, and a release waited for
+//!    digest failed and held down without running anything, and a release waited for
 //!    with `kubectl wait --for=condition=Ready`, a `kubectl genswap get` and
 //!    a `kubectl genswap undo` to the previous good build, checking after each step
 //!    who answers on the instance's `current.sock`; then moves its
@@ -145,29 +145,35 @@ async fn genswap_end_to_end_on_a_real_api_server() {
     .await;
     e2e.expect_serving("hello-3").await;
 
-    // 3e. A bad digest: refused at staging, abandoned with nothing run, never
-    // the build's fault (no Stalled); the incumbent still serves.
+    // 3e. A bad digest: refused at staging with nothing run, and the
+    // build's own fault (its bytes are not the pinned ones): failed, held
+    // down, Stalled; the incumbent still serves.
     let mut v4 = e2e.build("hello-4");
     v4.sha256 = "0".repeat(64);
     e2e.apply(&v4, json!({})).await;
-    let abandoned = e2e
-        .expect_attempt("hello-4", Outcome::Abandoned, |_| true)
+    let refused = e2e
+        .expect_attempt("hello-4", Outcome::Failed, |_| true)
         .await;
-    let status = abandoned.status.clone().unwrap_or_default();
+    let status = refused.status.clone().unwrap_or_default();
     assert_eq!(status.executed, Some(false), "{status:?}");
     let reason = status.reason.clone().unwrap_or_default();
     assert!(
         reason.contains("sha256") || reason.contains("digest"),
         "the reason names the digest: {reason}"
     );
-    let ig = e2e.igs.get(IG).await.expect("get the IG");
+    let ig = e2e
+        .wait_ig("the bad digest held down", |ig| is_true(ig, "Stalled"))
+        .await;
     assert!(
         !is_true(&ig, "Ready"),
         "a build that never ran is not Ready"
     );
     assert!(
-        !is_true(&ig, "Stalled"),
-        "an abandoned attempt holds nothing down"
+        ig.status
+            .as_ref()
+            .is_some_and(|s| s.held_down.iter().any(|h| h.build == "hello-4")),
+        "{:?}",
+        ig.status
     );
     e2e.expect_serving("hello-3").await;
 
