@@ -449,7 +449,15 @@ async fn undo_writes_the_previous_good_build_back_as_it_was_released() {
         body,
         &json!({
             "metadata": {"resourceVersion": "10"},
-            "spec": {"build": {"id": "b1", "artifact": {"path": null, "url": "https://builds.example/b1"}, "sha256": sha("b1")}},
+            // Every source field is written, the unused ones null (a merge
+            // patch removes them), and the entrypoint with them: nothing of
+            // the build being replaced is left over.
+            "spec": {"build": {
+                "id": "b1",
+                "artifact": {"path": null, "url": "https://builds.example/b1", "image": null, "unpack": null},
+                "sha256": sha("b1"),
+                "entrypoint": null,
+            }},
         })
     );
 }
