@@ -12,10 +12,8 @@ mod swap_host;
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
-use std::process::Command;
 
 use genswap_crds::{ConditionType, Outcome};
-use sha2::{Digest, Sha256};
 use standalone_support::{Manifest, StandaloneHost, key};
 
 /// A tar+gzip archive of a tree with the test app's server at
@@ -31,16 +29,7 @@ fn archive(host: &StandaloneHost, name: &str) -> testapp::Build {
     fs::copy(&server.path, src.join("bin/server")).expect("server");
     fs::set_permissions(src.join("bin/server"), fs::Permissions::from_mode(0o755)).expect("chmod");
     let path = host.staging.join(format!("{name}.tar.gz"));
-    let status = Command::new("tar")
-        .arg("-C")
-        .arg(&src)
-        .arg("-czf")
-        .arg(&path)
-        .arg(".")
-        .status()
-        .expect("tar");
-    assert!(status.success());
-    let sha256 = hex::encode(Sha256::digest(fs::read(&path).expect("archive")));
+    let sha256 = swap_host::tar_tree(&src, &path, genswap_crds::Unpack::TarGzip);
     testapp::Build { path, sha256 }
 }
 

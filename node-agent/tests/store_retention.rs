@@ -12,12 +12,10 @@ mod swap_host;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
-use std::process::Command;
 
 use genswap_crds::{Outcome, Unpack};
 use genswap_store::RetentionPolicy;
 use node_agent::engine::{Attempt, Cancel};
-use sha2::{Digest, Sha256};
 use swap_host::{OpenGate, SwapHost};
 
 /// A tree archive of the test app's server, distinct per `name`.
@@ -33,16 +31,7 @@ fn testapp_archive(host: &SwapHost, name: &str) -> (PathBuf, String) {
     fs::set_permissions(src.join("bin/testapp"), fs::Permissions::from_mode(0o755)).expect("chmod");
     fs::write(src.join("name"), name).expect("name");
     let archive = host.staging.join(format!("{name}.tar.gz"));
-    let status = Command::new("tar")
-        .arg("-C")
-        .arg(&src)
-        .args(["-czf"])
-        .arg(&archive)
-        .arg(".")
-        .status()
-        .expect("tar");
-    assert!(status.success());
-    let digest = hex::encode(Sha256::digest(fs::read(&archive).expect("archive")));
+    let digest = swap_host::tar_tree(&src, &archive, Unpack::TarGzip);
     (archive, digest)
 }
 

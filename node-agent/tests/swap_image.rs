@@ -15,7 +15,7 @@ use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use genswap_crds::{Artifact, BuildSpec, Outcome};
@@ -70,13 +70,19 @@ fn image_attempt(host: &SwapHost, rev: i64, id: &str, image: String, digest: &st
 }
 
 /// Requests through `socket`, a new connection each, until `stop`: how
-/// many were answered 200 and what failed.
-async fn load(socket: PathBuf, stop: Arc<AtomicBool>) -> (u64, Vec<String>) {
-    let mut answered = 0;
+/// many were answered 200 (also counted in `answered` as they come) and
+/// what failed.
+async fn load(
+    socket: PathBuf,
+    stop: Arc<AtomicBool>,
+    answered: Arc<AtomicU64>,
+) -> (u64, Vec<String>) {
     let mut failures = Vec::new();
     while !stop.load(Ordering::SeqCst) {
         match node_agent::health::get_within(&socket, "/", Duration::from_secs(10)).await {
-            Ok((200, _)) => answered += 1,
+            Ok((200, _)) => {
+                answered.fetch_add(1, Ordering::SeqCst);
+            }
             Ok((status, body)) => {
                 failures.push(format!("{status}: {}", String::from_utf8_lossy(&body)))
             }
@@ -84,7 +90,19 @@ async fn load(socket: PathBuf, stop: Arc<AtomicBool>) -> (u64, Vec<String>) {
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    (answered, failures)
+    (answered.load(Ordering::SeqCst), failures)
+}
+
+/// Waits until the client has had `more` answers beyond `from`.
+async fn answers_beyond(answered: &AtomicU64, from: u64, more: u64) {
+    let deadline = tokio::time::Instant::now() + swap_host::DEADLINE;
+    while answered.load(Ordering::SeqCst) < from + more {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the client got no answers"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -119,9 +137,10 @@ async fn an_image_overlaps_another_under_load_without_a_failed_request() {
     assert_eq!(host.who_serves().await.expect("serves").build, "image-one");
 
     let stop = Arc::new(AtomicBool::new(false));
-    let client = tokio::spawn(load(host.current_sock(), stop.clone()));
-    // Let the client run against the incumbent before the swap starts.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let counted = Arc::new(AtomicU64::new(0));
+    let client = tokio::spawn(load(host.current_sock(), stop.clone(), counted.clone()));
+    // The client runs against the incumbent before the swap starts ...
+    answers_beyond(&counted, 0, 20).await;
     let result = host
         .swap(&image_attempt(
             &host,
@@ -131,7 +150,8 @@ async fn an_image_overlaps_another_under_load_without_a_failed_request() {
             &second,
         ))
         .await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // ... and against the successor after it.
+    answers_beyond(&counted, counted.load(Ordering::SeqCst), 20).await;
     stop.store(true, Ordering::SeqCst);
     let (answered, failures) = client.await.expect("the client");
     assert_eq!(result.outcome, Outcome::Done, "{result:?}");

@@ -70,20 +70,7 @@ fn python_archive(
     fs::create_dir_all(src.join("bin")).expect("bin");
     std::os::unix::fs::symlink("../app/main.py", src.join("bin/serve")).expect("symlink");
     let archive = host.staging.join(name);
-    let mut tar = Command::new("tar");
-    tar.arg("-C").arg(&src).arg("-cf").arg(&archive);
-    match format {
-        Unpack::Tar => {}
-        Unpack::TarGzip => {
-            tar.arg("--gzip");
-        }
-        Unpack::TarZstd => {
-            tar.arg("--zstd");
-        }
-    }
-    let status = tar.arg(".").status().expect("tar");
-    assert!(status.success());
-    let digest = hex::encode(Sha256::digest(fs::read(&archive).expect("archive")));
+    let digest = swap_host::tar_tree(&src, &archive, format);
     (archive, digest)
 }
 

@@ -315,6 +315,28 @@ impl SwapHost {
     }
 }
 
+/// Archives the contents of `src` into `archive` with the real GNU tar
+/// (gzip or zstd by its own flags) and returns the archive's sha256.
+pub fn tar_tree(src: &Path, archive: &Path, format: genswap_crds::Unpack) -> String {
+    let mut tar = Command::new("tar");
+    tar.arg("-C").arg(src).arg("-cf").arg(archive);
+    match format {
+        genswap_crds::Unpack::Tar => {}
+        genswap_crds::Unpack::TarGzip => {
+            tar.arg("--gzip");
+        }
+        genswap_crds::Unpack::TarZstd => {
+            tar.arg("--zstd");
+        }
+    }
+    let status = tar.arg(".").status().expect("run tar");
+    assert!(status.success(), "tar of {} failed", src.display());
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(
+        fs::read(archive).expect("read the archive"),
+    ))
+}
+
 /// A tree build of the archive at `archive` (`format`), running
 /// `entrypoint` inside it.
 pub fn archive_build(
