@@ -22,8 +22,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use genswap_crds::ListenerSpec;
 use nix::sys::socket::{
-    AddressFamily, Backlog, SockFlag, SockType, SockaddrIn, SockaddrIn6, UnixAddr, bind, listen,
-    setsockopt, socket, sockopt,
+    AddressFamily, Backlog, SockFlag, SockType, SockaddrIn, SockaddrIn6, SockaddrStorage, UnixAddr,
+    bind, connect, getsockname, listen, setsockopt, socket, sockopt,
 };
 use thiserror::Error;
 
@@ -350,12 +350,15 @@ impl Listeners {
     pub fn forget_beside(&self, instance: &InstanceKey) {
         let mut held = self.lock();
         for h in held.get_mut(instance).into_iter().flatten() {
-            if h.beside.take().is_some()
-                && let Some(steering) = &h.steering
+            let Some(beside) = h.beside.take() else {
+                continue;
+            };
+            if let Some(steering) = &h.steering
                 && let Err(error) = steering.clear(BESIDE_SLOT)
             {
                 tracing::warn!(listener = %h.spec.name, %error, "a failed generation's socket is left in the steering map");
             }
+            stop_matching_datagrams(&h.spec, &beside.fd);
         }
     }
 
@@ -791,10 +794,29 @@ fn switch_all(have: &mut [Held], generation: u64) -> Result<bool, ListenerError>
     }
     for &i in &done {
         if let Some(beside) = have[i].beside.take() {
-            have[i].fd = beside.fd;
+            let retired = std::mem::replace(&mut have[i].fd, beside.fd);
+            stop_matching_datagrams(&have[i].spec, &retired);
         }
     }
     Ok(!done.is_empty())
+}
+
+/// Takes a UDP socket that leaves its steered group out of the kernel's
+/// choice before it closes, by connecting it to its own address: a
+/// connected socket matches only datagrams from its peer. Without it, a
+/// socket found first in the port's hash chain while it closes is chosen
+/// directly (its group already left, the program not run), and a
+/// datagram queued on it then is lost. What it has queued stays readable
+/// for the generation draining it.
+fn stop_matching_datagrams(spec: &ListenerSpec, fd: &OwnedFd) {
+    if spec.udp.is_none() {
+        return;
+    }
+    let connected = getsockname::<SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(fd))
+        .and_then(|own| connect(std::os::fd::AsRawFd::as_raw_fd(fd), &own));
+    if let Err(error) = connected {
+        tracing::warn!(listener = %spec.name, %error, "a retired UDP socket could not be taken out of the steering; a datagram may reach it as it closes");
+    }
 }
 
 /// Binds and listens on what `spec` names; a TCP socket `steered` joins
@@ -904,6 +926,12 @@ fn check_is(fd: &OwnedFd, spec: &ListenerSpec) -> Result<(), String> {
     if spec.udp.is_some() {
         if kind != SockType::Datagram {
             return Err("not a UDP socket".into());
+        }
+        // One retired by a switch: it takes no datagram any more.
+        if nix::sys::socket::getpeername::<SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(fd))
+            .is_ok()
+        {
+            return Err("a UDP socket retired by a switch (connected), not a serving one".into());
         }
     } else {
         let listening =
@@ -1020,6 +1048,46 @@ mod tests {
                 || matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
             "the queued connection outlived the listener: {read:?}"
         );
+    }
+
+    /// A UDP socket a switch retires keeps what was queued for the
+    /// generation draining it, and is never taken back as a serving one.
+    #[test]
+    fn a_retired_udp_socket_keeps_its_queue_and_is_not_taken_back() {
+        let spec = ListenerSpec {
+            name: "dns".into(),
+            tcp: None,
+            udp: Some("127.0.0.1:0".into()),
+            unix: None,
+            backlog: 16,
+        };
+        let fd = bind_listener(&spec, false).expect("bound");
+        let socket = std::net::UdpSocket::from(fd.try_clone().expect("a copy"));
+        let own = socket.local_addr().expect("its address");
+        let client = std::net::UdpSocket::bind("127.0.0.1:0").expect("a client");
+        client.send_to(b"queued", own).expect("sent");
+        socket
+            .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .expect("read timeout");
+        let mut buf = [0u8; 16];
+        socket.peek_from(&mut buf).expect("the datagram is queued");
+        let bound = ListenerSpec {
+            udp: Some(own.to_string()),
+            ..spec
+        };
+        check_is(&fd, &bound).expect("a serving socket is taken back");
+
+        stop_matching_datagrams(&bound, &fd);
+        let peer: SockaddrStorage =
+            nix::sys::socket::getpeername(std::os::fd::AsRawFd::as_raw_fd(&fd)).expect("connected");
+        assert_eq!(peer.to_string(), own.to_string(), "to its own address");
+        let (n, from) = socket.recv_from(&mut buf).expect("the queued datagram");
+        assert_eq!(
+            (&buf[..n], from),
+            (&b"queued"[..], client.local_addr().expect("client"))
+        );
+        let refused = check_is(&fd, &bound).expect_err("a retired socket is refused");
+        assert!(refused.contains("retired"), "{refused}");
     }
 
     #[tokio::test]
