@@ -765,8 +765,20 @@ async fn answer_until_stopped(
             _ = stop.changed() => break,
         }
     }
-    while let Ok((_, peer)) = socket.try_recv_from(&mut buf) {
-        let _ = socket.try_send_to(&responder.body, peer);
+    // Straight to the socket: tokio's try_recv_from answers WouldBlock
+    // without asking the kernel while its reactor has not yet seen the
+    // datagram arrive, and that one would be lost.
+    let socket = match socket.into_std() {
+        Ok(socket) => socket,
+        Err(err) => {
+            event!("error draining the datagrams: {err}");
+            return;
+        }
+    };
+    while let Ok((_, peer)) = socket.recv_from(&mut buf) {
+        if let Err(err) = socket.send_to(&responder.body, peer) {
+            event!("error answering a datagram: {err}");
+        }
     }
 }
 
