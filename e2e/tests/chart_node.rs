@@ -3,7 +3,11 @@
 //! (`../shared/kube/node-up`), `helm install`, and the whole story in pods:
 //! the controller Deployment and the agent DaemonSet Ready by their own
 //! probes, an InstanceGeneration applied with kubectl served by an instance
-//! the agent's pod started, `kubectl wait` and `kubectl genswap get`, then
+//! the agent's pod started, `kubectl wait` and `kubectl genswap get`, an
+//! image build pulled by the pod from a registry on loopback with the
+//! credentials and CA the chart mounts (a Secret made by `kubectl create
+//! secret docker-registry`, a ConfigMap) and a second image overlapping it
+//! while a client sends requests without pause, then
 //! the agent replaced three ways (a DaemonSet rolling update by `helm
 //! upgrade`, `kubectl delete pod`, its container killed with `ctr`) while a
 //! client sends requests without pause, and `helm uninstall` after the
@@ -36,6 +40,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use support::{CgroupGuard, build_binaries, get_over, host_requirements, path_str, unique};
 use test_cluster::ControlPlane;
+use test_cluster::registry::{Access, PASSWORD, Registry, USER};
 
 /// The node `node-up` adds.
 const NODE: &str = "localhost";
@@ -46,6 +51,12 @@ const NAMESPACE: &str = "e2e-node";
 const SERVED: &str = "web";
 /// The instance deleted before `helm uninstall`, as the docs say.
 const DELETED: &str = "gone";
+/// The instance whose builds are images pulled from a registry.
+const IMAGE: &str = "img";
+/// The `kubernetes.io/dockerconfigjson` Secret and the CA ConfigMap the
+/// chart mounts into the agent.
+const PULL_SECRET: &str = "registry-pull";
+const REGISTRY_CA: &str = "registry-ca";
 /// Generous: pods start, probes pass and agents recover on a shared
 /// 2-core machine.
 const DEADLINE: Duration = Duration::from_secs(180);
@@ -424,13 +435,54 @@ impl Story {
             .file_name()
             .and_then(|n| n.to_str())
             .unwrap_or_default();
+        self.apply_build(
+            name,
+            serde_json::json!({"id": id, "artifact": {"path": path_str(&build.path)}, "sha256": build.sha256}),
+        );
+    }
+
+    /// An InstanceGeneration of the image `apps/testapp:<tag>@sha256:<digest>`
+    /// in `registry`, build id `image-<tag>`.
+    fn apply_image(&self, name: &str, registry: &Registry, tag: &str, digest: &str) {
+        self.apply_build(
+            name,
+            serde_json::json!({
+                "id": format!("image-{tag}"),
+                "artifact": {"image": format!("{}/apps/testapp:{tag}@sha256:{digest}", registry.addr)},
+                "sha256": digest,
+            }),
+        );
+    }
+
+    /// Waits until `ig` is Ready and serves `build` on the node.
+    fn wait_serving(&self, ig: &str, build: &str) {
+        let object = format!("instancegeneration/{ig}");
+        self.kubectl(&[
+            "wait",
+            "-n",
+            NAMESPACE,
+            &format!("--for=jsonpath={{.status.nodes[0].build}}={build}"),
+            &object,
+            "--timeout=180s",
+        ]);
+        self.kubectl(&[
+            "wait",
+            "-n",
+            NAMESPACE,
+            "--for=condition=Ready",
+            &object,
+            "--timeout=180s",
+        ]);
+    }
+
+    fn apply_build(&self, name: &str, build: Value) {
         let manifest = serde_json::json!({
             "apiVersion": "genswap.dev/v1alpha1",
             "kind": "InstanceGeneration",
             "metadata": {"name": name, "namespace": NAMESPACE},
             "spec": {
                 "nodeSelector": {"kubernetes.io/hostname": NODE},
-                "build": {"id": id, "artifact": {"path": path_str(&build.path)}, "sha256": build.sha256},
+                "build": build,
                 "process": {"user": support::INSTANCE_ID, "group": support::INSTANCE_ID},
                 "health": {"path": "/", "timeoutSeconds": 30},
                 "stop": {"timeoutSeconds": 5},
@@ -506,6 +558,10 @@ fn the_chart_runs_the_whole_story_on_a_real_node() {
         began.elapsed().as_secs_f64()
     );
 
+    // A registry on loopback (the agent's pod is on the node's network),
+    // TLS from the test's CA and basic auth.
+    let registry = Registry::start(Access::TlsWithAuth);
+
     // The chart's values for such a node, and what is this run's own: the
     // image's tag, free ports, the host paths.
     let node_values =
@@ -517,7 +573,7 @@ fn the_chart_runs_the_whole_story_on_a_real_node() {
         .rsplit_once(':')
         .map(|(_, port)| port.to_string())
         .expect("the API server's port");
-    let values = serde_json::json!({
+    let mut values = serde_json::json!({
         "image": {"repository": repository, "tag": image_tag},
         "apiServer": {"port": api_port.parse::<u16>().expect("a port")},
         "controller": {"metrics": {"port": free_port()}},
@@ -534,12 +590,38 @@ fn the_chart_runs_the_whole_story_on_a_real_node() {
             "terminationGracePeriodSeconds": 35,
         },
     });
+    if registry.is_some() {
+        values["agent"]["registryConfig"] = serde_json::json!({"secretName": PULL_SECRET});
+        values["agent"]["registryCA"] = serde_json::json!({"configMapName": REGISTRY_CA});
+    }
     let values_file = story.host.path().join("values.json");
     fs::write(&values_file, values.to_string()).expect("write the values");
     let values_file = path_str(&values_file);
 
     story.kubectl(&["create", "namespace", RELEASE_NAMESPACE]);
     story.kubectl(&["create", "namespace", NAMESPACE]);
+    if let Some(registry) = &registry {
+        // As a cluster admin makes them, with kubectl's own formats.
+        story.kubectl(&[
+            "create",
+            "secret",
+            "docker-registry",
+            PULL_SECRET,
+            "-n",
+            RELEASE_NAMESPACE,
+            &format!("--docker-server={}", registry.addr),
+            &format!("--docker-username={USER}"),
+            &format!("--docker-password={PASSWORD}"),
+        ]);
+        story.kubectl(&[
+            "create",
+            "configmap",
+            REGISTRY_CA,
+            "-n",
+            RELEASE_NAMESPACE,
+            &format!("--from-file=ca.crt={}", path_str(&registry.ca)),
+        ]);
+    }
     let began = Instant::now();
     story.helm(&[
         "install",
@@ -582,6 +664,45 @@ fn the_chart_runs_the_whole_story_on_a_real_node() {
     assert!(shown.contains("serving v1"), "{shown}");
     let pid = story.serving_pid(SERVED).expect("the instance answers");
 
+    // Image builds, pulled by the agent's pod with the mounted Secret and
+    // CA: one installs, a second overlaps it under load.
+    let mut instances = 2;
+    let mut image_pid = None;
+    if let Some(registry) = &registry {
+        let images = story.host.path().join("images");
+        fs::create_dir(&images).expect("an images dir");
+        let one = support::push_testapp_image(registry, &images, "one", &static_app);
+        let two = support::push_testapp_image(registry, &images, "two", &static_app);
+        let began = Instant::now();
+        story.apply_image(IMAGE, registry, "one", &one);
+        story.wait_serving(IMAGE, "image-one");
+        println!(
+            "chart on a real node: image one pulled and serving {:.1} s after kubectl apply",
+            began.elapsed().as_secs_f64()
+        );
+        let load = Load::start(story.current_sock(IMAGE));
+        let began = Instant::now();
+        story.apply_image(IMAGE, registry, "two", &two);
+        story.wait_serving(IMAGE, "image-two");
+        let took = began.elapsed().as_secs_f64();
+        let (answered, failures) = load.finish();
+        println!(
+            "chart on a real node: image two overlapped image one in {took:.1} s: {answered} answered, {} failed",
+            failures.len()
+        );
+        assert!(
+            failures.is_empty(),
+            "requests failed while image two replaced image one: {:?}",
+            &failures[..failures.len().min(5)]
+        );
+        assert!(answered > 0, "no request was answered");
+        let shown = story.kubectl(&["genswap", "get", IMAGE, "-n", NAMESPACE]);
+        assert!(shown.contains("serving image-two"), "{shown}");
+        instances += 1;
+        image_pid = story.serving_pid(IMAGE);
+        assert!(image_pid.is_some(), "image two answers");
+    }
+
     // The agent replaced three ways while a client sends without pause.
     let load = Load::start(story.current_sock(SERVED));
     let mut agent = (agent, 0);
@@ -591,8 +712,13 @@ fn the_chart_runs_the_whole_story_on_a_real_node() {
         agent = story.ready_agent(Some((&agent.0, agent.1)));
         assert_eq!(
             story.adopted_by(&agent.0),
-            2,
-            "the new agent ({how:?}) adopts both instances"
+            instances,
+            "the new agent ({how:?}) adopts every instance"
+        );
+        assert_eq!(
+            story.serving_pid(IMAGE),
+            image_pid,
+            "the image build serves on after {how:?}"
         );
         assert_eq!(
             story.serving_pid(SERVED),

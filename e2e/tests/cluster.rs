@@ -744,23 +744,6 @@ async fn a_crash_looping_sidecar_leaves_the_instance_ready_and_says_so() {
     expect_nothing_left(&stack, &["side"]).await;
 }
 
-/// An image of the test app's server at `/bin/testapp`, built by umoci in
-/// `dir` and pushed as `apps/testapp:<name>`; its digest (hex).
-fn push_testapp_image(
-    registry: &test_cluster::registry::Registry,
-    dir: &std::path::Path,
-    name: &str,
-) -> String {
-    let image = test_cluster::registry::Umoci::new(&dir.join(format!("image-{name}")), name);
-    let rootfs = image.rootfs();
-    std::fs::create_dir_all(rootfs.join("bin")).expect("bin");
-    let server = testapp::make_build(dir, &format!("server-{name}")).expect("the server");
-    std::fs::copy(&server.path, rootfs.join("bin/testapp")).expect("copy the server");
-    image.layer();
-    image.config(&["--config.entrypoint", "/bin/testapp"]);
-    registry.push(&image.layout, image.tag(), "apps/testapp", name, &[])
-}
-
 /// Image builds on a real API server (SPEC 5.14): the controller and the
 /// agent as processes, the agent pulling from a real registry on loopback
 /// (TLS from the test's CA, basic auth from a docker config.json). An
@@ -807,7 +790,10 @@ async fn images_roll_out_from_a_registry_and_a_refusal_is_retried() {
     let attempts: Api<SwapAttempt> = Api::namespaced(client, &stack.namespace.name);
     let digests: Vec<String> = ["one", "two", "three"]
         .iter()
-        .map(|name| push_testapp_image(&registry, images.path(), name))
+        .map(|name| {
+            let server = testapp::binary().expect("the test app is built");
+            support::push_testapp_image(&registry, images.path(), name, &server)
+        })
         .collect();
     let (namespace, hostname) = (stack.namespace.name.clone(), stack.hostname.clone());
     let apply = |name: &str, digest: &str| {

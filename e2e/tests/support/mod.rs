@@ -662,3 +662,23 @@ pub fn apply_crds(cluster: &Cluster) {
         "--timeout=60s",
     ]);
 }
+
+/// An image of the test app's server at `/bin/testapp` (a distinct build
+/// of `server`, the host's or a static one), built by umoci in `dir` and
+/// pushed as `apps/testapp:<name>`; its manifest's digest (hex).
+pub fn push_testapp_image(
+    registry: &test_cluster::registry::Registry,
+    dir: &Path,
+    name: &str,
+    server: &Path,
+) -> String {
+    let image = test_cluster::registry::Umoci::new(&dir.join(format!("image-{name}")), name);
+    let rootfs = image.rootfs();
+    fs::create_dir_all(rootfs.join("bin")).expect("bin");
+    let build =
+        testapp::make_build_from(server, dir, &format!("server-{name}")).expect("the server");
+    fs::copy(&build.path, rootfs.join("bin/testapp")).expect("copy the server");
+    image.layer();
+    image.config(&["--config.entrypoint", "/bin/testapp"]);
+    registry.push(&image.layout, image.tag(), "apps/testapp", name, &[])
+}
