@@ -221,6 +221,29 @@ impl Agent {
 /// on `/healthz`, no settle window (the benchmark measures the swap, not a
 /// canary's watch), a 10 s stop timeout.
 pub fn manifest(name: &str, build_id: &str, build: &testapp::Build, mode: Mode) -> String {
+    manifest_of(
+        name,
+        build_id,
+        &format!("path: {}", build.path.display()),
+        &build.sha256,
+        mode,
+    )
+}
+
+/// The same for an image build, `reference` pinned by `digest` (hex), its
+/// entrypoint the image's.
+pub fn image_manifest(name: &str, build_id: &str, reference: &str, digest: &str) -> String {
+    manifest_of(
+        name,
+        build_id,
+        &format!("image: {reference}"),
+        digest,
+        Mode::Overlap,
+    )
+}
+
+/// `artifact` is the artifact's one line (`path: ...`, `image: ...`).
+fn manifest_of(name: &str, build_id: &str, artifact: &str, sha: &str, mode: Mode) -> String {
     let mode = match mode {
         Mode::Overlap => "overlap",
         Mode::Hold => "hold",
@@ -235,7 +258,7 @@ spec:
   build:
     id: {build_id}
     artifact:
-      path: {path}
+      {artifact}
     sha256: {sha}
   mode: {mode}
   process:
@@ -249,8 +272,6 @@ spec:
   stop:
     timeoutSeconds: 10
 ",
-        path = build.path.display(),
-        sha = build.sha256,
     )
 }
 

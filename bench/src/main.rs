@@ -22,6 +22,7 @@ mod cluster_report;
 mod datagram;
 mod fanout;
 mod http1;
+mod image_overlap;
 mod loadgen;
 mod nginx;
 mod plot;

@@ -28,6 +28,9 @@ pub struct StoreArgs {
     /// Stages of the stored digest, for the hit's latency.
     #[arg(long, default_value_t = 500)]
     pub restages: usize,
+    /// Overlaps under load of each of an image build and a file build.
+    #[arg(long, default_value_t = 20)]
+    pub swaps: usize,
 }
 
 /// `genswap-bench stage-image`: one stager, one pull, then the hits.
@@ -359,5 +362,8 @@ pub async fn run(args: &StoreArgs, bench: &Path) -> Result<(), BenchError> {
         percentile(&mut restage_us, 0.5) as f64 / 1000.0,
         percentile(&mut restage_us, 0.99) as f64 / 1000.0
     );
+    if args.swaps > 0 {
+        crate::image_overlap::run(&registry, work.path(), args.swaps).await?;
+    }
     Ok(())
 }
