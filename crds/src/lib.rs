@@ -16,6 +16,7 @@ pub mod crdgen;
 pub mod instance_generation;
 pub mod manifest;
 pub mod probes;
+pub mod sandbox;
 pub mod settings;
 pub mod sidecars;
 pub mod swap_attempt;
@@ -26,6 +27,7 @@ pub use instance_generation::{
     InstanceGenerationSpec, InstanceGenerationStatus, LastAttempt, NodeGeneration, RolloutSpec,
 };
 pub use probes::*;
+pub use sandbox::{CapabilitiesSpec, Capability, Limit, LimitsSpec};
 pub use settings::*;
 pub use sidecars::{
     SIDECAR_LISTENERS_RULE, SidecarExit, SidecarSpec, SidecarState, SidecarStatus, Sidecars,

@@ -21,8 +21,9 @@ pub enum ManifestError {
     UnknownFields(Vec<String>),
     #[error("does not match the InstanceGeneration schema: {0}")]
     Schema(String),
-    /// What the structural schema refuses beyond types: strings, lists and
-    /// maps past their `maxLength`, `maxItems` or `maxProperties`, and two
+    /// What the structural schema refuses beyond types: a string outside
+    /// its enum; strings, lists and maps past their `maxLength`, `maxItems`
+    /// or `maxProperties`, and two
     /// entries of a list-map with the same key; one line each, in the API
     /// server's words.
     #[error("{}", .0.join("; "))]
@@ -59,13 +60,14 @@ pub fn parse_instance_generation(yaml: &str) -> Result<InstanceGeneration, Manif
     }
     let mut structural = Vec::new();
     structural_errors(&value, &schema.openapi, "", &mut structural);
-    let ig: InstanceGeneration =
-        serde_json::from_value(value).map_err(|e| ManifestError::Schema(e.to_string()))?;
+    let parsed = serde_json::from_value::<InstanceGeneration>(value);
     // The API server checks the structural schema first and evaluates no
-    // CEL rule of an object that fails it; so does this.
+    // CEL rule of an object that fails it; so does this. A value outside
+    // an enum fails both: the schema's words are the server's.
     if !structural.is_empty() {
         return Err(ManifestError::Structural(structural));
     }
+    let ig = parsed.map_err(|e| ManifestError::Schema(e.to_string()))?;
     if ig.metadata.name.as_deref().unwrap_or_default().is_empty() {
         return Err(ManifestError::MissingName);
     }
@@ -157,8 +159,9 @@ fn unknown_fields(value: &Value, schema: &Value, path: &str, out: &mut Vec<Strin
     }
 }
 
-/// Collects, in the API server's words, every string longer than its
-/// `maxLength` (counted in characters, as the server counts), list longer
+/// Collects, in the API server's words, every string outside its `enum`
+/// or longer than its `maxLength` (counted in characters, as the server
+/// counts), list longer
 /// than its `maxItems`, map with more entries than its `maxProperties`, and
 /// list-map entry whose key an earlier entry has.
 fn structural_errors(value: &Value, schema: &Value, path: &str, out: &mut Vec<String>) {
@@ -175,6 +178,16 @@ fn structural_errors(value: &Value, schema: &Value, path: &str, out: &mut Vec<St
     };
     match value {
         Value::String(text) => {
+            if let Some(allowed) = schema.get("enum").and_then(Value::as_array)
+                && !allowed.iter().any(|a| a.as_str() == Some(text))
+            {
+                let listed: Vec<String> = allowed.iter().map(Value::to_string).collect();
+                out.push(format!(
+                    "{path}: Unsupported value: {}: supported values: {}",
+                    Value::String(text.clone()),
+                    listed.join(", ")
+                ));
+            }
             if let Some(max) = limit("maxLength")
                 && text.chars().count() as u64 > max
             {

@@ -316,6 +316,19 @@ pub struct ProcessSpec {
     #[schemars(length(max = 4096))]
     #[x_kube(validation = Rule::new("self.startsWith('/')").message("process.pidFile must be an absolute path"))]
     pub pid_file: Option<String>,
+    /// Resource limits; systemd's defaults for each one left out, never the
+    /// agent's own.
+    #[serde(default, skip_serializing_if = "crate::LimitsSpec::is_empty")]
+    pub limits: crate::LimitsSpec,
+    /// Capabilities kept; every other one is dropped from the bounding set.
+    #[serde(default, skip_serializing_if = "crate::CapabilitiesSpec::is_empty")]
+    pub capabilities: crate::CapabilitiesSpec,
+    /// The file mode creation mask, octal (systemd's `UMask=`; default
+    /// `0022`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4))]
+    #[x_kube(validation = Rule::new("self.matches('^0?[0-7]{3}$')").message("process.umask must be an octal mask such as 0022"))]
+    pub umask: Option<String>,
 }
 
 /// The settle window after a successor is healthy.
