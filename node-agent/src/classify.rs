@@ -256,6 +256,7 @@ pub fn classify<T>(result: &Result<T, StepError>, lifetime_ended: bool) -> StepO
             SpawnError::RootRefused { .. }
             | SpawnError::ExecBusy { .. }
             | SpawnError::InvalidSpec { .. }
+            | SpawnError::Confine { .. }
             | SpawnError::OpenCgroup { .. }
             | SpawnError::Prepare { .. }
             | SpawnError::Fork { .. }

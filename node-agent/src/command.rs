@@ -118,6 +118,7 @@ pub struct GenerationCommands {
     uid: Option<u32>,
     gid: Option<u32>,
     allow_root: bool,
+    sandbox: crate::confine::SandboxSpec,
     next: Arc<AtomicU64>,
 }
 
@@ -129,6 +130,8 @@ pub struct CommandIdentity {
     pub uid: Option<u32>,
     pub gid: Option<u32>,
     pub allow_root: bool,
+    /// The generation's sandbox, which its commands run in too.
+    pub sandbox: crate::confine::SandboxSpec,
 }
 
 impl GenerationCommands {
@@ -153,6 +156,7 @@ impl GenerationCommands {
             uid: identity.uid,
             gid: identity.gid,
             allow_root: identity.allow_root,
+            sandbox: identity.sandbox,
             next: Arc::new(AtomicU64::new(1)),
         }
     }
@@ -199,6 +203,7 @@ impl GenerationCommands {
         request.uid = self.uid;
         request.gid = self.gid;
         request.allow_root = self.allow_root;
+        request.sandbox = Some(self.sandbox.clone());
         request.stdout = Output::Fd(writer.clone());
         request.stderr = Output::Fd(writer);
         let started = Instant::now();

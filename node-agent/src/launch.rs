@@ -198,7 +198,47 @@ pub(crate) enum ChildStep {
     Gid(Gid),
     Uid(Uid),
     Chdir(CString),
+    /// `prlimit(0, resource, {soft, hard})`.
+    Rlimit {
+        resource: u32,
+        soft: u64,
+        hard: u64,
+    },
+    Umask(u32),
+    /// Drops from the bounding set every capability up to `last` whose bit
+    /// is not in `keep`, and clears the ambient set.
+    DropBounding {
+        keep: u64,
+        last: u8,
+    },
+    /// `PR_SET_KEEPCAPS`: the permitted set survives the setuid that
+    /// follows, so [`ChildStep::RaiseAmbient`] has something to raise.
+    KeepCaps,
+    /// Makes `keep` the permitted, inheritable and effective sets, then
+    /// raises each as ambient: an exec'd non-root program has them.
+    RaiseAmbient {
+        keep: u64,
+    },
 }
+
+/// `struct __user_cap_header_struct`.
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: libc::c_int,
+}
+
+/// `struct __user_cap_data_struct`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+/// `_LINUX_CAPABILITY_VERSION_3`: two data structs, 64 capabilities.
+const CAPABILITY_VERSION_3: u32 = 0x2008_0522;
 
 /// A raw system call's result as nix's.
 fn checked(result: libc::c_long) -> nix::Result<()> {
@@ -240,6 +280,99 @@ impl ChildStep {
                 checked(unsafe { libc::syscall(libc::SYS_setuid, uid.as_raw()) })
             }
             ChildStep::Chdir(dir) => nix::unistd::chdir(dir.as_c_str()),
+            ChildStep::Rlimit {
+                resource,
+                soft,
+                hard,
+            } => {
+                let limit = libc::rlimit64 {
+                    rlim_cur: *soft,
+                    rlim_max: *hard,
+                };
+                // SAFETY: prlimit64 of this process (pid 0) reads one live
+                // rlimit64 and writes nothing (the old-limit pointer is null).
+                checked(unsafe {
+                    libc::syscall(
+                        libc::SYS_prlimit64,
+                        0,
+                        *resource,
+                        std::ptr::from_ref(&limit),
+                        std::ptr::null_mut::<libc::rlimit64>(),
+                    )
+                })
+            }
+            ChildStep::Umask(mask) => {
+                // SAFETY: umask takes a mode and cannot fail.
+                unsafe { libc::syscall(libc::SYS_umask, *mask) };
+                Ok(())
+            }
+            ChildStep::DropBounding { keep, last } => {
+                for capability in 0..=*last {
+                    if keep & (1 << capability) != 0 {
+                        continue;
+                    }
+                    // SAFETY: prctl with integer arguments only.
+                    checked(unsafe {
+                        libc::syscall(
+                            libc::SYS_prctl,
+                            libc::PR_CAPBSET_DROP,
+                            libc::c_ulong::from(capability),
+                            0,
+                            0,
+                            0,
+                        )
+                    })?;
+                }
+                // SAFETY: as above.
+                checked(unsafe {
+                    libc::syscall(
+                        libc::SYS_prctl,
+                        libc::PR_CAP_AMBIENT,
+                        libc::PR_CAP_AMBIENT_CLEAR_ALL,
+                        0,
+                        0,
+                        0,
+                    )
+                })
+            }
+            // SAFETY: prctl with integer arguments only.
+            ChildStep::KeepCaps => checked(unsafe {
+                libc::syscall(libc::SYS_prctl, libc::PR_SET_KEEPCAPS, 1, 0, 0, 0)
+            }),
+            ChildStep::RaiseAmbient { keep } => {
+                let header = CapHeader {
+                    version: CAPABILITY_VERSION_3,
+                    pid: 0,
+                };
+                let half = |bits: u64| CapData {
+                    effective: bits as u32,
+                    permitted: bits as u32,
+                    inheritable: bits as u32,
+                };
+                let data = [half(*keep), half(*keep >> 32)];
+                // SAFETY: capset reads a live header and the two data
+                // structs version 3 asks for.
+                checked(unsafe {
+                    libc::syscall(libc::SYS_capset, std::ptr::from_ref(&header), data.as_ptr())
+                })?;
+                for capability in 0..64u64 {
+                    if keep & (1 << capability) == 0 {
+                        continue;
+                    }
+                    // SAFETY: prctl with integer arguments only.
+                    checked(unsafe {
+                        libc::syscall(
+                            libc::SYS_prctl,
+                            libc::PR_CAP_AMBIENT,
+                            libc::PR_CAP_AMBIENT_RAISE,
+                            capability,
+                            0,
+                            0,
+                        )
+                    })?;
+                }
+                Ok(())
+            }
         }
     }
 }

@@ -22,6 +22,7 @@ pub mod attempt_status;
 pub mod cgroup;
 pub mod classify;
 pub mod command;
+pub mod confine;
 pub mod demo;
 pub mod disk_name;
 pub mod engine;

@@ -128,6 +128,8 @@ impl KeeperSite {
         let mut spec = SpawnSpec::new(&self.program, cgroup, "/dev/null", 0, KEEPER_COMMAND);
         spec.args = vec![KEEPER_COMMAND.to_owned()];
         spec.allow_root = true;
+        // The agent's own program, holding sockets: not an instance.
+        spec.sandbox = None;
         spec.stdout = Output::Null;
         spec.stderr = Output::Null;
         spec.listeners = sockets;

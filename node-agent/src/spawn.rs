@@ -141,6 +141,10 @@ pub struct SpawnSpec {
     /// with `GENSWAP_TARGET_PID`, and no `GENSWAP_SOCKET` is set, so a
     /// program that binds `GENSWAP_SOCKET` never takes its generation's.
     pub target_pid: Option<u32>,
+    /// What the process may use (SPEC 5.16): systemd's defaults unless its
+    /// spec says otherwise. `None` only for the agent's own helpers (the
+    /// listener keeper), which keep the agent's.
+    pub sandbox: Option<crate::confine::SandboxSpec>,
 }
 
 /// A listening socket a generation receives at exec.
@@ -178,6 +182,7 @@ impl SpawnSpec {
             stderr: Output::Inherit,
             listeners: Vec::new(),
             target_pid: None,
+            sandbox: Some(crate::confine::SandboxSpec::default()),
         }
     }
 }
@@ -207,10 +212,20 @@ pub enum SetupStep {
     WorkingDir,
     /// Placing the handed-over sockets at fds 3...
     ListenFds,
+    /// Setting its resource limits.
+    Limits,
+    /// Setting its umask.
+    Umask,
+    /// Dropping capabilities from its bounding set.
+    Bounding,
+    /// Keeping its capabilities across the change of user.
+    KeepCaps,
+    /// Raising its ambient capabilities.
+    Ambient,
 }
 
 impl SetupStep {
-    const ALL: [SetupStep; 10] = [
+    const ALL: [SetupStep; 15] = [
         SetupStep::JoinCgroup,
         SetupStep::LeavePodV1Cgroups,
         SetupStep::Stdio,
@@ -221,6 +236,11 @@ impl SetupStep {
         SetupStep::Uid,
         SetupStep::WorkingDir,
         SetupStep::ListenFds,
+        SetupStep::Limits,
+        SetupStep::Umask,
+        SetupStep::Bounding,
+        SetupStep::KeepCaps,
+        SetupStep::Ambient,
     ];
 
     fn code(self) -> u8 {
@@ -235,6 +255,11 @@ impl SetupStep {
             SetupStep::Uid => b'u',
             SetupStep::WorkingDir => b'w',
             SetupStep::ListenFds => b'l',
+            SetupStep::Limits => b'r',
+            SetupStep::Umask => b'm',
+            SetupStep::Bounding => b'b',
+            SetupStep::KeepCaps => b'k',
+            SetupStep::Ambient => b'a',
         }
     }
 
@@ -256,6 +281,11 @@ impl fmt::Display for SetupStep {
             SetupStep::Uid => "set its uid",
             SetupStep::WorkingDir => "enter its working directory",
             SetupStep::ListenFds => "place its listening sockets at fds 3..",
+            SetupStep::Limits => "set its resource limits",
+            SetupStep::Umask => "set its umask",
+            SetupStep::Bounding => "drop capabilities from its bounding set",
+            SetupStep::KeepCaps => "keep its capabilities across the change of user",
+            SetupStep::Ambient => "raise its ambient capabilities",
         })
     }
 }
@@ -283,6 +313,14 @@ pub enum SpawnError {
     /// env name with `=`). Checked before anything is opened or forked.
     #[error("invalid spawn spec for generation {generation}: {reason}")]
     InvalidSpec { generation: u64, reason: String },
+    /// The sandbox its spec asks for cannot be applied here (SPEC 5.16).
+    /// Checked before anything is opened or forked.
+    #[error("cannot confine generation {generation} as its spec says: {source}")]
+    Confine {
+        generation: u64,
+        #[source]
+        source: crate::confine::ConfineError,
+    },
     /// The generation's `cgroup.procs` could not be opened: the child could
     /// not have joined its cgroup, so no fork happened.
     #[error("cannot open {path} to place generation {generation} in its cgroup: {source}")]
@@ -611,6 +649,14 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     let generation = spec.generation;
     check_root(spec)?;
     let plan = Plan::new(spec)?;
+    let confinement = match &spec.sandbox {
+        Some(sandbox) => Some(
+            crate::confine::HostFacts::read()
+                .and_then(|facts| crate::confine::Confinement::resolve(sandbox, &facts))
+                .map_err(|source| SpawnError::Confine { generation, source })?,
+        ),
+        None => None,
+    };
     let prepare = |what: &str, source: io::Error| SpawnError::Prepare {
         generation,
         what: what.to_owned(),
@@ -640,6 +686,35 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     // Out of the agent's session, so a terminal's signals to the agent do
     // not reach instances.
     steps.push((SetupStep::NewSession.code(), ChildStep::Setsid));
+    // Limits and the bounding set while still root: raising a hard limit
+    // and dropping a capability both need the agent's privileges.
+    let ambient = confinement.as_ref().and_then(|c| {
+        let becomes_root = plan.uid.unwrap_or_else(geteuid).is_root();
+        (c.keep != 0 && !becomes_root).then_some(c.keep)
+    });
+    if let Some(c) = &confinement {
+        for limit in &c.limits {
+            steps.push((
+                SetupStep::Limits.code(),
+                ChildStep::Rlimit {
+                    resource: limit.resource,
+                    soft: limit.soft,
+                    hard: limit.hard,
+                },
+            ));
+        }
+        steps.push((SetupStep::Umask.code(), ChildStep::Umask(c.umask)));
+        steps.push((
+            SetupStep::Bounding.code(),
+            ChildStep::DropBounding {
+                keep: c.keep,
+                last: c.last_cap,
+            },
+        ));
+    }
+    if ambient.is_some() {
+        steps.push((SetupStep::KeepCaps.code(), ChildStep::KeepCaps));
+    }
     steps.push((SetupStep::NoNewPrivs.code(), ChildStep::NoNewPrivs));
     if let Some(gid) = plan.gid {
         steps.push((SetupStep::Groups.code(), ChildStep::Groups(gid)));
@@ -647,6 +722,9 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     }
     if let Some(uid) = plan.uid {
         steps.push((SetupStep::Uid.code(), ChildStep::Uid(uid)));
+    }
+    if let Some(keep) = ambient {
+        steps.push((SetupStep::Ambient.code(), ChildStep::RaiseAmbient { keep }));
     }
     if let Some(dir) = plan.working_dir {
         steps.push((SetupStep::WorkingDir.code(), ChildStep::Chdir(dir)));

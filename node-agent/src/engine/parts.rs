@@ -187,6 +187,7 @@ pub(super) fn generation_commands(
         uid,
         gid,
         allow_root: engine.config.allow_root,
+        sandbox: crate::confine::SandboxSpec::of(process),
     };
     GenerationCommands::new(
         running.cgroup.clone(),
@@ -577,6 +578,7 @@ pub(super) async fn spawn(
     );
     (request.uid, request.gid) = owner_of(&spec.process);
     request.allow_root = allow_root;
+    request.sandbox = Some(crate::confine::SandboxSpec::of(&spec.process));
     request.listeners = listeners;
     // Never the agent's own output: an agent restart would close it under
     // the instance (SPEC 5.11). Without a log shim the output is dropped.

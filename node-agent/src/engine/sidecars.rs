@@ -394,6 +394,8 @@ async fn run_once(
     request.uid = id(process.user, target.instance_process.user);
     request.gid = id(process.group, target.instance_process.group);
     request.allow_root = target.allow_root;
+    // The generation's sandbox: a sidecar is part of it.
+    request.sandbox = Some(crate::confine::SandboxSpec::of(&target.instance_process));
     request.listeners = listeners.to_vec();
     (request.stdout, request.stderr) = output;
     let mut child = match crate::spawn::spawn(request).await {

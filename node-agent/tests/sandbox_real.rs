@@ -1,0 +1,277 @@
+//! The sandbox's process contract (SPEC 5.16) on real processes, each
+//! test in its own cgroup subtree: resource limits as systemd gives a
+//! service, whatever the agent has; an empty bounding set; a capability
+//! added in the spec really usable by a non-root user; the umask. Each
+//! claim is checked by trying the forbidden thing where there is one.
+
+#[path = "support/cgroup_guard.rs"]
+mod cgroup_guard;
+
+use std::fs;
+use std::time::Duration;
+
+use cgroup_guard::{TestCgroupTree, eventually};
+use genswap_crds::{Capability, Limit};
+use node_agent::cgroup::{Cgroup, Tier};
+use node_agent::confine::SandboxSpec;
+use node_agent::gate::InstanceKey;
+use node_agent::spawn::{SpawnError, SpawnSpec, spawn};
+
+const LONG: Duration = Duration::from_secs(30);
+const NOBODY: u32 = 65534;
+
+async fn generation(tree: &TestCgroupTree, n: u64) -> Cgroup {
+    tree.manager()
+        .instance(&InstanceKey::new("default", "app").expect("a key"))
+        .expect("instance")
+        .create_generation(n, &Tier::default())
+        .await
+        .expect("fresh generation")
+}
+
+fn as_nobody(exe: &str, cgroup: Cgroup, n: u64, sandbox: SandboxSpec) -> SpawnSpec {
+    let mut spec = SpawnSpec::new(exe, cgroup, "/nonexistent/gen.sock", n, "build-a");
+    spec.uid = Some(NOBODY);
+    spec.gid = Some(NOBODY);
+    spec.sandbox = Some(sandbox);
+    spec
+}
+
+fn sh(cgroup: Cgroup, n: u64, script: &str, sandbox: SandboxSpec) -> SpawnSpec {
+    let mut spec = as_nobody("/bin/sh", cgroup, n, sandbox);
+    spec.args = vec!["-c".into(), script.into()];
+    spec
+}
+
+/// `/proc/PID/limits`' (soft, hard) for the line starting `name`.
+fn limits_of(pid: u32, name: &str) -> (String, String) {
+    let text = fs::read_to_string(format!("/proc/{pid}/limits")).expect("read limits");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(name))
+        .unwrap_or_else(|| panic!("no {name} in {text}"));
+    let mut words = line[name.len()..].split_whitespace();
+    (
+        words.next().unwrap_or_default().to_owned(),
+        words.next().unwrap_or_default().to_owned(),
+    )
+}
+
+fn status_field(pid: u32, field: &str) -> String {
+    fs::read_to_string(format!("/proc/{pid}/status"))
+        .expect("read status")
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(&format!("{field}:"))
+                .map(|v| v.trim().to_owned())
+        })
+        .unwrap_or_else(|| panic!("no {field}"))
+}
+
+/// The agent (this test) with an open-files limit no service would get:
+/// an instance that inherited it would show it. Its hard limit stays (a
+/// host may not let root raise it: no `CAP_SYS_RESOURCE`). Returns the
+/// (soft, hard) set.
+fn give_the_agent_an_unusual_nofile() -> (u64, u64) {
+    let mut limit = nix::libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into a live one.
+    let got = unsafe { nix::libc::getrlimit(nix::libc::RLIMIT_NOFILE, &mut limit) };
+    assert_eq!(got, 0, "{}", std::io::Error::last_os_error());
+    limit.rlim_cur = 4321.min(limit.rlim_max);
+    // SAFETY: setrlimit reads one live rlimit.
+    let set = unsafe { nix::libc::setrlimit(nix::libc::RLIMIT_NOFILE, &limit) };
+    assert_eq!(set, 0, "{}", std::io::Error::last_os_error());
+    (limit.rlim_cur, limit.rlim_max)
+}
+
+#[tokio::test]
+async fn an_instance_gets_systemds_limits_not_the_agents() {
+    let agent = give_the_agent_an_unusual_nofile();
+    let tree = TestCgroupTree::new("sandbox-limits");
+    let cgroup = generation(&tree, 1).await;
+    let spawned = spawn(sh(cgroup, 1, "exec sleep 1000", SandboxSpec::default()))
+        .await
+        .expect("spawned");
+    let pid = spawned.pid();
+    let nofile = limits_of(pid, "Max open files");
+    println!("agent nofile {agent:?}, instance {nofile:?}");
+    // systemd's 524288, or the agent's own where it is lower and the
+    // agent cannot raise it (this host's root lacks CAP_SYS_RESOURCE).
+    let can_raise = node_agent::confine::HostFacts::read()
+        .expect("host facts")
+        .can_raise;
+    let hard = if can_raise {
+        524_288
+    } else {
+        agent.1.min(524_288)
+    };
+    assert_eq!(nofile, ("1024".into(), hard.to_string()));
+    assert_eq!(
+        limits_of(pid, "Max core file size"),
+        ("0".into(), "unlimited".into())
+    );
+    assert_eq!(
+        limits_of(pid, "Max locked memory"),
+        ("8388608".into(), "8388608".into())
+    );
+    assert_eq!(
+        limits_of(pid, "Max stack size"),
+        ("8388608".into(), "unlimited".into())
+    );
+    assert_eq!(
+        limits_of(pid, "Max nice priority"),
+        ("0".into(), "0".into())
+    );
+}
+
+#[tokio::test]
+async fn the_limits_a_spec_gives_are_the_instances_and_it_cannot_raise_them() {
+    let tree = TestCgroupTree::new("sandbox-given");
+    let cgroup = generation(&tree, 2).await;
+    let mut sandbox = SandboxSpec::default();
+    sandbox.limits.nofile = Some(Limit::new(Some(200), Some(300)));
+    sandbox.limits.core = Some(Limit::new(None, None));
+    // Past its hard limit: refused by the kernel, as for any user.
+    let script = "ulimit -n 300 && echo raised-to-hard; ulimit -n 301 2>/dev/null && echo raised-past-hard; exec sleep 1000";
+    let mut spec = sh(cgroup, 2, script, sandbox);
+    let out = tempfile::NamedTempFile::new().expect("an output file");
+    spec.stdout = node_agent::spawn::Output::Append(out.path().to_path_buf());
+    let spawned = spawn(spec).await.expect("spawned");
+    let pid = spawned.pid();
+    assert_eq!(
+        limits_of(pid, "Max core file size"),
+        ("unlimited".into(), "unlimited".into())
+    );
+    eventually(LONG, "the shell's report", || {
+        fs::read_to_string(out.path()).is_ok_and(|t| t.contains("raised-to-hard"))
+    })
+    .await;
+    eventually(LONG, "the limit the shell raised it to", || {
+        limits_of(pid, "Max open files") == ("300".into(), "300".into())
+    })
+    .await;
+    let said = fs::read_to_string(out.path()).expect("output");
+    assert!(!said.contains("raised-past-hard"), "{said}");
+}
+
+#[tokio::test]
+async fn no_capability_is_left_unless_the_spec_adds_it() {
+    let tree = TestCgroupTree::new("sandbox-caps");
+    let cgroup = generation(&tree, 3).await;
+    let spawned = spawn(sh(cgroup, 3, "exec sleep 1000", SandboxSpec::default()))
+        .await
+        .expect("spawned");
+    let pid = spawned.pid();
+    for set in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        assert_eq!(status_field(pid, set), "0000000000000000", "{set}");
+    }
+    assert_eq!(status_field(pid, "NoNewPrivs"), "1");
+
+    let cgroup = generation(&tree, 4).await;
+    let mut sandbox = SandboxSpec::default();
+    sandbox.capabilities.add = vec![Capability::NetBindService];
+    let spawned = spawn(sh(cgroup, 4, "exec sleep 1000", sandbox))
+        .await
+        .expect("spawned");
+    let pid = spawned.pid();
+    // NET_BIND_SERVICE is capability 10.
+    for set in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        assert_eq!(status_field(pid, set), "0000000000000400", "{set}");
+    }
+    assert_eq!(
+        status_field(pid, "Uid").split_whitespace().next(),
+        Some("65534")
+    );
+}
+
+/// A port below `ip_unprivileged_port_start`, free now.
+fn free_privileged_port() -> u16 {
+    let start: u16 = fs::read_to_string("/proc/sys/net/ipv4/ip_unprivileged_port_start")
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(1024);
+    assert!(
+        start > 600,
+        "this host lets anyone bind below {start}: nothing to show"
+    );
+    (600..start)
+        .find(|port| std::net::TcpListener::bind(("127.0.0.1", *port)).is_ok())
+        .expect("a free privileged port")
+}
+
+#[tokio::test]
+async fn an_added_capability_lets_nobody_bind_a_privileged_port() {
+    let tree = TestCgroupTree::new("sandbox-bind");
+    let port = free_privileged_port();
+    let app = testapp::binary().expect("the test app is built");
+    let app = app.to_str().expect("a UTF-8 path").to_owned();
+    let bind_port = |cgroup: Cgroup, n: u64, sandbox: SandboxSpec| {
+        let mut spec = as_nobody(&app, cgroup, n, sandbox);
+        spec.env = vec![
+            (testapp::knob::NEVER_BIND.into(), "1".into()),
+            (testapp::knob::PORT.into(), port.to_string()),
+        ];
+        spec
+    };
+
+    // Without it: the bind is refused and the program exits.
+    let mut refused = spawn(bind_port(
+        generation(&tree, 5).await,
+        5,
+        SandboxSpec::default(),
+    ))
+    .await
+    .expect("spawned");
+    let status = tokio::time::timeout(LONG, refused.wait())
+        .await
+        .expect("it exits")
+        .expect("its status");
+    assert!(!status.success(), "nobody bound port {port}: {status:?}");
+
+    let mut sandbox = SandboxSpec::default();
+    sandbox.capabilities.add = vec![Capability::NetBindService];
+    let _serving = spawn(bind_port(generation(&tree, 6).await, 6, sandbox))
+        .await
+        .expect("spawned");
+    eventually(LONG, "an answer on the privileged port", || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_umask_is_the_specs_or_systemds() {
+    let tree = TestCgroupTree::new("sandbox-umask");
+    for (n, umask, expected) in [(7, None, "0022"), (8, Some("0077"), "0077")] {
+        let cgroup = generation(&tree, n).await;
+        let sandbox = SandboxSpec {
+            umask: umask.map(str::to_owned),
+            ..SandboxSpec::default()
+        };
+        let spawned = spawn(sh(cgroup, n, "exec sleep 1000", sandbox))
+            .await
+            .expect("spawned");
+        assert_eq!(status_field(spawned.pid(), "Umask"), expected);
+    }
+}
+
+#[tokio::test]
+async fn a_limit_the_kernel_cannot_give_refuses_the_start_naming_it() {
+    let tree = TestCgroupTree::new("sandbox-refused");
+    let cgroup = generation(&tree, 9).await;
+    let mut sandbox = SandboxSpec::default();
+    sandbox.limits.nofile = Some(Limit::new(Some(1024), None));
+    let error = spawn(sh(cgroup.clone(), 9, "exec sleep 1000", sandbox))
+        .await
+        .expect_err("refused");
+    assert!(matches!(error, SpawnError::Confine { .. }), "{error:?}");
+    assert!(error.is_refusal(), "nothing ran");
+    assert!(error.to_string().contains("fs.nr_open"), "{error}");
+    assert!(
+        cgroup.pids().unwrap_or_default().is_empty(),
+        "nothing started"
+    );
+}
