@@ -118,7 +118,7 @@ pub struct GenerationCommands {
     uid: Option<u32>,
     gid: Option<u32>,
     allow_root: bool,
-    sandbox: crate::confine::SandboxSpec,
+    sandbox: Arc<crate::confine::SandboxSpec>,
     next: Arc<AtomicU64>,
 }
 
@@ -156,7 +156,7 @@ impl GenerationCommands {
             uid: identity.uid,
             gid: identity.gid,
             allow_root: identity.allow_root,
-            sandbox: identity.sandbox,
+            sandbox: Arc::new(identity.sandbox),
             next: Arc::new(AtomicU64::new(1)),
         }
     }
@@ -203,7 +203,7 @@ impl GenerationCommands {
         request.uid = self.uid;
         request.gid = self.gid;
         request.allow_root = self.allow_root;
-        request.sandbox = Some(self.sandbox.clone());
+        request.sandbox = Some(crate::confine::SandboxSpec::clone(&self.sandbox));
         request.stdout = Output::Fd(writer.clone());
         request.stderr = Output::Fd(writer);
         let started = Instant::now();

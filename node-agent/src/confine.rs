@@ -183,42 +183,42 @@ impl Confinement {
             });
         }
         let table: [(u32, &'static str, (u64, u64)); 16] = [
-            (libc::RLIMIT_CPU as u32, "cpu", (INFINITY, INFINITY)),
-            (libc::RLIMIT_FSIZE as u32, "fsize", (INFINITY, INFINITY)),
-            (libc::RLIMIT_DATA as u32, "data", (INFINITY, INFINITY)),
+            (libc::RLIMIT_CPU, "cpu", (INFINITY, INFINITY)),
+            (libc::RLIMIT_FSIZE, "fsize", (INFINITY, INFINITY)),
+            (libc::RLIMIT_DATA, "data", (INFINITY, INFINITY)),
             (
-                libc::RLIMIT_STACK as u32,
+                libc::RLIMIT_STACK,
                 "stack",
                 given("stack", l.stack, (8 * MIB, INFINITY))?,
             ),
             (
-                libc::RLIMIT_CORE as u32,
+                libc::RLIMIT_CORE,
                 "core",
                 given("core", l.core, (0, INFINITY))?,
             ),
-            (libc::RLIMIT_RSS as u32, "rss", (INFINITY, INFINITY)),
+            (libc::RLIMIT_RSS, "rss", (INFINITY, INFINITY)),
             (
-                libc::RLIMIT_NPROC as u32,
+                libc::RLIMIT_NPROC,
                 "nproc",
                 given("nproc", l.nproc, (half_threads, half_threads))?,
             ),
-            (libc::RLIMIT_NOFILE as u32, "nofile", nofile),
+            (libc::RLIMIT_NOFILE, "nofile", nofile),
             (
-                libc::RLIMIT_MEMLOCK as u32,
+                libc::RLIMIT_MEMLOCK,
                 "memlock",
                 given("memlock", l.memlock, (8 * MIB, 8 * MIB))?,
             ),
-            (libc::RLIMIT_AS as u32, "as", (INFINITY, INFINITY)),
-            (libc::RLIMIT_LOCKS as u32, "locks", (INFINITY, INFINITY)),
+            (libc::RLIMIT_AS, "as", (INFINITY, INFINITY)),
+            (libc::RLIMIT_LOCKS, "locks", (INFINITY, INFINITY)),
             (
-                libc::RLIMIT_SIGPENDING as u32,
+                libc::RLIMIT_SIGPENDING,
                 "sigpending",
                 (half_threads, half_threads),
             ),
-            (libc::RLIMIT_MSGQUEUE as u32, "msgqueue", (819_200, 819_200)),
-            (libc::RLIMIT_NICE as u32, "nice", (0, 0)),
-            (libc::RLIMIT_RTPRIO as u32, "rtprio", (0, 0)),
-            (libc::RLIMIT_RTTIME as u32, "rttime", (INFINITY, INFINITY)),
+            (libc::RLIMIT_MSGQUEUE, "msgqueue", (819_200, 819_200)),
+            (libc::RLIMIT_NICE, "nice", (0, 0)),
+            (libc::RLIMIT_RTPRIO, "rtprio", (0, 0)),
+            (libc::RLIMIT_RTTIME, "rttime", (INFINITY, INFINITY)),
         ];
         let given_names: Vec<&str> = [
             ("nofile", l.nofile),
