@@ -123,6 +123,18 @@ impl Capability {
     }
 }
 
+/// `process.seccomp`: which system calls the instance may make.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum SeccompProfile {
+    /// genswap's default filter: systemd's `@system-service` allow-list, no
+    /// new namespaces, the native architecture only; other calls fail with
+    /// `EPERM`.
+    #[default]
+    RuntimeDefault,
+    /// No filter.
+    Unconfined,
+}
+
 /// `process.capabilities`.
 #[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]

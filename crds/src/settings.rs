@@ -323,6 +323,10 @@ pub struct ProcessSpec {
     /// Capabilities kept; every other one is dropped from the bounding set.
     #[serde(default, skip_serializing_if = "crate::CapabilitiesSpec::is_empty")]
     pub capabilities: crate::CapabilitiesSpec,
+    /// The system calls allowed: `RuntimeDefault` (the default) or
+    /// `Unconfined`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seccomp: Option<crate::SeccompProfile>,
     /// The file mode creation mask, octal (systemd's `UMask=`; default
     /// `0022`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -219,6 +219,8 @@ pub(crate) enum ChildStep {
     RaiseAmbient {
         keep: u64,
     },
+    /// Installs the filter; `no_new_privs` is set before it.
+    Seccomp(Vec<seccompiler::sock_filter>),
 }
 
 /// `struct __user_cap_header_struct`.
@@ -372,6 +374,23 @@ impl ChildStep {
                     })?;
                 }
                 Ok(())
+            }
+            ChildStep::Seccomp(program) => {
+                let filter = libc::sock_fprog {
+                    len: program.len() as libc::c_ushort,
+                    filter: program.as_ptr().cast_mut().cast::<libc::sock_filter>(),
+                };
+                // SAFETY: seccomp(SECCOMP_SET_MODE_FILTER) reads a live
+                // sock_fprog whose instructions (seccompiler's sock_filter
+                // has the kernel's layout) outlive the call.
+                checked(unsafe {
+                    libc::syscall(
+                        libc::SYS_seccomp,
+                        libc::SECCOMP_SET_MODE_FILTER,
+                        0,
+                        std::ptr::from_ref(&filter),
+                    )
+                })
             }
         }
     }

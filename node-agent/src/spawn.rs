@@ -222,10 +222,12 @@ pub enum SetupStep {
     KeepCaps,
     /// Raising its ambient capabilities.
     Ambient,
+    /// Installing its system call filter.
+    Seccomp,
 }
 
 impl SetupStep {
-    const ALL: [SetupStep; 15] = [
+    const ALL: [SetupStep; 16] = [
         SetupStep::JoinCgroup,
         SetupStep::LeavePodV1Cgroups,
         SetupStep::Stdio,
@@ -241,6 +243,7 @@ impl SetupStep {
         SetupStep::Bounding,
         SetupStep::KeepCaps,
         SetupStep::Ambient,
+        SetupStep::Seccomp,
     ];
 
     fn code(self) -> u8 {
@@ -260,6 +263,7 @@ impl SetupStep {
             SetupStep::Bounding => b'b',
             SetupStep::KeepCaps => b'k',
             SetupStep::Ambient => b'a',
+            SetupStep::Seccomp => b'f',
         }
     }
 
@@ -286,6 +290,7 @@ impl fmt::Display for SetupStep {
             SetupStep::Bounding => "drop capabilities from its bounding set",
             SetupStep::KeepCaps => "keep its capabilities across the change of user",
             SetupStep::Ambient => "raise its ambient capabilities",
+            SetupStep::Seccomp => "install its system call filter",
         })
     }
 }
@@ -734,6 +739,10 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
         let from = fd.as_raw_fd();
         held.push(fd);
         steps.push((SetupStep::ListenFds.code(), ChildStep::Dup2 { from, to }));
+    }
+    // Last before the exec: the steps above may make calls it refuses.
+    if let Some(program) = confinement.and_then(|c| c.seccomp) {
+        steps.push((SetupStep::Seccomp.code(), ChildStep::Seccomp(program)));
     }
     let pid_variable = (!spec.listeners.is_empty()).then_some(ENV_LISTEN_PID);
     let image = ExecImage::new(&spec.exe, &spec.args, &plan.env, pid_variable)

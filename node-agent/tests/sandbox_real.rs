@@ -169,6 +169,7 @@ async fn no_capability_is_left_unless_the_spec_adds_it() {
         assert_eq!(status_field(pid, set), "0000000000000000", "{set}");
     }
     assert_eq!(status_field(pid, "NoNewPrivs"), "1");
+    assert_eq!(status_field(pid, "Seccomp"), "2", "a filter is installed");
 
     let cgroup = generation(&tree, 4).await;
     let mut sandbox = SandboxSpec::default();
@@ -273,5 +274,87 @@ async fn a_limit_the_kernel_cannot_give_refuses_the_start_naming_it() {
     assert!(
         cgroup.pids().unwrap_or_default().is_empty(),
         "nothing started"
+    );
+}
+
+/// What the test app said it got for each thing it tried, in order.
+async fn tried(tree: &TestCgroupTree, n: u64, things: &str, sandbox: SandboxSpec) -> Vec<String> {
+    let app = testapp::binary().expect("the test app is built");
+    let mut spec = as_nobody(
+        app.to_str().expect("a UTF-8 path"),
+        generation(tree, n).await,
+        n,
+        sandbox,
+    );
+    spec.env = vec![(testapp::knob::TRY.into(), things.into())];
+    let out = tempfile::NamedTempFile::new().expect("an output file");
+    spec.stdout = node_agent::spawn::Output::Append(out.path().to_path_buf());
+    let mut spawned = spawn(spec).await.expect("spawned");
+    let status = tokio::time::timeout(LONG, spawned.wait())
+        .await
+        .expect("it exits")
+        .expect("its status");
+    assert!(status.success(), "{status:?}");
+    let said = fs::read_to_string(out.path()).expect("its output");
+    said.lines()
+        .filter_map(|l| l.strip_prefix("tried "))
+        .map(str::to_owned)
+        .collect()
+}
+
+const DENIED: &str = "Operation not permitted (os error 1)";
+
+#[tokio::test]
+async fn what_a_service_must_not_do_is_refused_by_default() {
+    let tree = TestCgroupTree::new("sandbox-forbidden");
+    let things = [
+        "mount",
+        "ptrace",
+        "unshare-user",
+        "raw-socket",
+        "packet-socket",
+        "kexec",
+        "init-module",
+    ];
+    let said = tried(&tree, 10, &things.join(","), SandboxSpec::default()).await;
+    let expected: Vec<String> = things.iter().map(|t| format!("{t}: {DENIED}")).collect();
+    assert_eq!(said, expected);
+}
+
+#[tokio::test]
+async fn what_the_spec_opens_is_allowed() {
+    let tree = TestCgroupTree::new("sandbox-opened");
+    let mut raw = SandboxSpec::default();
+    raw.capabilities.add = vec![Capability::NetRaw];
+    assert_eq!(
+        tried(&tree, 11, "raw-socket,packet-socket", raw).await,
+        vec![
+            "raw-socket: ok".to_string(),
+            "packet-socket: ok".to_string()
+        ]
+    );
+
+    // A user namespace: refused by the filter alone where the kernel lets
+    // any user make one.
+    let max: u64 = fs::read_to_string("/proc/sys/user/max_user_namespaces")
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(0);
+    let unprivileged = fs::read_to_string("/proc/sys/kernel/unprivileged_userns_clone")
+        .map(|t| t.trim() == "1")
+        .unwrap_or(true);
+    if max == 0 || !unprivileged {
+        println!(
+            "this kernel lets no unprivileged user make a user namespace: the filter's part is not shown"
+        );
+        return;
+    }
+    let unconfined = SandboxSpec {
+        seccomp: genswap_crds::SeccompProfile::Unconfined,
+        ..SandboxSpec::default()
+    };
+    assert_eq!(
+        tried(&tree, 12, "unshare-user", unconfined).await,
+        vec!["unshare-user: ok".to_string()]
     );
 }

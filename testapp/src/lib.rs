@@ -51,6 +51,7 @@
 //! | `TESTAPP_PID_FILE=path` | write the serving process's pid to `path` once it serves (a daemon's pid file) |
 //! | `TESTAPP_WATCHDOG=1` | with `WATCHDOG_USEC` set, send `WATCHDOG=1` on `NOTIFY_SOCKET` every half of it (`sd_watchdog_enabled`) |
 //! | `TESTAPP_TERM_LOG=path` | append `SIGTERM` to `path` when SIGTERM arrives (to order it against a hook) |
+//! | `TESTAPP_TRY=a,b,…` | try each forbidden thing named (`mount`, `ptrace`, `unshare-user`, `raw-socket`, `packet-socket`, `kexec`, `init-module`, `write:PATH`, `read:PATH`), print `tried <thing>: ok` or `tried <thing>: <error>` for each on stdout, and exit 0 (the sandbox's tests) |
 //!
 //! ## As a sidecar
 //!
@@ -170,9 +171,11 @@ pub mod knob {
     /// As a sidecar (`GENSWAP_TARGET_SOCKET` set): where it reports what
     /// its generation answers.
     pub const SIDECAR_REPORT: &str = "TESTAPP_SIDECAR_REPORT";
+    /// Forbidden things to try, comma-separated; then exit.
+    pub const TRY: &str = "TESTAPP_TRY";
 
     /// Every knob, for flag parsing.
-    pub const ALL: [&str; 22] = [
+    pub const ALL: [&str; 23] = [
         BOOT_DELAY_MS,
         STATUS,
         EXIT_AFTER_MS,
@@ -195,6 +198,7 @@ pub mod knob {
         WATCHDOG,
         TERM_LOG,
         SIDECAR_REPORT,
+        TRY,
     ];
 }
 

@@ -1,6 +1,8 @@
 //! `genswap-testapp`: an HTTP/1.1 server on `GENSWAP_SOCKET` with failure
 //! knobs. The exact behaviour is documented in the `testapp` crate docs.
 
+mod forbidden;
+
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::ffi::OsString;
@@ -326,6 +328,10 @@ impl Responder {
 
 fn main() {
     let started = Instant::now();
+    if let Some(things) = std::env::var_os(testapp::knob::TRY) {
+        forbidden::try_each(&things.to_string_lossy());
+        std::process::exit(0);
+    }
     if let Some(target) = std::env::var_os("GENSWAP_TARGET_SOCKET") {
         match Knobs::from_args(std::env::args_os().skip(1)) {
             Ok(knobs) => sidecar(PathBuf::from(target), &knobs, started),

@@ -12,10 +12,12 @@
 //! priority): what the same program gets as a systemd unit, whatever the
 //! container runtime gave the agent.
 
+pub mod seccomp;
+
 use std::fs;
 use std::io;
 
-use genswap_crds::{CapabilitiesSpec, Limit, LimitsSpec, ProcessSpec};
+use genswap_crds::{CapabilitiesSpec, Limit, LimitsSpec, ProcessSpec, SeccompProfile};
 use nix::libc;
 use thiserror::Error;
 
@@ -57,6 +59,8 @@ pub enum ConfineError {
         "process.capabilities.add names {name}, which this kernel does not have (its last is {last})"
     )]
     UnknownCapability { name: String, last: u8 },
+    #[error("cannot build the seccomp filter: {0}")]
+    Seccomp(String),
 }
 
 /// The sandbox's part of a process spec, as a spawn takes it.
@@ -65,6 +69,7 @@ pub struct SandboxSpec {
     pub limits: LimitsSpec,
     pub capabilities: CapabilitiesSpec,
     pub umask: Option<String>,
+    pub seccomp: SeccompProfile,
 }
 
 impl SandboxSpec {
@@ -74,6 +79,7 @@ impl SandboxSpec {
             limits: process.limits.clone(),
             capabilities: process.capabilities.clone(),
             umask: process.umask.clone(),
+            seccomp: process.seccomp.unwrap_or_default(),
         }
     }
 }
@@ -165,6 +171,8 @@ pub struct Confinement {
     pub last_cap: u8,
     /// The umask.
     pub umask: u32,
+    /// The system call filter, `None` when unconfined.
+    pub seccomp: Option<seccompiler::BpfProgram>,
 }
 
 impl Confinement {
@@ -273,6 +281,10 @@ impl Confinement {
             keep,
             last_cap: facts.last_cap,
             umask: umask_of(spec.umask.as_deref())?,
+            seccomp: match spec.seccomp {
+                SeccompProfile::RuntimeDefault => Some(seccomp::runtime_default()?),
+                SeccompProfile::Unconfined => None,
+            },
         })
     }
 
