@@ -44,6 +44,10 @@ enum Command {
     /// Prints where an instance's sockets, cgroup, journal, state and logs
     /// are under the given flags (a long name's are under a cut name).
     Paths(node_agent::paths::PathsArgs),
+    /// Prints the sandbox an InstanceGeneration's processes get on this
+    /// host, as the equivalent systemd unit (score it with
+    /// `systemd-analyze security --offline=yes`).
+    Sandbox(node_agent::confine::unit::SandboxArgs),
     /// The log shim the agent starts for each generation (not for people).
     #[command(hide = true)]
     LogShim(node_agent::logs::shim::ShimArgs),
@@ -111,6 +115,7 @@ impl Command {
             Command::Demo(args) => Some(&mut args.host),
             Command::Logs(_)
             | Command::Paths(_)
+            | Command::Sandbox(_)
             | Command::LogShim(_)
             | Command::ListenerKeeper => None,
         }
@@ -123,6 +128,7 @@ impl Command {
             Command::Demo(args) => Some(&args.host),
             Command::Logs(_)
             | Command::Paths(_)
+            | Command::Sandbox(_)
             | Command::LogShim(_)
             | Command::ListenerKeeper => None,
         }
@@ -208,6 +214,18 @@ fn main() -> ExitCode {
                 }
             };
         }
+        Command::Sandbox(args) => {
+            return match node_agent::confine::unit::render(args) {
+                Ok(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(error) => {
+                    eprintln!("node-agent sandbox: {error}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
         _ => {}
     }
     // The demo talks to a human on stdout and its failing builds are part
@@ -285,6 +303,7 @@ fn run(mut command: Command) -> Result<(), MainError> {
             }
             Command::Logs(_)
             | Command::Paths(_)
+            | Command::Sandbox(_)
             | Command::LogShim(_)
             | Command::ListenerKeeper => Ok(()),
         }

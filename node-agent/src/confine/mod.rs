@@ -13,6 +13,7 @@
 //! container runtime gave the agent.
 
 pub mod seccomp;
+pub mod unit;
 
 use std::fs;
 use std::io;
