@@ -307,18 +307,62 @@ const DENIED: &str = "Operation not permitted (os error 1)";
 #[tokio::test]
 async fn what_a_service_must_not_do_is_refused_by_default() {
     let tree = TestCgroupTree::new("sandbox-forbidden");
+    let open = writable_dir();
+    let dir = open.path().display();
     let things = [
-        "mount",
-        "ptrace",
-        "unshare-user",
-        "raw-socket",
-        "packet-socket",
-        "kexec",
-        "init-module",
+        "mount".to_string(),
+        "ptrace".into(),
+        "unshare-user".into(),
+        "raw-socket".into(),
+        "packet-socket".into(),
+        "kexec".into(),
+        "init-module".into(),
+        "personality".into(),
+        "realtime".into(),
+        format!("setuid-chmod:{dir}"),
+        format!("setuid-create:{dir}"),
     ];
     let said = tried(&tree, 10, &things.join(","), SandboxSpec::default()).await;
     let expected: Vec<String> = things.iter().map(|t| format!("{t}: {DENIED}")).collect();
     assert_eq!(said, expected);
+}
+
+/// A temp dir anyone may write in, as /tmp is.
+fn writable_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .expect("open it up");
+    dir
+}
+
+#[tokio::test]
+async fn without_the_filter_a_setuid_file_and_another_personality_are_allowed() {
+    let tree = TestCgroupTree::new("sandbox-unfiltered");
+    let open = writable_dir();
+    let dir = open.path().display();
+    let unconfined = SandboxSpec {
+        seccomp: genswap_crds::SeccompProfile::Unconfined,
+        ..SandboxSpec::default()
+    };
+    let said = tried(
+        &tree,
+        13,
+        &format!("personality,setuid-chmod:{dir},realtime"),
+        unconfined,
+    )
+    .await;
+    assert_eq!(
+        said,
+        vec![
+            "personality: ok".to_string(),
+            format!("setuid-chmod:{dir}: ok"),
+            // Still refused: no CAP_SYS_NICE, and RLIMIT_RTPRIO is 0.
+            format!("realtime: {DENIED}"),
+        ]
+    );
 }
 
 #[tokio::test]

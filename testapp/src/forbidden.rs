@@ -30,6 +30,23 @@ fn try_one(thing: &str) -> io::Result<()> {
     if let Some(path) = thing.strip_prefix("write:") {
         return std::fs::write(path, b"written by the test app\n");
     }
+    // A file of its own made setuid, by chmod and by creating it so.
+    if let Some(dir) = thing.strip_prefix("setuid-chmod:") {
+        use std::os::unix::fs::PermissionsExt;
+        let path = std::path::Path::new(dir).join("setuid-chmod");
+        std::fs::write(&path, b"")?;
+        return std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o4755));
+    }
+    if let Some(dir) = thing.strip_prefix("setuid-create:") {
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = std::path::Path::new(dir).join("setuid-create");
+        return std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o4755)
+            .open(path)
+            .map(drop);
+    }
     if let Some(path) = thing.strip_prefix("read:") {
         return std::fs::read_dir(path).map(drop).or_else(|error| {
             if error.raw_os_error() == Some(libc::ENOTDIR) {
@@ -76,6 +93,23 @@ fn try_one(thing: &str) -> io::Result<()> {
                 c"".as_ptr(),
             )
         }),
+        // PER_LINUX32: another personality than Linux's.
+        "personality" => {
+            // SAFETY: personality takes an integer.
+            let old = unsafe { libc::personality(0x0008) };
+            if old == -1 {
+                Err(io::Error::last_os_error())
+            } else {
+                // SAFETY: as above; back to what it was.
+                unsafe { libc::personality(old as libc::c_ulong) };
+                Ok(())
+            }
+        }
+        "realtime" => {
+            let param = libc::sched_param { sched_priority: 1 };
+            // SAFETY: sched_setscheduler reads one live sched_param.
+            checked(unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) }.into())
+        }
         other => Err(io::Error::other(format!("unknown thing to try: {other}"))),
     }
 }

@@ -3,8 +3,11 @@
 //! services and the one `systemd-analyze security` judges units by, plus
 //! what systemd's `RestrictNamespaces=yes` adds: no new namespace by
 //! `unshare` or `clone`, no `setns`, and `clone3` (whose flags a filter
-//! cannot read) answered `ENOSYS` so that libc falls back to `clone`.
-//! Every other call is answered `EPERM`; a call of another architecture
+//! cannot read) answered `ENOSYS` so that libc falls back to `clone`;
+//! `LockPersonality=yes` (the personality may be read or set to Linux's
+//! only) and `RestrictSUIDSGID=yes` (no mode with the setuid or setgid bit
+//! by `chmod`, `fchmod`, `fchmodat`, `mkdir`, `mknod`, and the opens and
+//! `creat` that create a file). Every other call is answered `EPERM`; a call of another architecture
 //! (a 32-bit one on a 64-bit kernel) kills the process
 //! (`SystemCallArchitectures=native`).
 //!
@@ -43,6 +46,34 @@ const NEW_NAMESPACES: u64 = (libc::CLONE_NEWNS
     | libc::CLONE_NEWNET) as u64
     | 0x80; // CLONE_NEWTIME
 
+/// The setuid and setgid bits of a mode.
+const SUID_SGID: u64 = (libc::S_ISUID | libc::S_ISGID) as u64;
+/// The open flags that create a file.
+const CREATES: u64 = (libc::O_CREAT | libc::O_TMPFILE) as u64;
+
+fn no_suid() -> SeccompCmpOp {
+    SeccompCmpOp::MaskedEq(SUID_SGID)
+}
+
+/// A rule: every one of `conditions` (argument, comparison, value) holds.
+fn rule(conditions: &[(u8, SeccompCmpOp, u64)]) -> Result<SeccompRule, ConfineError> {
+    let conditions = conditions
+        .iter()
+        .map(|(arg, op, value)| {
+            SeccompCondition::new(*arg, SeccompCmpArgLen::Dword, op.clone(), *value)
+                .map_err(|e| ConfineError::Seccomp(e.to_string()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    SeccompRule::new(conditions).map_err(|e| ConfineError::Seccomp(e.to_string()))
+}
+
+/// This architecture's number of the call `name`, if it has one.
+fn number_of(name: &str) -> Option<i64> {
+    syscalls::Sysno::from_str(name)
+        .ok()
+        .map(|call| i64::from(call.id()))
+}
+
 /// The names of the allow-list.
 pub fn allowed_names() -> impl Iterator<Item = &'static str> {
     SYSTEM_SERVICE
@@ -62,8 +93,8 @@ pub fn runtime_default() -> Result<BpfProgram, ConfineError> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     for name in allowed_names() {
         // A name of another architecture (`_llseek` on x86_64) is skipped.
-        if let Ok(call) = syscalls::Sysno::from_str(name) {
-            rules.insert(i64::from(call.id()), Vec::new());
+        if let Some(number) = number_of(name) {
+            rules.insert(number, Vec::new());
         }
     }
     let no_new_namespace = || -> Result<Vec<SeccompRule>, ConfineError> {
@@ -80,6 +111,47 @@ pub fn runtime_default() -> Result<BpfProgram, ConfineError> {
     };
     rules.insert(libc::SYS_unshare, no_new_namespace()?);
     rules.insert(libc::SYS_clone, no_new_namespace()?);
+    // LockPersonality=yes: the personality may be read or set to Linux's.
+    rules.insert(
+        libc::SYS_personality,
+        vec![
+            rule(&[(0, SeccompCmpOp::Eq, 0)])?,
+            rule(&[(0, SeccompCmpOp::Eq, 0xffff_ffff)])?,
+        ],
+    );
+    // RestrictSUIDSGID=yes: no mode with the setuid or setgid bit, by
+    // the calls that set a mode (argument `mode`, and for the opens only
+    // with O_CREAT or O_TMPFILE).
+    for (name, mode) in [
+        ("chmod", 1),
+        ("fchmod", 1),
+        ("fchmodat", 2),
+        ("fchmodat2", 2),
+        ("creat", 1),
+        ("mkdir", 1),
+        ("mkdirat", 2),
+        ("mknod", 1),
+        ("mknodat", 2),
+    ] {
+        if let Some(number) = number_of(name)
+            && rules.contains_key(&number)
+        {
+            rules.insert(number, vec![rule(&[(mode, no_suid(), 0)])?]);
+        }
+    }
+    for (name, flags, mode) in [("open", 1, 2), ("openat", 2, 3)] {
+        if let Some(number) = number_of(name)
+            && rules.contains_key(&number)
+        {
+            rules.insert(
+                number,
+                vec![
+                    rule(&[(flags, SeccompCmpOp::MaskedEq(CREATES), 0)])?,
+                    rule(&[(mode, no_suid(), 0)])?,
+                ],
+            );
+        }
+    }
     rules.remove(&libc::SYS_setns);
     rules.remove(&libc::SYS_clone3);
     let allowing = SeccompFilter::new(

@@ -141,6 +141,13 @@ pub fn unit_of(ig: &InstanceGeneration, facts: &HostFacts) -> Result<String, Uni
         line("SystemCallErrorNumber=EPERM".into());
         line("SystemCallArchitectures=native".into());
         line("RestrictNamespaces=yes".into());
+        line("LockPersonality=yes".into());
+        line("RestrictSUIDSGID=yes".into());
+    }
+    // RLIMIT_RTPRIO is 0 and CAP_SYS_NICE gone: the kernel refuses a
+    // realtime policy, filter or not.
+    if !process.capabilities.add.contains(&genswap_crds::Capability::SysNice) {
+        line("RestrictRealtime=yes".into());
     }
     Ok(unit)
 }
