@@ -493,6 +493,34 @@ impl Story {
         self.kubectl(&["apply", "-f", &path_str(&file)]);
     }
 
+    /// The pid of agent pod `pod`'s container, as containerd knows it.
+    fn agent_pid(&self, pod: &str) -> u32 {
+        let id = self.kubectl(&[
+            "get",
+            "pod",
+            "-n",
+            RELEASE_NAMESPACE,
+            pod,
+            "-o",
+            "jsonpath={.status.containerStatuses[0].containerID}",
+        ]);
+        let id = id.trim().trim_start_matches("containerd://").to_string();
+        let socket = self.plane.dir().join("node/containerd/containerd.sock");
+        let tasks = run(
+            "ctr task ls",
+            Command::new("ctr")
+                .arg("-a")
+                .arg(&socket)
+                .args(["-n", "k8s.io", "task", "ls"]),
+        );
+        tasks
+            .lines()
+            .find(|l| l.starts_with(&id))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("no task {id} in {tasks}"))
+    }
+
     fn serving_pid(&self, ig: &str) -> Option<u32> {
         let body = get_over(&self.current_sock(ig)).ok()?;
         body.split_whitespace()
@@ -664,6 +692,24 @@ fn the_chart_runs_the_whole_story_on_a_real_node() {
     assert!(shown.contains("serving v1"), "{shown}");
     let pid = story.serving_pid(SERVED).expect("the instance answers");
 
+    // The instance's open-files limit is systemd's, not the agent's pod's
+    // (at most the agent's own hard limit where it cannot raise it).
+    let agent_pid = story.agent_pid(&agent);
+    let (agent_soft, agent_hard) = nofile_of(agent_pid);
+    let (soft, hard) = nofile_of(pid);
+    println!(
+        "chart on a real node: nofile of the agent's pod {agent_soft}/{agent_hard}, of its instance {soft}/{hard}"
+    );
+    assert_eq!(soft, "1024");
+    let systemd_hard: u64 = 524_288;
+    let expected_hard = agent_hard
+        .parse::<u64>()
+        .map_or(systemd_hard, |agent| agent.min(systemd_hard));
+    assert!(
+        hard == systemd_hard.to_string() || hard == expected_hard.to_string(),
+        "the instance's hard nofile {hard}, the agent's {agent_hard}"
+    );
+
     // Image builds, pulled by the agent's pod with the mounted Secret and
     // CA: one installs, a second overlaps it under load.
     let mut instances = 2;
@@ -784,4 +830,18 @@ fn the_chart_runs_the_whole_story_on_a_real_node() {
         "the instance left in place serves after helm uninstall"
     );
     drop(story);
+}
+
+/// `Max open files` of `pid`: (soft, hard) as `/proc/PID/limits` says.
+fn nofile_of(pid: u32) -> (String, String) {
+    let text = fs::read_to_string(format!("/proc/{pid}/limits")).expect("read limits");
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Max open files"))
+        .unwrap_or_else(|| panic!("no open files limit in {text}"));
+    let mut words = line.split_whitespace();
+    (
+        words.next().unwrap_or_default().to_owned(),
+        words.next().unwrap_or_default().to_owned(),
+    )
 }

@@ -146,7 +146,11 @@ pub fn unit_of(ig: &InstanceGeneration, facts: &HostFacts) -> Result<String, Uni
     }
     // RLIMIT_RTPRIO is 0 and CAP_SYS_NICE gone: the kernel refuses a
     // realtime policy, filter or not.
-    if !process.capabilities.add.contains(&genswap_crds::Capability::SysNice) {
+    if !process
+        .capabilities
+        .add
+        .contains(&genswap_crds::Capability::SysNice)
+    {
         line("RestrictRealtime=yes".into());
     }
     Ok(unit)
