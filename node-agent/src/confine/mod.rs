@@ -62,6 +62,14 @@ pub enum ConfineError {
     UnknownCapability { name: String, last: u8 },
     #[error("cannot build the seccomp filter: {0}")]
     Seccomp(String),
+    #[error(
+        "process.capabilities.add names {name}, which the agent does not hold itself (a pod's agent needs it added: the chart's agent.instanceCapabilities)"
+    )]
+    AgentLacks { name: String },
+    #[error(
+        "the agent lacks CAP_SETPCAP, which emptying an instance's capability bounding set needs (the chart adds it)"
+    )]
+    NoSetpcap,
 }
 
 /// The sandbox's part of a process spec, as a spawn takes it.
@@ -96,6 +104,11 @@ pub struct HostFacts {
     pub last_cap: u8,
     /// Whether the agent may raise a hard limit (`CAP_SYS_RESOURCE`).
     pub can_raise: bool,
+    /// Whether the agent may drop capabilities from a bounding set
+    /// (`CAP_SETPCAP`).
+    pub can_drop: bool,
+    /// The agent's permitted capabilities: the most an instance can keep.
+    pub agent_permitted: u64,
     /// The agent's own hard limits, by resource number: the most an
     /// instance gets where the agent cannot raise them.
     pub agent_hard: [u64; RESOURCES],
@@ -105,6 +118,8 @@ pub struct HostFacts {
 pub const RESOURCES: usize = 16;
 /// `CAP_SYS_RESOURCE`.
 const CAP_SYS_RESOURCE: u32 = 24;
+/// `CAP_SETPCAP`.
+const CAP_SETPCAP: u32 = 8;
 
 impl HostFacts {
     /// Read from `/proc/sys`.
@@ -123,11 +138,14 @@ impl HostFacts {
                 path: "/proc/self/status",
                 source,
             })?;
-        let effective = status
-            .lines()
-            .find_map(|l| l.strip_prefix("CapEff:"))
-            .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-            .unwrap_or(0);
+        let set = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+                .unwrap_or(0)
+        };
+        let (effective, permitted) = (set("CapEff:"), set("CapPrm:"));
         let mut agent_hard = [INFINITY; RESOURCES];
         for (resource, hard) in (0u32..).zip(agent_hard.iter_mut()) {
             let mut limit = libc::rlimit64 {
@@ -144,6 +162,8 @@ impl HostFacts {
             nr_open: number("/proc/sys/fs/nr_open")?,
             last_cap: u8::try_from(last_cap).unwrap_or(63).min(63),
             can_raise: effective & (1 << CAP_SYS_RESOURCE) != 0,
+            can_drop: effective & (1 << CAP_SETPCAP) != 0,
+            agent_permitted: permitted,
             agent_hard,
         })
     }
@@ -275,7 +295,15 @@ impl Confinement {
                     last: facts.last_cap,
                 });
             }
+            if facts.agent_permitted & (1 << number) == 0 {
+                return Err(ConfineError::AgentLacks {
+                    name: capability.name(),
+                });
+            }
             keep |= 1 << number;
+        }
+        if !facts.can_drop {
+            return Err(ConfineError::NoSetpcap);
         }
         Ok(Confinement {
             limits,
@@ -345,8 +373,29 @@ mod tests {
             nr_open: 1_048_576,
             last_cap: 40,
             can_raise: true,
+            can_drop: true,
+            agent_permitted: u64::MAX,
             agent_hard: [1_000; RESOURCES],
         }
+    }
+
+    #[test]
+    fn a_capability_the_agent_lacks_and_an_agent_that_cannot_drop_are_refused() {
+        let mut spec = SandboxSpec::default();
+        spec.capabilities.add = vec![Capability::NetBindService];
+        let pod_agent = HostFacts {
+            agent_permitted: 1 << Capability::SysAdmin.number(),
+            ..facts()
+        };
+        let error = Confinement::resolve(&spec, &pod_agent).expect_err("not the agent's");
+        assert!(error.to_string().contains("NET_BIND_SERVICE"), "{error}");
+        let no_setpcap = HostFacts {
+            can_drop: false,
+            ..facts()
+        };
+        let error = Confinement::resolve(&SandboxSpec::default(), &no_setpcap)
+            .expect_err("cannot empty the bounding set");
+        assert!(error.to_string().contains("CAP_SETPCAP"), "{error}");
     }
 
     #[test]
