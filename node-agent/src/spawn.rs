@@ -1,8 +1,11 @@
 //! Starting a generation inside its fresh cgroup.
 //!
 //! [`spawn`] forks, and the child, before it executes anything of the build,
-//! joins its generation cgroup, starts a new session, sets no_new_privs,
-//! drops to the instance's uid/gid and changes directory; then it execs the
+//! joins its generation cgroup, starts a new session, takes its sandbox's
+//! resource limits, umask and capability bounding set ([`crate::confine`]),
+//! sets no_new_privs, drops to the instance's uid/gid (raising the ambient
+//! capabilities its spec keeps), changes directory and, last, installs its
+//! system call filter; then it execs the
 //! store copy of the build with a clean environment (the spec's variables, a
 //! minimal `PATH`, and `GENSWAP_SOCKET`, `GENSWAP_GENERATION`,
 //! `GENSWAP_BUILD`).

@@ -88,8 +88,16 @@ fn native() -> Result<TargetArch, ConfineError> {
         .map_err(|_| ConfineError::Seccomp(format!("no filter for {}", std::env::consts::ARCH)))
 }
 
-/// The default filter, as a BPF program.
+/// The default filter, as a BPF program: built once per process.
 pub fn runtime_default() -> Result<BpfProgram, ConfineError> {
+    static BUILT: std::sync::OnceLock<Result<BpfProgram, String>> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| build().map_err(|e| e.to_string()))
+        .clone()
+        .map_err(ConfineError::Seccomp)
+}
+
+fn build() -> Result<BpfProgram, ConfineError> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     for name in allowed_names() {
         // A name of another architecture (`_llseek` on x86_64) is skipped.
