@@ -354,7 +354,6 @@ fn the_agent_runs_on_every_node_with_the_host_access_spec_5_9_needs_and_no_more(
         "CHOWN",
         "DAC_OVERRIDE",
         "SETPCAP",
-        "SYS_RESOURCE",
     ]
     .into();
     assert_eq!(added, expected);
