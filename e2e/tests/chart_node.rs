@@ -454,6 +454,47 @@ impl Story {
         );
     }
 
+    /// Waits until each of `igs` is Ready; if one is not in time, fails
+    /// with what its attempts say.
+    fn wait_ready(&self, igs: &[&str]) {
+        let mut args = vec![
+            "wait".to_string(),
+            "-n".into(),
+            NAMESPACE.into(),
+            "--for=condition=Ready".into(),
+            "--timeout=180s".into(),
+        ];
+        args.extend(igs.iter().map(|ig| format!("instancegeneration/{ig}")));
+        let output = Command::new("kubectl")
+            .args(&args)
+            .env("KUBECONFIG", self.plane.kubeconfig())
+            .env("PATH", &self.kubectl_path)
+            .output()
+            .expect("run kubectl wait");
+        if !output.status.success() {
+            let attempts = self.kubectl(&[
+                "get",
+                "swapattempts",
+                "-n",
+                NAMESPACE,
+                "-o",
+                "jsonpath={range .items[*]}{.metadata.name}: {.status.outcome}: {.status.reason}{\"\\n\"}{end}",
+            ]);
+            let agent_log = self.kubectl(&[
+                "logs",
+                "-n",
+                RELEASE_NAMESPACE,
+                "-l",
+                "app.kubernetes.io/component=node-agent",
+                "--tail=40",
+            ]);
+            panic!(
+                "{igs:?} not Ready in 180 s: {}\nattempts:\n{attempts}\nthe agent's log:\n{agent_log}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+    }
+
     /// Waits until `ig` is Ready and serves `build` on the node.
     fn wait_serving(&self, ig: &str, build: &str) {
         let object = format!("instancegeneration/{ig}");
@@ -674,15 +715,7 @@ fn the_chart_runs_the_whole_story_on_a_real_node() {
     story.apply_instance(SERVED, &v1);
     story.apply_instance(DELETED, &v1);
     let began = Instant::now();
-    story.kubectl(&[
-        "wait",
-        "-n",
-        NAMESPACE,
-        "--for=condition=Ready",
-        &format!("instancegeneration/{SERVED}"),
-        &format!("instancegeneration/{DELETED}"),
-        "--timeout=180s",
-    ]);
+    story.wait_ready(&[SERVED, DELETED]);
     println!(
         "chart on a real node: both InstanceGenerations Ready {:.1} s after kubectl apply",
         began.elapsed().as_secs_f64()

@@ -1,0 +1,97 @@
+//! What the sandbox (SPEC 5.16) adds to a spawn: the test app started and
+//! run to its exit (`TESTAPP_TRY` with nothing to try) in a fresh cgroup,
+//! as `nobody`, with no sandbox (as before it), with the default sandbox
+//! (limits, the emptied bounding set, the seccomp filter) and with the
+//! default sandbox but `seccomp: Unconfined`, the three taking turns.
+//!
+//! Prints the spawn (from `spawn()` to its return: the exec done) and the
+//! whole run to the exit, median, 99th percentile and largest. It asserts
+//! nothing on time.
+//!
+//! `cargo bench -p node-agent --bench sandbox` (root, cgroup v2).
+//! `SPAWNS=n` changes the count per kind.
+
+#[path = "../tests/support/cgroup_guard.rs"]
+mod cgroup_guard;
+#[path = "support/figures.rs"]
+mod figures;
+
+use std::time::{Duration, Instant};
+
+use cgroup_guard::TestCgroupTree;
+use figures::print_row;
+use genswap_crds::SeccompProfile;
+use node_agent::cgroup::Tier;
+use node_agent::confine::SandboxSpec;
+use node_agent::gate::InstanceKey;
+use node_agent::spawn::{Output, SpawnSpec, spawn};
+
+const DEFAULT_SPAWNS: usize = 200;
+
+fn main() {
+    figures::run_counted("SPAWNS", DEFAULT_SPAWNS, run);
+}
+
+async fn run(spawns: usize) {
+    let tree = TestCgroupTree::new("bench-sandbox");
+    let instance = tree
+        .manager()
+        .instance(&InstanceKey::new("bench", "sandbox").expect("a key"))
+        .expect("an instance cgroup");
+    let app = testapp::binary().expect("the test app is built");
+    let kinds: [(&str, Option<SandboxSpec>); 3] = [
+        ("no sandbox", None),
+        ("default sandbox", Some(SandboxSpec::default())),
+        (
+            "sandbox, seccomp Unconfined",
+            Some(SandboxSpec {
+                seccomp: SeccompProfile::Unconfined,
+                ..SandboxSpec::default()
+            }),
+        ),
+    ];
+    let mut spawned: Vec<Vec<Duration>> = vec![Vec::new(); kinds.len()];
+    let mut exited: Vec<Vec<Duration>> = vec![Vec::new(); kinds.len()];
+    let mut generation = 0;
+    for _ in 0..spawns {
+        for (i, (_, sandbox)) in kinds.iter().enumerate() {
+            generation += 1;
+            let cgroup = instance
+                .create_generation(generation, &Tier::default())
+                .await
+                .expect("a generation cgroup");
+            let mut spec = SpawnSpec::new(&app, cgroup.clone(), "/nonexistent", generation, "b");
+            spec.uid = Some(65534);
+            spec.gid = Some(65534);
+            spec.env = vec![(testapp::knob::TRY.into(), String::new())];
+            spec.stdout = Output::Null;
+            spec.stderr = Output::Null;
+            spec.sandbox = sandbox.clone();
+            let began = Instant::now();
+            let mut child = spawn(spec).await.expect("spawned");
+            spawned[i].push(began.elapsed());
+            let status = child.wait().await.expect("its exit");
+            exited[i].push(began.elapsed());
+            assert!(status.success(), "{status:?}");
+            let _ = std::fs::remove_dir(cgroup.path());
+        }
+    }
+    println!(
+        "{spawns} spawns of each kind, taking turns ({})",
+        figures::build_and_mount()
+    );
+    println!(
+        "{:<28} {:>10} {:>10} {:>10}",
+        "spawn (to the exec)", "p50", "p99", "max"
+    );
+    for (i, (name, _)) in kinds.iter().enumerate() {
+        print_row(name, spawned[i].clone());
+    }
+    println!(
+        "{:<28} {:>10} {:>10} {:>10}",
+        "to the exit", "p50", "p99", "max"
+    );
+    for (i, (name, _)) in kinds.iter().enumerate() {
+        print_row(name, exited[i].clone());
+    }
+}
