@@ -321,24 +321,8 @@ impl Story {
                 ]);
             }
             Replacement::KillContainer => {
-                let id = self.kubectl(&[
-                    "get",
-                    "pod",
-                    "-n",
-                    RELEASE_NAMESPACE,
-                    pod,
-                    "-o",
-                    "jsonpath={.status.containerStatuses[0].containerID}",
-                ]);
-                let id = id.trim().trim_start_matches("containerd://").to_string();
-                let socket = self.plane.dir().join("node/containerd/containerd.sock");
-                run(
-                    "ctr task kill",
-                    Command::new("ctr")
-                        .arg("-a")
-                        .arg(&socket)
-                        .args(["-n", "k8s.io", "task", "kill", "-s", "SIGKILL", &id]),
-                );
+                let id = self.container_id(pod);
+                self.ctr(&["task", "kill", "-s", "SIGKILL", &id]);
             }
         }
     }
@@ -534,8 +518,8 @@ impl Story {
         self.kubectl(&["apply", "-f", &path_str(&file)]);
     }
 
-    /// The pid of agent pod `pod`'s container, as containerd knows it.
-    fn agent_pid(&self, pod: &str) -> u32 {
+    /// Agent pod `pod`'s container, as containerd names it.
+    fn container_id(&self, pod: &str) -> String {
         let id = self.kubectl(&[
             "get",
             "pod",
@@ -545,15 +529,26 @@ impl Story {
             "-o",
             "jsonpath={.status.containerStatuses[0].containerID}",
         ]);
-        let id = id.trim().trim_start_matches("containerd://").to_string();
+        id.trim().trim_start_matches("containerd://").to_string()
+    }
+
+    /// `ctr` against the node's containerd, in the kubelet's namespace.
+    fn ctr(&self, args: &[&str]) -> String {
         let socket = self.plane.dir().join("node/containerd/containerd.sock");
-        let tasks = run(
-            "ctr task ls",
+        run(
+            &format!("ctr {}", args.join(" ")),
             Command::new("ctr")
                 .arg("-a")
                 .arg(&socket)
-                .args(["-n", "k8s.io", "task", "ls"]),
-        );
+                .args(["-n", "k8s.io"])
+                .args(args),
+        )
+    }
+
+    /// The pid of agent pod `pod`'s container, as containerd knows it.
+    fn agent_pid(&self, pod: &str) -> u32 {
+        let id = self.container_id(pod);
+        let tasks = self.ctr(&["task", "ls"]);
         tasks
             .lines()
             .find(|l| l.starts_with(&id))
