@@ -27,7 +27,9 @@ pub use instance_generation::{
     InstanceGenerationSpec, InstanceGenerationStatus, LastAttempt, NodeGeneration, RolloutSpec,
 };
 pub use probes::*;
-pub use sandbox::{CapabilitiesSpec, Capability, Limit, LimitsSpec, SeccompProfile};
+pub use sandbox::{
+    CapabilitiesSpec, Capability, FilesystemProfile, Limit, LimitsSpec, SeccompProfile,
+};
 pub use settings::*;
 pub use sidecars::{
     SIDECAR_LISTENERS_RULE, SidecarExit, SidecarSpec, SidecarState, SidecarStatus, Sidecars,

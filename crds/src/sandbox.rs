@@ -135,6 +135,23 @@ pub enum SeccompProfile {
     Unconfined,
 }
 
+/// `process.filesystem`: what of the node's filesystem the instance sees.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum FilesystemProfile {
+    /// In a mount namespace of its own: the whole tree read-only except
+    /// `process.writablePaths` and its run dir, a private `/tmp` and
+    /// `/var/tmp` per generation, `/home`, `/root` and `/run/user` empty
+    /// and unreadable, a minimal `/dev`, a `/proc` that shows only its
+    /// user's processes, `/proc/sys` and `/sys` read-only (systemd's
+    /// `ProtectSystem=strict`, `PrivateTmp=`, `ProtectHome=`,
+    /// `PrivateDevices=`, `ProtectProc=invisible`,
+    /// `ProtectKernelTunables=`).
+    #[default]
+    Protected,
+    /// The agent's view, writable wherever the instance's user may write.
+    Host,
+}
+
 /// `process.capabilities`.
 #[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]

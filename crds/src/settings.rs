@@ -333,6 +333,18 @@ pub struct ProcessSpec {
     #[schemars(length(max = 4))]
     #[x_kube(validation = Rule::new("self.matches('^0?[0-7]{3}$')").message("process.umask must be an octal mask such as 0022"))]
     pub umask: Option<String>,
+    /// What of the node's filesystem the instance sees: `Protected` (the
+    /// default) or `Host`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filesystem: Option<crate::FilesystemProfile>,
+    /// Absolute paths the instance may write under the `Protected`
+    /// filesystem (systemd's `ReadWritePaths=`); each must exist on the
+    /// node. Not under `/proc`, `/sys` or `/dev`, nor under the hidden
+    /// `/home`, `/root` and `/run/user`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32), inner(length(max = 1024)))]
+    #[x_kube(validation = Rule::new("self.all(p, p.startsWith('/') && p != '/' && !p.matches('(^|/)[.][.]?(/|$)') && !p.matches('^/(proc|sys|dev|home|root|run/user)(/|$)'))").message("process.writablePaths must be absolute paths other than /, without . or .., not under /proc, /sys, /dev, /home, /root or /run/user"))]
+    pub writable_paths: Vec<String>,
 }
 
 /// The settle window after a successor is healthy.
