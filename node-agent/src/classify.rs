@@ -260,7 +260,8 @@ pub fn classify<T>(result: &Result<T, StepError>, lifetime_ended: bool) -> StepO
             | SpawnError::OpenCgroup { .. }
             | SpawnError::Prepare { .. }
             | SpawnError::Fork { .. }
-            | SpawnError::Setup { .. } => StepOutcome::Stale,
+            | SpawnError::Setup { .. }
+            | SpawnError::Filesystem { .. } => StepOutcome::Stale,
             // The agent lost track of a running process: the host's fault.
             SpawnError::Wait { .. } => StepOutcome::Stale,
         },

@@ -221,6 +221,29 @@ pub(crate) enum ChildStep {
     },
     /// Installs the filter; `no_new_privs` is set before it.
     Seccomp(Vec<seccompiler::sock_filter>),
+    /// `unshare(flags)`.
+    Unshare(libc::c_int),
+    /// Makes every mount a slave of the host's: the host's later mounts
+    /// still appear, the namespace's own never leave it.
+    MountsSlave,
+    /// Sets `set` on every mount at and below `path` (`mount_setattr`,
+    /// `AT_RECURSIVE`).
+    MountAttr {
+        path: CString,
+        set: u64,
+    },
+    /// Binds `path` onto itself, so that it is a mount of its own.
+    BindSelf(CString),
+    /// `mkdir(path, 0755)`; one that exists is fine.
+    MakeDir(CString),
+    /// Creates an empty file unless one exists.
+    MakeFile(CString),
+    /// Attaches a mount prepared detached before the fork at `target`
+    /// (`move_mount`).
+    Attach {
+        fd: RawFd,
+        target: CString,
+    },
 }
 
 /// `struct __user_cap_header_struct`.
@@ -392,6 +415,91 @@ impl ChildStep {
                     )
                 })
             }
+            // SAFETY: unshare takes flags only.
+            ChildStep::Unshare(flags) => {
+                checked(unsafe { libc::syscall(libc::SYS_unshare, *flags) })
+            }
+            // SAFETY: mount with a NUL-terminated target, null source,
+            // type and data, which MS_REC|MS_SLAVE does not read.
+            ChildStep::MountsSlave => checked(unsafe {
+                libc::syscall(
+                    libc::SYS_mount,
+                    std::ptr::null::<libc::c_char>(),
+                    c"/".as_ptr(),
+                    std::ptr::null::<libc::c_char>(),
+                    libc::MS_REC | libc::MS_SLAVE,
+                    std::ptr::null::<libc::c_void>(),
+                )
+            }),
+            ChildStep::MountAttr { path, set } => {
+                let attr = libc::mount_attr {
+                    attr_set: *set,
+                    attr_clr: 0,
+                    propagation: 0,
+                    userns_fd: 0,
+                };
+                // SAFETY: mount_setattr reads a NUL-terminated path and
+                // one live mount_attr of the size passed.
+                checked(unsafe {
+                    libc::syscall(
+                        libc::SYS_mount_setattr,
+                        libc::AT_FDCWD,
+                        path.as_ptr(),
+                        libc::AT_RECURSIVE,
+                        std::ptr::from_ref(&attr),
+                        std::mem::size_of::<libc::mount_attr>(),
+                    )
+                })
+            }
+            // SAFETY: mount reads two NUL-terminated paths; a bind reads
+            // neither the type nor the data.
+            ChildStep::BindSelf(path) => checked(unsafe {
+                libc::syscall(
+                    libc::SYS_mount,
+                    path.as_ptr(),
+                    path.as_ptr(),
+                    std::ptr::null::<libc::c_char>(),
+                    libc::MS_BIND | libc::MS_REC,
+                    std::ptr::null::<libc::c_void>(),
+                )
+            }),
+            ChildStep::MakeDir(path) => {
+                // SAFETY: mkdir reads a NUL-terminated path.
+                match checked(unsafe { libc::syscall(libc::SYS_mkdir, path.as_ptr(), 0o755) }) {
+                    Err(Errno::EEXIST) => Ok(()),
+                    other => other,
+                }
+            }
+            ChildStep::MakeFile(path) => {
+                // SAFETY: open reads a NUL-terminated path; the descriptor
+                // it returns is closed at once.
+                let fd = unsafe {
+                    libc::syscall(
+                        libc::SYS_openat,
+                        libc::AT_FDCWD,
+                        path.as_ptr(),
+                        libc::O_CREAT | libc::O_RDONLY | libc::O_CLOEXEC,
+                        0o644,
+                    )
+                };
+                checked(fd)?;
+                // SAFETY: close of the descriptor just opened.
+                unsafe { libc::syscall(libc::SYS_close, fd) };
+                Ok(())
+            }
+            // SAFETY: move_mount reads an empty source path and a
+            // NUL-terminated target; the descriptor is the parent's copy
+            // of a detached mount, alive until the child execs.
+            ChildStep::Attach { fd, target } => checked(unsafe {
+                libc::syscall(
+                    libc::SYS_move_mount,
+                    *fd,
+                    c"".as_ptr(),
+                    libc::AT_FDCWD,
+                    target.as_ptr(),
+                    libc::MOVE_MOUNT_F_EMPTY_PATH,
+                )
+            }),
         }
     }
 }

@@ -148,6 +148,9 @@ pub struct SpawnSpec {
     /// spec says otherwise. `None` only for the agent's own helpers (the
     /// listener keeper), which keep the agent's.
     pub sandbox: Option<crate::confine::SandboxSpec>,
+    /// Kept readable inside a `Protected` filesystem besides the
+    /// executable and the working directory: a tree build's root.
+    pub readable: Vec<PathBuf>,
 }
 
 /// A listening socket a generation receives at exec.
@@ -186,6 +189,7 @@ impl SpawnSpec {
             listeners: Vec::new(),
             target_pid: None,
             sandbox: Some(crate::confine::SandboxSpec::default()),
+            readable: Vec::new(),
         }
     }
 }
@@ -351,6 +355,17 @@ pub enum SpawnError {
     #[error("cannot start generation {generation}: {source}")]
     Fork {
         generation: u64,
+        #[source]
+        source: io::Error,
+    },
+    /// The child could not build its filesystem (SPEC 5.16) and exited
+    /// without exec.
+    #[error(
+        "generation {generation} did not start: the child could not {what} ({source}); nothing of the build ran"
+    )]
+    Filesystem {
+        generation: u64,
+        what: String,
         #[source]
         source: io::Error,
     },
@@ -603,6 +618,27 @@ impl Spawned {
     }
 }
 
+/// The codes the filesystem's steps report with, one each (the last is
+/// shared past 127 steps).
+const FILESYSTEM_CODES: std::ops::RangeInclusive<u8> = 0x80..=0xff;
+
+/// What `spec`'s `Protected` filesystem keeps: the writable paths and the
+/// run dir writable, the executable, the working directory and a tree's
+/// root readable.
+fn filesystem_request(
+    spec: &SpawnSpec,
+    sandbox: &crate::confine::SandboxSpec,
+) -> crate::confine::filesystem::FsRequest {
+    let mut readable = vec![spec.exe.clone()];
+    readable.extend(spec.readable.iter().cloned());
+    readable.extend(spec.working_dir.iter().cloned());
+    crate::confine::filesystem::FsRequest {
+        socket: spec.socket.clone(),
+        writable: sandbox.writable_paths.clone(),
+        readable,
+    }
+}
+
 /// How many times an exec refused with `ETXTBSY` is tried in all.
 pub const EXEC_BUSY_TRIES: u32 = 7;
 
@@ -694,6 +730,26 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     // Out of the agent's session, so a terminal's signals to the agent do
     // not reach instances.
     steps.push((SetupStep::NewSession.code(), ChildStep::Setsid));
+    // The mounts while root, and before the working directory is entered
+    // and the listeners placed (the mounts' descriptors lie above both).
+    let mut filesystem_steps = Vec::new();
+    if let Some(sandbox) = spec.sandbox.as_ref().filter(|s| {
+        confinement.is_some() && s.filesystem == genswap_crds::FilesystemProfile::Protected
+    }) {
+        let prepared = crate::confine::filesystem::prepare(&filesystem_request(spec, sandbox))
+            .map_err(|e| SpawnError::Confine {
+                generation,
+                source: e.into(),
+            })?;
+        held.extend(prepared.held);
+        for (i, (what, step)) in prepared.steps.into_iter().enumerate() {
+            let code = FILESYSTEM_CODES
+                .start()
+                .saturating_add(u8::try_from(i).unwrap_or(u8::MAX));
+            steps.push((code, step));
+            filesystem_steps.push(what);
+        }
+    }
     // Limits and the bounding set while still root: raising a hard limit
     // and dropping a capability both need the agent's privileges.
     let ambient = confinement.as_ref().and_then(|c| {
@@ -785,6 +841,17 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
                     exe: spec.exe.clone(),
                     source,
                 },
+            });
+        }
+        Launched::StepFailed { code, errno } if FILESYSTEM_CODES.contains(&code) => {
+            let what = filesystem_steps
+                .get(usize::from(code - FILESYSTEM_CODES.start()))
+                .cloned()
+                .unwrap_or_else(|| "build its filesystem".into());
+            return Err(SpawnError::Filesystem {
+                generation,
+                what,
+                source: io::Error::from(errno.unwrap_or(Errno::UnknownErrno)),
             });
         }
         Launched::StepFailed { code, errno } => {

@@ -8,6 +8,7 @@
 mod cgroup_guard;
 
 use std::fs;
+use std::path::Path;
 use std::time::Duration;
 
 use cgroup_guard::{TestCgroupTree, eventually};
@@ -29,8 +30,16 @@ async fn generation(tree: &TestCgroupTree, n: u64) -> Cgroup {
         .expect("fresh generation")
 }
 
+thread_local! {
+    /// The test's instance run dir (each test runs on a thread of its
+    /// own): its generations' sockets and private `/tmp`s, removed when
+    /// the test's thread ends, on failure too.
+    static RUN: tempfile::TempDir = tempfile::tempdir().expect("a run dir");
+}
+
 fn as_nobody(exe: &str, cgroup: Cgroup, n: u64, sandbox: SandboxSpec) -> SpawnSpec {
-    let mut spec = SpawnSpec::new(exe, cgroup, "/nonexistent/gen.sock", n, "build-a");
+    let socket = RUN.with(|run| run.path().join(format!("gen-{n}.sock")));
+    let mut spec = SpawnSpec::new(exe, cgroup, socket, n, "build-a");
     spec.uid = Some(NOBODY);
     spec.gid = Some(NOBODY);
     spec.sandbox = Some(sandbox);
@@ -322,7 +331,11 @@ async fn what_a_service_must_not_do_is_refused_by_default() {
         format!("setuid-chmod:{dir}"),
         format!("setuid-create:{dir}"),
     ];
-    let said = tried(&tree, 10, &things.join(","), SandboxSpec::default()).await;
+    let sandbox = SandboxSpec {
+        writable_paths: vec![open.path().to_path_buf()],
+        ..SandboxSpec::default()
+    };
+    let said = tried(&tree, 10, &things.join(","), sandbox).await;
     let expected: Vec<String> = things.iter().map(|t| format!("{t}: {DENIED}")).collect();
     assert_eq!(said, expected);
 }
@@ -345,6 +358,7 @@ async fn without_the_filter_a_setuid_file_and_another_personality_are_allowed() 
     let dir = open.path().display();
     let unconfined = SandboxSpec {
         seccomp: genswap_crds::SeccompProfile::Unconfined,
+        writable_paths: vec![open.path().to_path_buf()],
         ..SandboxSpec::default()
     };
     let said = tried(
@@ -400,5 +414,125 @@ async fn what_the_spec_opens_is_allowed() {
     assert_eq!(
         tried(&tree, 12, "unshare-user", unconfined).await,
         vec!["unshare-user: ok".to_string()]
+    );
+}
+
+/// `things` tried by a root instance (uid 0 without a capability: the
+/// owner of `/etc` and `/usr`, so only the read-only mount can refuse it).
+async fn tried_as_root(
+    tree: &TestCgroupTree,
+    n: u64,
+    things: &[String],
+    sandbox: SandboxSpec,
+) -> Vec<String> {
+    let app = testapp::binary().expect("the test app is built");
+    let mut spec = as_nobody(
+        app.to_str().expect("a UTF-8 path"),
+        generation(tree, n).await,
+        n,
+        sandbox,
+    );
+    (spec.uid, spec.gid, spec.allow_root) = (Some(0), Some(0), true);
+    spec.env = vec![(testapp::knob::TRY.into(), things.join(","))];
+    let out = tempfile::NamedTempFile::new().expect("an output file");
+    spec.stdout = node_agent::spawn::Output::Append(out.path().to_path_buf());
+    let mut spawned = spawn(spec).await.expect("spawned");
+    let status = tokio::time::timeout(LONG, spawned.wait())
+        .await
+        .expect("it exits")
+        .expect("its status");
+    assert!(status.success(), "{status:?}");
+    let said = fs::read_to_string(out.path()).expect("its output");
+    said.lines()
+        .filter_map(|l| l.strip_prefix("tried "))
+        .map(str::to_owned)
+        .collect()
+}
+
+const READ_ONLY: &str = "Read-only file system (os error 30)";
+const DENIED_ACCESS: &str = "Permission denied (os error 13)";
+const NOT_FOUND: &str = "No such file or directory (os error 2)";
+
+#[tokio::test]
+async fn the_node_is_read_only_private_and_hidden_except_where_the_spec_opens_it() {
+    let tree = TestCgroupTree::new("sandbox-filesystem");
+    let declared = tempfile::tempdir().expect("a writable dir");
+    let declared_file = declared.path().join("written");
+    let neighbour = tempfile::tempdir().expect("another instance's run dir");
+    let neighbours_tmp =
+        node_agent::confine::filesystem::private_dir_of(&neighbour.path().join("gen-1.sock"))
+            .join("tmp");
+    fs::create_dir_all(&neighbours_tmp).expect("its /tmp");
+    fs::write(neighbours_tmp.join("secret"), "theirs").expect("a file in it");
+    let things = [
+        "write:/etc/genswap-sandbox-probe".to_string(),
+        "write:/usr/genswap-sandbox-probe".into(),
+        "write:/proc/sys/kernel/hostname".into(),
+        "read:/root".into(),
+        "read:/home".into(),
+        format!("read:{}", neighbours_tmp.join("secret").display()),
+        format!("write:{}", declared_file.display()),
+        "write:/tmp/mine".into(),
+        "read:/tmp/mine".into(),
+        "list:/dev".into(),
+    ];
+    let sandbox = SandboxSpec {
+        writable_paths: vec![declared.path().to_path_buf()],
+        ..SandboxSpec::default()
+    };
+    let said = tried_as_root(&tree, 20, &things, sandbox).await;
+    let dev = "fd full mqueue null ptmx pts random shm stderr stdin stdout tty urandom zero";
+    let expected: Vec<String> = things
+        .iter()
+        .zip([
+            READ_ONLY,
+            READ_ONLY,
+            READ_ONLY,
+            DENIED_ACCESS,
+            DENIED_ACCESS,
+            NOT_FOUND,
+            "ok",
+            "ok",
+            "ok",
+            dev,
+        ])
+        .map(|(thing, answer)| format!("{thing}: {answer}"))
+        .collect();
+    assert_eq!(said, expected);
+    assert!(declared_file.exists(), "the declared path was written");
+    assert!(!Path::new("/etc/genswap-sandbox-probe").exists());
+    // Its /tmp is the generation's private one, on disk beside its socket.
+    let private_tmp = RUN.with(|run| {
+        node_agent::confine::filesystem::private_dir_of(&run.path().join("gen-20.sock")).join("tmp")
+    });
+    assert!(
+        private_tmp.join("mine").exists(),
+        "{}",
+        private_tmp.display()
+    );
+
+    // The host's view, opted into: /etc is the node's own again.
+    let host = SandboxSpec {
+        filesystem: genswap_crds::FilesystemProfile::Host,
+        ..SandboxSpec::default()
+    };
+    let said = tried_as_root(&tree, 21, &["read:/root".to_string()], host).await;
+    assert_eq!(said, vec!["read:/root: ok".to_string()]);
+
+    // Another user's processes are not in its /proc (this test's, root's).
+    let me = std::process::id();
+    let said = tried(
+        &tree,
+        22,
+        &format!("read:/proc/{me}/status,read:/proc/self/status"),
+        SandboxSpec::default(),
+    )
+    .await;
+    assert_eq!(
+        said,
+        vec![
+            format!("read:/proc/{me}/status: {NOT_FOUND}"),
+            "read:/proc/self/status: ok".to_string()
+        ]
     );
 }

@@ -9,11 +9,29 @@ use nix::libc;
 /// Tries each of `things` (comma-separated) and prints one line for each.
 pub fn try_each(things: &str) {
     for thing in things.split(',').map(str::trim).filter(|t| !t.is_empty()) {
-        let result = match try_one(thing) {
-            Ok(()) => "ok".to_string(),
-            Err(error) => error.to_string(),
+        let result = match thing.strip_prefix("list:") {
+            Some(dir) => list(dir),
+            None => match try_one(thing) {
+                Ok(()) => "ok".to_string(),
+                Err(error) => error.to_string(),
+            },
         };
         println!("tried {thing}: {result}");
+    }
+}
+
+/// The names in `dir`, sorted, space-separated; or the error.
+fn list(dir: &str) -> String {
+    match std::fs::read_dir(dir) {
+        Ok(entries) => {
+            let mut names: Vec<String> = entries
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect();
+            names.sort();
+            names.join(" ")
+        }
+        Err(error) => error.to_string(),
     }
 }
 

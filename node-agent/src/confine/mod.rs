@@ -12,13 +12,18 @@
 //! priority): what the same program gets as a systemd unit, whatever the
 //! container runtime gave the agent.
 
+pub mod filesystem;
 pub mod seccomp;
 pub mod unit;
 
 use std::fs;
 use std::io;
 
-use genswap_crds::{CapabilitiesSpec, Limit, LimitsSpec, ProcessSpec, SeccompProfile};
+use std::path::PathBuf;
+
+use genswap_crds::{
+    CapabilitiesSpec, FilesystemProfile, Limit, LimitsSpec, ProcessSpec, SeccompProfile,
+};
 use nix::libc;
 use thiserror::Error;
 
@@ -70,6 +75,8 @@ pub enum ConfineError {
         "the agent lacks CAP_SETPCAP, which emptying an instance's capability bounding set needs (the chart adds it)"
     )]
     NoSetpcap,
+    #[error(transparent)]
+    Filesystem(#[from] filesystem::FsError),
 }
 
 /// The sandbox's part of a process spec, as a spawn takes it.
@@ -79,6 +86,9 @@ pub struct SandboxSpec {
     pub capabilities: CapabilitiesSpec,
     pub umask: Option<String>,
     pub seccomp: SeccompProfile,
+    pub filesystem: FilesystemProfile,
+    /// Writable inside a `Protected` filesystem.
+    pub writable_paths: Vec<PathBuf>,
 }
 
 impl SandboxSpec {
@@ -89,6 +99,8 @@ impl SandboxSpec {
             capabilities: process.capabilities.clone(),
             umask: process.umask.clone(),
             seccomp: process.seccomp.unwrap_or_default(),
+            filesystem: process.filesystem.unwrap_or_default(),
+            writable_paths: process.writable_paths.iter().map(PathBuf::from).collect(),
         }
     }
 }
@@ -311,7 +323,9 @@ impl Confinement {
             last_cap: facts.last_cap,
             umask: umask_of(spec.umask.as_deref())?,
             seccomp: match spec.seccomp {
-                SeccompProfile::RuntimeDefault => Some(seccomp::runtime_default()?),
+                SeccompProfile::RuntimeDefault => Some(seccomp::runtime_default(
+                    keep & (1 << genswap_crds::Capability::NetRaw.number()) != 0,
+                )?),
                 SeccompProfile::Unconfined => None,
             },
         })

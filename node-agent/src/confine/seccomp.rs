@@ -9,7 +9,10 @@
 //! by `chmod`, `fchmod`, `fchmodat`, `mkdir`, `mknod`, and the opens and
 //! `creat` that create a file). Every other call is answered `EPERM`; a call of another architecture
 //! (a 32-bit one on a 64-bit kernel) kills the process
-//! (`SystemCallArchitectures=native`).
+//! (`SystemCallArchitectures=native`). Sockets may be made of the
+//! families a host service uses, `AF_UNIX`, `AF_INET`, `AF_INET6` and
+//! `AF_NETLINK` (interface and route lookups), and `AF_PACKET` only where
+//! the spec adds `NET_RAW` (`RestrictAddressFamilies=`).
 //!
 //! Why this list and not containerd's default profile: a genswap instance
 //! replaces a systemd unit, and an operator compares it with one; the list
@@ -88,16 +91,26 @@ fn native() -> Result<TargetArch, ConfineError> {
         .map_err(|_| ConfineError::Seccomp(format!("no filter for {}", std::env::consts::ARCH)))
 }
 
-/// The default filter, as a BPF program: built once per process.
-pub fn runtime_default() -> Result<BpfProgram, ConfineError> {
-    static BUILT: std::sync::OnceLock<Result<BpfProgram, String>> = std::sync::OnceLock::new();
-    BUILT
-        .get_or_init(|| build().map_err(|e| e.to_string()))
+/// The socket families every instance may make.
+pub const ADDRESS_FAMILIES: [(&str, libc::c_int); 4] = [
+    ("AF_UNIX", libc::AF_UNIX),
+    ("AF_INET", libc::AF_INET),
+    ("AF_INET6", libc::AF_INET6),
+    ("AF_NETLINK", libc::AF_NETLINK),
+];
+
+/// The default filter, as a BPF program, with `AF_PACKET` sockets allowed
+/// or not: each built once per process.
+pub fn runtime_default(packet: bool) -> Result<BpfProgram, ConfineError> {
+    type Built = std::sync::OnceLock<Result<BpfProgram, String>>;
+    static BUILT: [Built; 2] = [Built::new(), Built::new()];
+    BUILT[usize::from(packet)]
+        .get_or_init(|| build(packet).map_err(|e| e.to_string()))
         .clone()
         .map_err(ConfineError::Seccomp)
 }
 
-fn build() -> Result<BpfProgram, ConfineError> {
+fn build(packet: bool) -> Result<BpfProgram, ConfineError> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     for name in allowed_names() {
         // A name of another architecture (`_llseek` on x86_64) is skipped.
@@ -160,6 +173,16 @@ fn build() -> Result<BpfProgram, ConfineError> {
             );
         }
     }
+    let families = ADDRESS_FAMILIES
+        .iter()
+        .map(|(_, family)| *family)
+        .chain(packet.then_some(libc::AF_PACKET));
+    rules.insert(
+        libc::SYS_socket,
+        families
+            .map(|family| rule(&[(0, SeccompCmpOp::Eq, family as u64)]))
+            .collect::<Result<_, _>>()?,
+    );
     rules.remove(&libc::SYS_setns);
     rules.remove(&libc::SYS_clone3);
     let allowing = SeccompFilter::new(
@@ -249,12 +272,14 @@ mod tests {
 
     #[test]
     fn the_program_builds_for_this_machine() {
-        let program = runtime_default().expect("builds");
-        assert!(program.len() > 300, "one check per allowed call at least");
-        assert!(
-            program.len() < 4096,
-            "the kernel takes at most 4096 per program"
-        );
+        for packet in [false, true] {
+            let program = runtime_default(packet).expect("builds");
+            assert!(program.len() > 300, "one check per allowed call at least");
+            assert!(
+                program.len() < 4096,
+                "the kernel takes at most 4096 per program"
+            );
+        }
     }
 
     /// Where systemd is installed, its list is this one (a newer systemd
