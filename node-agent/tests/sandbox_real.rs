@@ -324,6 +324,7 @@ async fn what_a_service_must_not_do_is_refused_by_default() {
         "unshare-user".into(),
         "raw-socket".into(),
         "packet-socket".into(),
+        "vsock-socket".into(),
         "kexec".into(),
         "init-module".into(),
         "personality".into(),
@@ -385,11 +386,21 @@ async fn what_the_spec_opens_is_allowed() {
     let mut raw = SandboxSpec::default();
     raw.capabilities.add = vec![Capability::NetRaw];
     assert_eq!(
-        tried(&tree, 11, "raw-socket,packet-socket", raw).await,
+        tried(&tree, 11, "raw-socket,packet-socket,netlink-socket", raw).await,
         vec![
             "raw-socket: ok".to_string(),
-            "packet-socket: ok".to_string()
+            "packet-socket: ok".to_string(),
+            "netlink-socket: ok".to_string()
         ]
+    );
+    // Any family, without the filter.
+    let unconfined = SandboxSpec {
+        seccomp: genswap_crds::SeccompProfile::Unconfined,
+        ..SandboxSpec::default()
+    };
+    assert_eq!(
+        tried(&tree, 14, "vsock-socket", unconfined).await,
+        vec!["vsock-socket: ok".to_string()]
     );
 
     // A user namespace: refused by the filter alone where the kernel lets

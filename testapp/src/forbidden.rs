@@ -94,6 +94,9 @@ fn try_one(thing: &str) -> io::Result<()> {
         "unshare-user" => checked(unsafe { libc::syscall(libc::SYS_unshare, libc::CLONE_NEWUSER) }),
         "raw-socket" => socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_ICMP),
         "packet-socket" => socket(libc::AF_PACKET, libc::SOCK_RAW, 0),
+        "netlink-socket" => socket(libc::AF_NETLINK, libc::SOCK_DGRAM, 0),
+        // A family no user needs a capability for, and no host service uses.
+        "vsock-socket" => socket(libc::AF_VSOCK, libc::SOCK_STREAM, 0),
         "kexec" => checked(unsafe {
             libc::syscall(
                 libc::SYS_kexec_load,

@@ -51,7 +51,7 @@
 //! | `TESTAPP_PID_FILE=path` | write the serving process's pid to `path` once it serves (a daemon's pid file) |
 //! | `TESTAPP_WATCHDOG=1` | with `WATCHDOG_USEC` set, send `WATCHDOG=1` on `NOTIFY_SOCKET` every half of it (`sd_watchdog_enabled`) |
 //! | `TESTAPP_TERM_LOG=path` | append `SIGTERM` to `path` when SIGTERM arrives (to order it against a hook) |
-//! | `TESTAPP_TRY=a,b,…` | try each forbidden thing named (`mount`, `ptrace`, `unshare-user`, `raw-socket`, `packet-socket`, `kexec`, `init-module`, `personality`, `realtime`, `setuid-chmod:DIR`, `setuid-create:DIR`, `write:PATH`, `read:PATH`, `list:DIR`), print `tried <thing>: ok` or `tried <thing>: <error>` for each on stdout (for `list:DIR` the sorted names instead of `ok`), and exit 0 (the sandbox's tests) |
+//! | `TESTAPP_TRY=a,b,…` | try each forbidden thing named (`mount`, `ptrace`, `unshare-user`, `raw-socket`, `packet-socket`, `netlink-socket`, `vsock-socket`, `kexec`, `init-module`, `personality`, `realtime`, `setuid-chmod:DIR`, `setuid-create:DIR`, `write:PATH`, `read:PATH`, `list:DIR`), print `tried <thing>: ok` or `tried <thing>: <error>` for each on stdout (for `list:DIR` the sorted names instead of `ok`), and exit 0 (the sandbox's tests) |
 //!
 //! ## As a sidecar
 //!
