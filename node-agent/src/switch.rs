@@ -153,6 +153,31 @@ impl RunLayout {
     }
 }
 
+impl RunLayout {
+    /// The generation numbers that have a private directory
+    /// (`gen-<N>.private`, their `/tmp`) in the instance's run dir.
+    pub fn generation_private_dirs(&self, instance: &InstanceKey) -> io::Result<Vec<u64>> {
+        let entries = match fs::read_dir(self.instance_dir(instance)) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e),
+        };
+        let mut generations = Vec::new();
+        for entry in entries {
+            let name = entry?.file_name();
+            if let Some(n) = name
+                .to_str()
+                .and_then(|n| n.strip_suffix(".private"))
+                .and_then(|stem| parse_generation_socket_name(&format!("{stem}.sock")))
+            {
+                generations.push(n);
+            }
+        }
+        generations.sort_unstable();
+        Ok(generations)
+    }
+}
+
 /// Why `current.sock` did not move. In every case nothing switched.
 #[derive(Debug, Error)]
 pub enum SwitchError {

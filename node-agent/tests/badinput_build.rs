@@ -276,7 +276,11 @@ async fn a_shell_script_build_serves_whether_it_execs_its_server_or_stays_its_pa
             "#!/bin/sh",
             &body.replace("{server}", &server.path.display().to_string()),
         );
-        let result = host.swap(&host.attempt(1, &script, "wrapped")).await;
+        let mut attempt = host.attempt(1, &script, "wrapped");
+        // The server it runs lies in the test's temp dir, behind the
+        // instance's private /tmp.
+        attempt.spec.process.writable_paths = vec![host.staging.display().to_string()];
+        let result = host.swap(&attempt).await;
         assert_eq!(result.outcome, Outcome::Done, "{tag}: {result:?}");
         let serving = host.who_serves().await.expect("the wrapped server answers");
         assert_eq!((serving.build.as_str(), serving.generation), ("wrapped", 1));

@@ -89,8 +89,11 @@ fn attempt(
         args,
         stop,
         pid_file,
+        writable,
         ..
     } = daemon;
+    attempt.spec.process.writable_paths =
+        writable.iter().map(|p| p.display().to_string()).collect();
     attempt.spec.stop.signal = *stop;
     attempt.spec.process.pid_file = pid_file.as_ref().map(|p| p.display().to_string());
     attempt.spec.mode = mode;
@@ -122,6 +125,9 @@ struct Daemon {
     may_lose_per_swap: usize,
     /// Where it writes its pid when it daemonizes (`process.pidFile`).
     pid_file: Option<PathBuf>,
+    /// `process.writablePaths`: its site in the test's temp dir, which the
+    /// default sandbox's private /tmp would hide.
+    writable: Vec<PathBuf>,
 }
 
 /// Installs generation 1, then swaps to 2 and 3 in `mode` under load, and
@@ -202,6 +208,8 @@ async fn the_go_node_exporter_takes_the_listener_and_each_swap_loses_at_most_the
         answers: "Node Exporter",
         may_lose_per_swap: 1,
         pid_file: None,
+        // Nothing: it only reads /proc, under the default sandbox.
+        writable: Vec::new(),
     };
     swapped_under_load(&host, &daemon, Mode::Hold).await;
 }
@@ -285,5 +293,6 @@ fn lighttpd(host: &SwapHost, binary: PathBuf, daemonizes: bool) -> Daemon {
         answers: "served by lighttpd",
         may_lose_per_swap: 0,
         pid_file: daemonizes.then_some(pid_file),
+        writable: vec![site],
     }
 }

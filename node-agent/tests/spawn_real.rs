@@ -34,14 +34,19 @@ async fn generation(tree: &TestCgroupTree, n: u64) -> Cgroup {
         .expect("fresh generation")
 }
 
+thread_local! {
+    /// The test's instance run dir (each test runs on a thread of its
+    /// own), removed when the test's thread ends, on failure too.
+    static RUN: tempfile::TempDir = tempfile::tempdir().expect("a run dir");
+}
+
+/// Generation `n`'s socket in the test's run dir.
+fn socket(n: u64) -> std::path::PathBuf {
+    RUN.with(|run| run.path().join(format!("gen-{n}.sock")))
+}
+
 fn sh(cgroup: Cgroup, n: u64, script: &str) -> SpawnSpec {
-    let mut spec = SpawnSpec::new(
-        "/bin/sh",
-        cgroup,
-        format!("/run/genswap-test/gen-{n}.sock"),
-        n,
-        "build-a",
-    );
+    let mut spec = SpawnSpec::new("/bin/sh", cgroup, socket(n), n, "build-a");
     spec.args = vec!["-c".into(), script.into()];
     spec.uid = Some(NOBODY);
     spec.gid = Some(NOBODY);
@@ -148,10 +153,7 @@ async fn the_environment_is_the_specs_plus_the_genswap_values_only() {
         Some("build-a"),
         "the spec cannot forge GENSWAP_BUILD"
     );
-    assert_eq!(
-        observed.socket.as_deref(),
-        Some("/run/genswap-test/gen-2.sock")
-    );
+    assert_eq!(observed.socket.as_deref(), socket(2).to_str());
     assert_eq!(observed.generation.as_deref(), Some("2"));
 }
 
@@ -406,13 +408,16 @@ async fn a_dropped_handle_still_reaps_its_process() {
     let release = tempfile::tempdir().expect("temp dir");
     fs::set_permissions(release.path(), fs::Permissions::from_mode(0o755)).expect("chmod");
     let go = release.path().join("go");
-    let spawned: Spawned = spawn(sh(
+    let mut spec = sh(
         cgroup.clone(),
         9,
         &format!("while [ ! -e {} ]; do sleep 0.05; done", go.display()),
-    ))
-    .await
-    .expect("spawned");
+    );
+    // The test's temp dir, seen through the instance's private /tmp.
+    if let Some(sandbox) = spec.sandbox.as_mut() {
+        sandbox.writable_paths = vec![release.path().to_path_buf()];
+    }
+    let spawned: Spawned = spawn(spec).await.expect("spawned");
     let pid = spawned.pid();
     drop(spawned);
     fs::write(&go, b"").expect("release");

@@ -150,6 +150,9 @@ async fn a_server_exiting_0_is_restarted_under_always() {
         knob(attempt, "TESTAPP_EXIT_AFTER_MS", "1500");
         knob(attempt, "TESTAPP_EXIT_CODE", "0");
         knob(attempt, "TESTAPP_EXIT_ONCE", &once.display().to_string());
+        if let Some(dir) = once.parent() {
+            swap_host::writable(attempt, dir);
+        }
     })
     .await;
     let before = host.who_serves().await.expect("b1 serves");

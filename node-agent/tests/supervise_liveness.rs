@@ -86,6 +86,8 @@ async fn exactly_failure_threshold_failures_in_a_row_stop_and_restart_the_genera
                 command: vec!["sh".into(), "-c".into(), script.clone()],
             });
         }));
+        // The probe runs in the generation's sandbox.
+        swap_host::writable(attempt, &dir);
     };
     host.install_with(1, "b1", tune).await;
     let before = host.who_serves().await.expect("b1 serves");

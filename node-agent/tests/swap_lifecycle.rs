@@ -61,6 +61,8 @@ async fn the_pre_stop_hook_runs_before_the_stop_signal_and_a_hung_one_is_killed_
             testapp::knob::TERM_LOG,
             &order.display().to_string(),
         );
+        // The instance and its hooks write there, through the sandbox.
+        swap_host::writable(attempt, &dir);
     };
     host.install_with(1, "b1", |attempt| {
         log_term(attempt);
@@ -121,6 +123,9 @@ fn forking(host: &SwapHost, rev: i64, build: &str, pid_file: &Path, declared: bo
     );
     if declared {
         attempt.spec.process.pid_file = Some(pid_file.display().to_string());
+    }
+    if let Some(dir) = pid_file.parent() {
+        swap_host::writable(&mut attempt, dir);
     }
     attempt
 }

@@ -67,7 +67,19 @@ fn fast_backoff() -> EngineConfig {
     }
 }
 
+/// `sidecars` for the attempt, which may write the dirs of their reports
+/// (they run in the generation's sandbox).
 fn with_sidecars(attempt: &mut Attempt, sidecars: Vec<SidecarSpec>) {
+    for sidecar in &sidecars {
+        for arg in &sidecar.process.args {
+            if let Some(dir) = arg
+                .strip_prefix("--sidecar-report=")
+                .and_then(|report| Path::new(report).parent())
+            {
+                swap_host::writable(attempt, dir);
+            }
+        }
+    }
     attempt.spec.sidecars = sidecars;
 }
 

@@ -285,12 +285,8 @@ pub(crate) fn prepare(request: &FsRequest) -> Result<PreparedFs, FsError> {
                     source,
                 });
             }
-            Err(source) => {
-                return Err(FsError::Prepare {
-                    what: format!("find {}", path.display()),
-                    source,
-                });
-            }
+            // Missing: its exec fails as it would outside (the build's).
+            Err(_) => continue,
         };
         if let Some((tmp, _)) = in_private {
             let mut below = PathBuf::from(tmp);

@@ -785,6 +785,11 @@ async fn spawn_successor(
         Err(error) => {
             if !parts::may_have_run(&error) {
                 parts::remove_cgroup(&cgroup);
+                if let Err(error) =
+                    crate::confine::filesystem::remove_private_dir(&successor.socket)
+                {
+                    tracing::warn!(instance = %key, generation = successor.n, %error, "the private directory of a generation that did not start could not be removed");
+                }
             }
             return Err(error);
         }

@@ -342,7 +342,7 @@ pub(super) async fn stop_generation(
         let _ = child.wait().await;
     }
     remove_cgroup(&running.cgroup);
-    remove_socket(&running.record.socket);
+    remove_generation_files(&running.record.socket);
     // A watched one goes with its watch; an adopted one's is left on disk.
     running.notify = None;
     remove_socket(
@@ -369,6 +369,15 @@ pub(super) fn remove_cgroup(cgroup: &Cgroup) {
             error = %reason_of(&error),
             "an empty generation cgroup could not be removed"
         );
+    }
+}
+
+/// Removes a stopped generation's socket and its private directory (its
+/// `/tmp`, SPEC 5.16).
+pub(super) fn remove_generation_files(socket: &Path) {
+    remove_socket(socket);
+    if let Err(error) = crate::confine::filesystem::remove_private_dir(socket) {
+        tracing::warn!(socket = %socket.display(), %error, "a stopped generation's private directory could not be removed");
     }
 }
 
@@ -549,6 +558,7 @@ pub(super) async fn spawn(
         successor.n,
         &successor.build,
     );
+    request.readable.extend(staged.tree.iter().cloned());
     // An image's config fills in what the spec leaves out (SPEC 5.14).
     request.args = staged.args(&spec.process.args);
     request.env = staged.env(env_of(&spec.process));

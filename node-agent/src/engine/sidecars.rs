@@ -369,6 +369,9 @@ async fn run_once(
         &target.build,
     );
     request.target_pid = Some(target.pid);
+    request
+        .readable
+        .extend(staged.as_ref().and_then(|s| s.tree.clone()));
     let env = process
         .env
         .iter()

@@ -314,8 +314,12 @@ impl Node {
                 );
                 assert_eq!(
                     run_files,
-                    vec![CURRENT_SOCKET.to_string(), format!("gen-{n}.sock")],
-                    "only the serving generation's socket and current.sock are left"
+                    vec![
+                        CURRENT_SOCKET.to_string(),
+                        format!("gen-{n}.private"),
+                        format!("gen-{n}.sock")
+                    ],
+                    "only the serving generation's socket, its private /tmp and current.sock are left"
                 );
                 assert_eq!(
                     current_generation(&RunLayout::new(&self.run_dir).instance_dir(&self.key)),
@@ -536,7 +540,7 @@ spec:
   process:
     user: {NOBODY}
     group: {NOBODY}
-  health:
+{writable}  health:
     timeoutSeconds: 20
   settle:
     seconds: {settle}
@@ -562,6 +566,14 @@ spec:
                     report.display()
                 )
             }),
+            // Its sidecar writes its report through the sandbox.
+            writable = self
+                .sidecar_report
+                .as_ref()
+                .and_then(|report| report.parent())
+                .map_or_else(String::new, |dir| {
+                    format!("    writablePaths: [\"{}\"]\n", dir.display())
+                }),
             id = self.build_id,
             path = self.path.display(),
             sha = self.sha256,

@@ -420,6 +420,16 @@ pub fn knob(attempt: &mut Attempt, name: &str, value: &str) {
     });
 }
 
+/// Lets the instance write `dir` (`process.writablePaths`): a test's files
+/// lie in its temp dir, which the default sandbox's private /tmp hides.
+pub fn writable(attempt: &mut Attempt, dir: &Path) {
+    attempt
+        .spec
+        .process
+        .writable_paths
+        .push(dir.display().to_string());
+}
+
 /// Asserts that `text` contains each of `says`.
 pub fn assert_says(text: &str, says: &[&str]) {
     for words in says {

@@ -258,15 +258,28 @@ impl Engine {
                 }),
             }
             if socket.exists() {
-                parts::remove_socket(&socket);
-                work.removed.push(socket);
+                work.removed.push(socket.clone());
             }
+            parts::remove_generation_files(&socket);
         }
         for n in &sockets {
             if Some(*n) != keep_n && !generations.contains_key(n) {
                 let socket = self.layout.generation_socket(&key, *n);
-                parts::remove_socket(&socket);
+                parts::remove_generation_files(&socket);
                 work.removed.push(socket);
+            }
+        }
+        // A generation that never bound its socket left only its /tmp.
+        for n in self
+            .layout
+            .generation_private_dirs(&key)
+            .unwrap_or_default()
+        {
+            if Some(n) != keep_n && !generations.contains_key(&n) && !sockets.contains(&n) {
+                let socket = self.layout.generation_socket(&key, n);
+                parts::remove_generation_files(&socket);
+                work.removed
+                    .push(crate::confine::filesystem::private_dir_of(&socket));
             }
         }
 
