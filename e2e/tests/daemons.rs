@@ -138,6 +138,9 @@ async fn a_forking_daemon_runs_by_its_probes_and_hooks_in_kubernetes_mode() {
                 "user": INSTANCE_ID,
                 "group": INSTANCE_ID,
                 "pidFile": path_str(&pid_file),
+                // The daemon, its probes and hooks write there, through
+                // the sandbox's private /tmp.
+                "writablePaths": [path_str(&shared)],
                 "env": [
                     env(testapp::knob::NEVER_BIND, "1"),
                     env(testapp::knob::DAEMONIZE, "1"),

@@ -119,15 +119,8 @@ const READ_ONLY_PROC: [&str; 13] = [
     "timer_list",
     "timer_stats",
 ];
-/// `/dev`'s character devices: name, major, minor.
-const DEVICES: [(&str, u64, u64); 6] = [
-    ("null", 1, 3),
-    ("zero", 1, 5),
-    ("full", 1, 7),
-    ("random", 1, 8),
-    ("urandom", 1, 9),
-    ("tty", 5, 0),
-];
+/// The node's devices a service may use, bound into the small `/dev`.
+const DEVICES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
 const DEV_LINKS: [(&str, &str); 5] = [
     ("fd", "/proc/self/fd"),
     ("stdin", "/proc/self/fd/0"),
@@ -226,6 +219,14 @@ pub(crate) fn prepare(request: &FsRequest) -> Result<PreparedFs, FsError> {
 
     let dev = new_dev()?;
     prepared.attach(dev, Path::new("/dev"), "mount its own /dev")?;
+    for name in DEVICES {
+        let path = Path::new("/dev").join(name);
+        if fs::symlink_metadata(&path).is_err() {
+            continue;
+        }
+        let device = clone_tree(&path, false)?;
+        prepared.attach(device, &path, "bind the node's")?;
+    }
     for name in DEV_KEPT {
         let path = Path::new("/dev").join(name);
         if fs::metadata(&path).is_ok_and(|m| m.is_dir()) {
@@ -548,23 +549,17 @@ fn new_dev() -> Result<OwnedFd, FsError> {
         libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NOEXEC,
     )
     .map_err(|source| kernel_or(source, "mount a /dev of its own".into()))?;
-    for (name, major, minor) in DEVICES {
-        nix::sys::stat::mknodat(
+    // Mount points for the node's own devices, bound on them in the child:
+    // no mknod, so no CAP_MKNOD (a pod's agent lacks it).
+    for name in DEVICES {
+        nix::fcntl::openat(
             dev.as_fd(),
             name,
-            nix::sys::stat::SFlag::S_IFCHR,
+            nix::fcntl::OFlag::O_CREAT | nix::fcntl::OFlag::O_WRONLY | nix::fcntl::OFlag::O_CLOEXEC,
             nix::sys::stat::Mode::from_bits_truncate(0o666),
-            nix::sys::stat::makedev(major, minor),
         )
+        .map(drop)
         .map_err(|e| fail(&format!("create /dev/{name}"))(e.into()))?;
-        // The agent's umask took bits off.
-        nix::sys::stat::fchmodat(
-            dev.as_fd(),
-            name,
-            nix::sys::stat::Mode::from_bits_truncate(0o666),
-            nix::sys::stat::FchmodatFlags::NoFollowSymlink,
-        )
-        .map_err(|e| fail(&format!("set the mode of /dev/{name}"))(e.into()))?;
     }
     for (name, target) in DEV_LINKS {
         nix::unistd::symlinkat(target, dev.as_fd(), name)

@@ -10,7 +10,7 @@
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
-use genswap_crds::{InstanceGeneration, SeccompProfile};
+use genswap_crds::{Capability, FilesystemProfile, InstanceGeneration, SeccompProfile};
 use thiserror::Error;
 
 use super::{Confinement, HostFacts, SandboxSpec, limit_text};
@@ -18,10 +18,16 @@ use super::{Confinement, HostFacts, SandboxSpec, limit_text};
 /// `node-agent sandbox`.
 #[derive(clap::Args, Debug)]
 pub struct SandboxArgs {
-    /// An InstanceGeneration manifest (YAML, as standalone mode reads it;
-    /// `-` for stdin).
+    /// An instance this agent runs, as `NAMESPACE/NAME`: its serving (or
+    /// newest) spec, from the agent's journal.
+    #[arg(conflicts_with = "manifest", required_unless_present = "manifest")]
+    pub instance: Option<String>,
+    /// An InstanceGeneration manifest instead (YAML, as standalone mode
+    /// reads it; `-` for stdin).
     #[arg(long, value_name = "FILE")]
-    pub manifest: PathBuf,
+    pub manifest: Option<PathBuf>,
+    #[command(flatten)]
+    pub host: crate::host::HostArgs,
 }
 
 #[derive(Debug, Error)]
@@ -40,6 +46,12 @@ pub enum UnitError {
     },
     #[error(transparent)]
     Confine(#[from] super::ConfineError),
+    #[error("{0:?} is not NAMESPACE/NAME of an InstanceGeneration")]
+    BadInstance(String),
+    #[error("the agent's journal: {0}")]
+    Journal(#[from] crate::journal::JournalError),
+    #[error("this agent's journal holds no spec of {0} (it never ran here, or it was removed)")]
+    Unknown(String),
 }
 
 /// systemd's directive for each limit a `Limit…=` line can say plainly
@@ -61,13 +73,42 @@ const LIMIT_DIRECTIVES: [(&str, &str); 14] = [
     ("rttime", "LimitRTTIME"),
 ];
 
-/// The unit for the manifest `args` names.
+/// The unit for the instance or the manifest `args` names.
 pub fn render(args: &SandboxArgs) -> Result<String, UnitError> {
-    let path = args.manifest.display().to_string();
+    let facts = HostFacts::read()?;
+    if let Some(instance) = &args.instance {
+        let key = instance
+            .split_once('/')
+            .and_then(|(namespace, name)| crate::gate::InstanceKey::new(namespace, name).ok())
+            .ok_or_else(|| UnitError::BadInstance(instance.clone()))?;
+        let settings = args.host.settings();
+        let journal = crate::journal::Journal::open(&settings.state_dir)?;
+        let entry = journal.load_entry(&key)?;
+        let spec = entry
+            .and_then(|entry| {
+                entry
+                    .supervised
+                    .map(|s| s.spec)
+                    .or_else(|| entry.attempt.and_then(|a| a.spec.map(|s| *s)))
+            })
+            .ok_or_else(|| UnitError::Unknown(instance.clone()))?;
+        return unit_for(
+            &Named {
+                run_dir: &settings.run_dir,
+                namespace: key.namespace(),
+                name: key.name(),
+                build: &spec.build,
+                process: &spec.process,
+            },
+            &facts,
+        );
+    }
+    let manifest = args.manifest.clone().unwrap_or_else(|| PathBuf::from("-"));
+    let path = manifest.display().to_string();
     let text = if path == "-" {
         std::io::read_to_string(std::io::stdin())
     } else {
-        std::fs::read_to_string(&args.manifest)
+        std::fs::read_to_string(&manifest)
     }
     .map_err(|source| UnitError::Read {
         path: path.clone(),
@@ -75,17 +116,47 @@ pub fn render(args: &SandboxArgs) -> Result<String, UnitError> {
     })?;
     let ig = genswap_crds::manifest::parse_instance_generation(&text)
         .map_err(|source| UnitError::Manifest { path, source })?;
-    unit_of(&ig, &HostFacts::read()?)
+    unit_of(&ig, &args.host.settings().run_dir, &facts)
 }
 
 /// `ig`'s sandbox on a host with `facts`, as a unit file.
-pub fn unit_of(ig: &InstanceGeneration, facts: &HostFacts) -> Result<String, UnitError> {
-    let spec = &ig.spec;
-    let process = &spec.process;
+pub fn unit_of(
+    ig: &InstanceGeneration,
+    run_dir: &std::path::Path,
+    facts: &HostFacts,
+) -> Result<String, UnitError> {
+    unit_for(
+        &Named {
+            run_dir,
+            namespace: ig.metadata.namespace.as_deref().unwrap_or("default"),
+            name: ig.metadata.name.as_deref().unwrap_or_default(),
+            build: &ig.spec.build,
+            process: &ig.spec.process,
+        },
+        facts,
+    )
+}
+
+/// An instance's name and what its unit is made from.
+struct Named<'a> {
+    /// The agent's run dir.
+    run_dir: &'a std::path::Path,
+    namespace: &'a str,
+    name: &'a str,
+    build: &'a genswap_crds::BuildSpec,
+    process: &'a genswap_crds::ProcessSpec,
+}
+
+fn unit_for(named: &Named<'_>, facts: &HostFacts) -> Result<String, UnitError> {
+    let Named {
+        run_dir,
+        namespace,
+        name,
+        build,
+        process,
+    } = *named;
     let sandbox = SandboxSpec::of(process);
     let confinement = Confinement::resolve(&sandbox, facts)?;
-    let namespace = ig.metadata.namespace.as_deref().unwrap_or("default");
-    let name = ig.metadata.name.as_deref().unwrap_or_default();
     let mut unit = String::new();
     let mut line = |text: String| {
         let _ = writeln!(unit, "{text}");
@@ -96,17 +167,17 @@ pub fn unit_of(ig: &InstanceGeneration, facts: &HostFacts) -> Result<String, Uni
     line("[Unit]".into());
     line(format!(
         "Description=genswap instance {namespace}/{name}, build {}",
-        spec.build.id
+        build.id
     ));
     line(String::new());
     line("[Service]".into());
-    let executable = match (&spec.build.artifact.path, &spec.build.entrypoint) {
+    let executable = match (&build.artifact.path, &build.entrypoint) {
         (Some(path), None) => path.clone(),
         (_, Some(entrypoint)) => format!(
             "/var/lib/genswap/store/tree-sha256-{}/rootfs/{entrypoint}",
-            spec.build.sha256
+            build.sha256
         ),
-        (None, None) => format!("/var/lib/genswap/store/sha256-{}", spec.build.sha256),
+        (None, None) => format!("/var/lib/genswap/store/sha256-{}", build.sha256),
     };
     let mut exec = vec![executable];
     exec.extend(process.args.iter().map(|a| quoted(a)));
@@ -144,14 +215,53 @@ pub fn unit_of(ig: &InstanceGeneration, facts: &HostFacts) -> Result<String, Uni
         line("LockPersonality=yes".into());
         line("RestrictSUIDSGID=yes".into());
     }
+    let added = |capability: Capability| process.capabilities.add.contains(&capability);
+    let filtered = sandbox.seccomp == SeccompProfile::RuntimeDefault;
+    if filtered {
+        let mut families: Vec<&str> = super::seccomp::ADDRESS_FAMILIES
+            .iter()
+            .map(|(name, _)| *name)
+            .collect();
+        if added(Capability::NetRaw) {
+            families.push("AF_PACKET");
+        }
+        line(format!("RestrictAddressFamilies={}", families.join(" ")));
+    }
     // RLIMIT_RTPRIO is 0 and CAP_SYS_NICE gone: the kernel refuses a
     // realtime policy, filter or not.
-    if !process
-        .capabilities
-        .add
-        .contains(&genswap_crds::Capability::SysNice)
-    {
+    if !added(Capability::SysNice) {
         line("RestrictRealtime=yes".into());
+    }
+    // With CAP_SYS_ADMIN an instance could undo its mounts: none of the
+    // filesystem's directives is claimed then.
+    if sandbox.filesystem == FilesystemProfile::Protected && !added(Capability::SysAdmin) {
+        let key = crate::gate::InstanceKey::new(namespace, name).ok();
+        let instance_run_dir = key.map_or_else(
+            || run_dir.join(format!("{namespace}.{name}")),
+            |key| crate::switch::RunLayout::new(run_dir).instance_dir(&key),
+        );
+        let mut writable = vec![instance_run_dir.display().to_string()];
+        writable.extend(process.writable_paths.iter().cloned());
+        line("PrivateMounts=yes".into());
+        line("ProtectSystem=strict".into());
+        line(format!("ReadWritePaths={}", writable.join(" ")));
+        line("PrivateTmp=yes".into());
+        line("ProtectHome=yes".into());
+        line("PrivateDevices=yes".into());
+        line("ProtectProc=invisible".into());
+        line("ProtectKernelTunables=yes".into());
+        line("ProtectControlGroups=yes".into());
+        line("ProtectHostname=yes".into());
+        if !added(Capability::SysModule) {
+            line("ProtectKernelModules=yes".into());
+        }
+        if !added(Capability::Syslog) {
+            line("ProtectKernelLogs=yes".into());
+        }
+        // No clock call in the filter, no CAP_SYS_TIME, no /dev/rtc.
+        if filtered && !added(Capability::SysTime) && !added(Capability::WakeAlarm) {
+            line("ProtectClock=yes".into());
+        }
     }
     Ok(unit)
 }
