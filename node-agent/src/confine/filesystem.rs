@@ -235,7 +235,13 @@ pub(crate) fn prepare(request: &FsRequest) -> Result<PreparedFs, FsError> {
         }
     }
 
-    for (target, sub) in PRIVATE_TMP {
+    // Where the agent's root has no such directory (a minimal image's),
+    // neither has the instance.
+    let private_tmp: Vec<(&str, &str)> = PRIVATE_TMP
+        .into_iter()
+        .filter(|(target, _)| Path::new(target).is_dir())
+        .collect();
+    for (target, sub) in &private_tmp {
         let tmp = clone_tree(&private_dir.join(sub), false)?;
         prepared.attach(tmp, Path::new(target), "mount its private")?;
     }
@@ -272,7 +278,7 @@ pub(crate) fn prepare(request: &FsRequest) -> Result<PreparedFs, FsError> {
                 hidden: dir.clone(),
             });
         }
-        let in_private = PRIVATE_TMP
+        let in_private = private_tmp
             .iter()
             .find(|(tmp, _)| path.starts_with(tmp) && path != Path::new(tmp));
         if in_private.is_none() && !writable {
