@@ -108,6 +108,13 @@ fn attempt_with(
     let mut attempt = host.attempt(rev, build, id);
     attempt.spec.resources = resources(limits);
     attempt.spec.process.env = env(knobs);
+    // A script build execs a test app in the test's temp dir, behind the
+    // sandbox's private /tmp.
+    attempt
+        .spec
+        .process
+        .writable_paths
+        .push(host.staging.display().to_string());
     attempt
 }
 
@@ -443,6 +450,7 @@ async fn an_oom_killed_serving_generation_is_reported_and_restarted() {
         ("TESTAPP_ALLOC_AFTER_MS".into(), "2000".into()),
         ("TESTAPP_ALLOC_ONCE".into(), once.display().to_string()),
     ];
+    manifest.writable = vec![marker_dir.clone()];
     host.write("web.yaml", &manifest.yaml());
     host.status("web.yaml", "b1 to serve", |doc| {
         doc.is_true(ConditionType::Ready)

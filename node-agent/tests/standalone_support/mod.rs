@@ -348,6 +348,8 @@ pub struct Manifest {
     pub listeners: Option<String>,
     /// An archive build: its `artifact.unpack` and its `build.entrypoint`.
     pub tree: Option<(&'static str, String)>,
+    /// `process.writablePaths`: the test's dirs the instance writes.
+    pub writable: Vec<PathBuf>,
 }
 
 impl Manifest {
@@ -369,6 +371,7 @@ impl Manifest {
             resources: None,
             listeners: None,
             tree: None,
+            writable: Vec::new(),
         }
     }
 
@@ -388,6 +391,12 @@ impl Manifest {
             .env
             .iter()
             .map(|(name, value)| format!("{{name: \"{name}\", value: \"{value}\"}}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let writable = self
+            .writable
+            .iter()
+            .map(|p| format!("\"{}\"", p.display()))
             .collect::<Vec<_>>()
             .join(", ");
         let node_selector: String = self
@@ -416,6 +425,7 @@ spec:{node_selector}
   process:
     args: [{args}]
     env: [{env}]
+    writablePaths: [{writable}]
     user: {NOBODY}
     group: {NOBODY}
   health:
