@@ -1,8 +1,9 @@
 //! What the sandbox (SPEC 5.16) adds to a spawn: the test app started and
 //! run to its exit (`TESTAPP_TRY` with nothing to try) in a fresh cgroup,
 //! as `nobody`, with no sandbox (as before it), with the default sandbox
-//! (limits, the emptied bounding set, the seccomp filter) and with the
-//! default sandbox but `seccomp: Unconfined`, the three taking turns.
+//! (limits, the emptied bounding set, the seccomp filter, the `Protected`
+//! filesystem), with it but `filesystem: Host` (the sandbox of the last
+//! release), and with it but `seccomp: Unconfined`, the four taking turns.
 //!
 //! Prints the spawn (from `spawn()` to its return: the exec done) and the
 //! whole run to the exit, median, 99th percentile and largest. It asserts
@@ -20,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use cgroup_guard::TestCgroupTree;
 use figures::print_row;
-use genswap_crds::SeccompProfile;
+use genswap_crds::{FilesystemProfile, SeccompProfile};
 use node_agent::cgroup::Tier;
 use node_agent::confine::SandboxSpec;
 use node_agent::gate::InstanceKey;
@@ -39,9 +40,17 @@ async fn run(spawns: usize) {
         .instance(&InstanceKey::new("bench", "sandbox").expect("a key"))
         .expect("an instance cgroup");
     let app = testapp::binary().expect("the test app is built");
-    let kinds: [(&str, Option<SandboxSpec>); 3] = [
+    let run = tempfile::tempdir().expect("a run dir");
+    let kinds: [(&str, Option<SandboxSpec>); 4] = [
         ("no sandbox", None),
         ("default sandbox", Some(SandboxSpec::default())),
+        (
+            "sandbox, filesystem Host",
+            Some(SandboxSpec {
+                filesystem: FilesystemProfile::Host,
+                ..SandboxSpec::default()
+            }),
+        ),
         (
             "sandbox, seccomp Unconfined",
             Some(SandboxSpec {
@@ -60,7 +69,8 @@ async fn run(spawns: usize) {
                 .create_generation(generation, &Tier::default())
                 .await
                 .expect("a generation cgroup");
-            let mut spec = SpawnSpec::new(&app, cgroup.clone(), "/nonexistent", generation, "b");
+            let socket = run.path().join(format!("gen-{generation}.sock"));
+            let mut spec = SpawnSpec::new(&app, cgroup.clone(), &socket, generation, "b");
             spec.uid = Some(65534);
             spec.gid = Some(65534);
             spec.env = vec![(testapp::knob::TRY.into(), String::new())];
@@ -74,6 +84,7 @@ async fn run(spawns: usize) {
             exited[i].push(began.elapsed());
             assert!(status.success(), "{status:?}");
             let _ = std::fs::remove_dir(cgroup.path());
+            let _ = node_agent::confine::filesystem::remove_private_dir(&socket);
         }
     }
     println!(
