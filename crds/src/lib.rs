@@ -28,7 +28,8 @@ pub use instance_generation::{
 };
 pub use probes::*;
 pub use sandbox::{
-    CapabilitiesSpec, Capability, FilesystemProfile, Limit, LimitsSpec, SeccompProfile,
+    CapabilitiesSpec, Capability, DirectoriesSpec, FilesystemProfile, Limit, LimitsSpec,
+    SeccompProfile,
 };
 pub use settings::*;
 pub use sidecars::{

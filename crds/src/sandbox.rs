@@ -152,6 +152,33 @@ pub enum FilesystemProfile {
     Host,
 }
 
+/// `process.directories`: directories the agent makes for the instance,
+/// owned by its user, writable inside its sandbox, and named to it in
+/// systemd's variables (`StateDirectory=`, `CacheDirectory=`,
+/// `RuntimeDirectory=`).
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct DirectoriesSpec {
+    /// Kept across generations, agent restarts, reboots and the
+    /// instance's removal (`STATE_DIRECTORY`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub state: bool,
+    /// Kept like `state`, but the instance must cope with losing it
+    /// (`CACHE_DIRECTORY`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cache: bool,
+    /// In the agent's run dir (a tmpfs: gone at a reboot), removed with
+    /// the instance (`RUNTIME_DIRECTORY`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub runtime: bool,
+}
+
+impl DirectoriesSpec {
+    pub fn is_empty(&self) -> bool {
+        self == &DirectoriesSpec::default()
+    }
+}
+
 /// `process.capabilities`.
 #[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]

@@ -345,6 +345,9 @@ pub struct ProcessSpec {
     #[schemars(length(max = 32), inner(length(max = 1024)))]
     #[x_kube(validation = Rule::new("self.all(p, p.startsWith('/') && p != '/' && !p.matches('(^|/)[.][.]?(/|$)') && !p.matches('^/(proc|sys|dev|home|root|run/user)(/|$)'))").message("process.writablePaths must be absolute paths other than /, without . or .., not under /proc, /sys, /dev, /home, /root or /run/user"))]
     pub writable_paths: Vec<String>,
+    /// Directories the agent makes and keeps for the instance.
+    #[serde(default, skip_serializing_if = "crate::DirectoriesSpec::is_empty")]
+    pub directories: crate::DirectoriesSpec,
 }
 
 /// The settle window after a successor is healthy.

@@ -87,9 +87,14 @@ impl RunLayout {
     /// fine.
     pub fn remove_instance_dir(&self, instance: &InstanceKey) -> io::Result<()> {
         let dir = self.instance_dir(instance);
+        let runtime = crate::confine::directories::RUNTIME;
         let only_the_record = match fs::read_dir(&dir) {
             Ok(entries) => entries
-                .map(|entry| entry.map(|e| e.file_name() == disk_name::RECORD_FILE))
+                .map(|entry| {
+                    entry.map(|e| {
+                        e.file_name() == disk_name::RECORD_FILE || e.file_name() == runtime
+                    })
+                })
                 .collect::<io::Result<Vec<bool>>>()?
                 .into_iter()
                 .all(|record| record),
@@ -97,6 +102,11 @@ impl RunLayout {
             Err(e) => return Err(e),
         };
         if only_the_record {
+            // Nothing of the instance runs: its runtime directory goes too.
+            match fs::remove_dir_all(dir.join(runtime)) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
             match fs::remove_file(dir.join(disk_name::RECORD_FILE)) {
                 Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
                 _ => {}

@@ -12,6 +12,7 @@
 //! priority): what the same program gets as a systemd unit, whatever the
 //! container runtime gave the agent.
 
+pub mod directories;
 pub mod filesystem;
 pub mod seccomp;
 pub mod unit;

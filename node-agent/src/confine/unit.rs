@@ -95,6 +95,7 @@ pub fn render(args: &SandboxArgs) -> Result<String, UnitError> {
         return unit_for(
             &Named {
                 run_dir: &settings.run_dir,
+                state_dir: &settings.state_dir,
                 namespace: key.namespace(),
                 name: key.name(),
                 build: &spec.build,
@@ -116,18 +117,21 @@ pub fn render(args: &SandboxArgs) -> Result<String, UnitError> {
     })?;
     let ig = genswap_crds::manifest::parse_instance_generation(&text)
         .map_err(|source| UnitError::Manifest { path, source })?;
-    unit_of(&ig, &args.host.settings().run_dir, &facts)
+    let settings = args.host.settings();
+    unit_of(&ig, &settings.run_dir, &settings.state_dir, &facts)
 }
 
 /// `ig`'s sandbox on a host with `facts`, as a unit file.
 pub fn unit_of(
     ig: &InstanceGeneration,
     run_dir: &std::path::Path,
+    state_dir: &std::path::Path,
     facts: &HostFacts,
 ) -> Result<String, UnitError> {
     unit_for(
         &Named {
             run_dir,
+            state_dir,
             namespace: ig.metadata.namespace.as_deref().unwrap_or("default"),
             name: ig.metadata.name.as_deref().unwrap_or_default(),
             build: &ig.spec.build,
@@ -141,6 +145,8 @@ pub fn unit_of(
 struct Named<'a> {
     /// The agent's run dir.
     run_dir: &'a std::path::Path,
+    /// The agent's state dir.
+    state_dir: &'a std::path::Path,
     namespace: &'a str,
     name: &'a str,
     build: &'a genswap_crds::BuildSpec,
@@ -150,6 +156,7 @@ struct Named<'a> {
 fn unit_for(named: &Named<'_>, facts: &HostFacts) -> Result<String, UnitError> {
     let Named {
         run_dir,
+        state_dir,
         namespace,
         name,
         build,
@@ -236,12 +243,21 @@ fn unit_for(named: &Named<'_>, facts: &HostFacts) -> Result<String, UnitError> {
     // filesystem's directives is claimed then.
     if sandbox.filesystem == FilesystemProfile::Protected && !added(Capability::SysAdmin) {
         let key = crate::gate::InstanceKey::new(namespace, name).ok();
-        let instance_run_dir = key.map_or_else(
+        let instance_run_dir = key.as_ref().map_or_else(
             || run_dir.join(format!("{namespace}.{name}")),
-            |key| crate::switch::RunLayout::new(run_dir).instance_dir(&key),
+            |key| crate::switch::RunLayout::new(run_dir).instance_dir(key),
         );
         let mut writable = vec![instance_run_dir.display().to_string()];
         writable.extend(process.writable_paths.iter().cloned());
+        if let Some(key) = &key {
+            let managed = super::directories::ManagedDirs::of(
+                &process.directories,
+                key,
+                state_dir,
+                &instance_run_dir,
+            );
+            writable.extend(managed.paths().iter().map(|p| p.display().to_string()));
+        }
         line("PrivateMounts=yes".into());
         line("ProtectSystem=strict".into());
         line(format!("ReadWritePaths={}", writable.join(" ")));

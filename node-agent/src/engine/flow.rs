@@ -766,6 +766,11 @@ async fn spawn_successor(
             return Err(error);
         }
     };
+    let managed = parts::managed_dirs(ctx.engine, key, &ctx.attempt.spec.process);
+    if let Err(error) = parts::ensure_managed_dirs(&managed, &ctx.attempt.spec.process) {
+        parts::remove_cgroup(&cgroup);
+        return Err(error);
+    }
     let child = match parts::spawn(
         &ctx.attempt.spec,
         successor,
@@ -777,6 +782,7 @@ async fn spawn_successor(
             output,
             listeners,
             notify_socket: notify.as_ref().map(|n| n.path().to_path_buf()),
+            managed,
         },
     )
     .await

@@ -102,6 +102,52 @@ fn owner_of(process: &ProcessSpec) -> (Option<u32>, Option<u32>) {
 }
 
 /// `process.env` as name-value pairs.
+/// The instance's managed directories (SPEC 5.16) under this agent's
+/// roots.
+pub(super) fn managed_dirs(
+    engine: &Engine,
+    instance: &InstanceKey,
+    process: &ProcessSpec,
+) -> crate::confine::directories::ManagedDirs {
+    let state_dir = engine
+        .journal()
+        .dir()
+        .parent()
+        .unwrap_or_else(|| engine.journal().dir());
+    crate::confine::directories::ManagedDirs::of(
+        &process.directories,
+        instance,
+        state_dir,
+        &engine.layout.instance_dir(instance),
+    )
+}
+
+/// Makes the instance's managed directories, owned by its user.
+pub(super) fn ensure_managed_dirs(
+    dirs: &crate::confine::directories::ManagedDirs,
+    process: &ProcessSpec,
+) -> Result<(), StepError> {
+    let (uid, gid) = owner_of(process);
+    dirs.ensure(uid, gid).map_err(|source| StepError::RunDir {
+        path: dirs.paths().first().cloned().unwrap_or_default(),
+        source,
+    })
+}
+
+/// `env` with the managed directories' variables in place of any the spec
+/// set, and `sandbox` with them writable.
+pub(crate) fn with_managed_dirs(
+    dirs: &crate::confine::directories::ManagedDirs,
+    env: &mut Vec<(String, String)>,
+    sandbox: &mut crate::confine::SandboxSpec,
+) {
+    for (name, value) in dirs.env() {
+        env.retain(|(existing, _)| existing != &name);
+        env.push((name, value));
+    }
+    sandbox.writable_paths.extend(dirs.paths());
+}
+
 fn env_of(process: &ProcessSpec) -> Vec<(String, String)> {
     process
         .env
@@ -189,6 +235,12 @@ pub(super) fn generation_commands(
         allow_root: engine.config.allow_root,
         sandbox: crate::confine::SandboxSpec::of(process),
     };
+    let mut identity = identity;
+    with_managed_dirs(
+        &managed_dirs(engine, instance, process),
+        &mut identity.env,
+        &mut identity.sandbox,
+    );
     GenerationCommands::new(
         running.cgroup.clone(),
         engine.cgroups.mount(),
@@ -531,6 +583,8 @@ pub(super) struct Handed {
     pub(super) listeners: Vec<crate::spawn::ActivatedSocket>,
     /// `NOTIFY_SOCKET`, for a `notify` probe.
     pub(super) notify_socket: Option<PathBuf>,
+    /// The instance's managed directories, made.
+    pub(super) managed: crate::confine::directories::ManagedDirs,
 }
 
 /// SPEC 5.5 step 5: starts the successor inside its fresh cgroup, with its
@@ -550,6 +604,7 @@ pub(super) async fn spawn(
         output,
         listeners,
         notify_socket,
+        managed,
     } = handed;
     let mut request = SpawnSpec::new(
         &staged.path,
@@ -588,7 +643,9 @@ pub(super) async fn spawn(
     );
     (request.uid, request.gid) = owner_of(&spec.process);
     request.allow_root = allow_root;
-    request.sandbox = Some(crate::confine::SandboxSpec::of(&spec.process));
+    let mut sandbox = crate::confine::SandboxSpec::of(&spec.process);
+    with_managed_dirs(&managed, &mut request.env, &mut sandbox);
+    request.sandbox = Some(sandbox);
     request.listeners = listeners;
     // Never the agent's own output: an agent restart would close it under
     // the instance (SPEC 5.11). Without a log shim the output is dropped.

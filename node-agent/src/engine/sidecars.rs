@@ -72,6 +72,8 @@ struct Target {
     /// The instance's process: a sidecar's unset user and group are its.
     instance_process: genswap_crds::ProcessSpec,
     run_dir: PathBuf,
+    /// The instance's managed directories, which its sidecars share.
+    managed: crate::confine::directories::ManagedDirs,
     allow_root: bool,
     backoff: RestartBackoff,
     stager: Stager,
@@ -103,6 +105,7 @@ impl Sidecars {
             pid: running.process.pid(),
             instance_process: spec.process.clone(),
             run_dir: engine.layout.instance_dir(instance),
+            managed: super::parts::managed_dirs(engine, instance, &spec.process),
             allow_root: engine.config.allow_root,
             backoff: engine.config.restart_backoff,
             stager: engine.stager.clone(),
@@ -398,7 +401,9 @@ async fn run_once(
     request.gid = id(process.group, target.instance_process.group);
     request.allow_root = target.allow_root;
     // The generation's sandbox: a sidecar is part of it.
-    request.sandbox = Some(crate::confine::SandboxSpec::of(&target.instance_process));
+    let mut sandbox = crate::confine::SandboxSpec::of(&target.instance_process);
+    super::parts::with_managed_dirs(&target.managed, &mut request.env, &mut sandbox);
+    request.sandbox = Some(sandbox);
     request.listeners = listeners.to_vec();
     (request.stdout, request.stderr) = output;
     let mut child = match crate::spawn::spawn(request).await {
