@@ -393,14 +393,17 @@ async fn what_the_spec_opens_is_allowed() {
             "netlink-socket: ok".to_string()
         ]
     );
-    // Any family, without the filter.
+    // Any family, without the filter: the kernel answers (a kernel without
+    // vsock loaded, as the VM's, says it does not support it).
     let unconfined = SandboxSpec {
         seccomp: genswap_crds::SeccompProfile::Unconfined,
         ..SandboxSpec::default()
     };
-    assert_eq!(
-        tried(&tree, 14, "vsock-socket", unconfined).await,
-        vec!["vsock-socket: ok".to_string()]
+    let said = tried(&tree, 14, "vsock-socket", unconfined).await;
+    assert!(
+        said == ["vsock-socket: ok"]
+            || said == ["vsock-socket: Address family not supported by protocol (os error 97)"],
+        "{said:?}"
     );
 
     // A user namespace: refused by the filter alone where the kernel lets

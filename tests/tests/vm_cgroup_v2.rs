@@ -1,8 +1,9 @@
 //! Runs the tests that need a pure cgroup v2 kernel (real memory, cpu and
 //! pids controllers: `node-agent/tests/vm_limits.rs`) or a PID 1 whose
 //! namespaces can be joined (`node-agent/tests/vm_pod_namespaces.rs`) in a
-//! QEMU guest, and the steered listeners' (`steering_real.rs`) on its
-//! kernel, Debian's, as well as the host's.
+//! QEMU guest, and the steered listeners' (`steering_real.rs`) and the
+//! sandbox's (`sandbox_real.rs`) on its kernel, Debian's, as well as the
+//! host's.
 //!
 //! The guest is Debian's kernel under software emulation (`-accel tcg`: a
 //! KVM guest does not boot on these machines) with `cgroup_no_v1=all`, an
@@ -24,11 +25,13 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The guest test binaries: `(package, test target)`.
-const GUEST_TESTS: [(&str, &str); 3] = [
+const GUEST_TESTS: [(&str, &str); 4] = [
     ("node-agent", "vm_limits"),
     ("node-agent", "vm_pod_namespaces"),
     // Another kernel than the host's for the BPF program and its maps.
     ("node-agent", "steering_real"),
+    // And for the sandbox: its mount API calls, hidepid, the filter.
+    ("node-agent", "sandbox_real"),
 ];
 
 /// Everything the guest runs must end within this, boot included.

@@ -217,7 +217,10 @@ impl Confinement {
             limit.map_or(Ok(default), |limit| bounds(name, limit))
         };
         let l = &spec.limits;
-        let nofile = given("nofile", l.nofile, (1024, 524_288))?;
+        // systemd's default, at most what the kernel allows anyone; a
+        // limit the spec asks for is given or refused.
+        let default_nofile = (1024.min(facts.nr_open), 524_288.min(facts.nr_open));
+        let nofile = given("nofile", l.nofile, default_nofile)?;
         if nofile.1 > facts.nr_open {
             return Err(ConfineError::NofileAboveNrOpen {
                 hard: limit_text(nofile.1),
@@ -467,6 +470,17 @@ mod tests {
         assert_eq!(pair("memlock"), Some((0, INFINITY)));
         assert_eq!(c.keep, (1 << 10) | (1 << 23));
         assert_eq!(c.umask, 0o027);
+    }
+
+    #[test]
+    fn the_default_nofile_is_at_most_fs_nr_open() {
+        let small = HostFacts {
+            nr_open: 65_536,
+            ..facts()
+        };
+        let c = Confinement::resolve(&SandboxSpec::default(), &small).expect("resolves");
+        let nofile = c.limit("nofile").expect("nofile");
+        assert_eq!((nofile.soft, nofile.hard), (1024, 65_536));
     }
 
     #[test]
