@@ -53,6 +53,12 @@ async fn managed_directories_are_the_instances_shared_by_an_overlap_and_runtime_
     let runtime = node_agent::switch::RunLayout::new(&host.run_dir)
         .instance_dir(&host.instance)
         .join("runtime");
+    // The instance owns its run dir: a link it left where its runtime
+    // directory goes is replaced, never followed (root would chown /etc).
+    let victim = tempfile::tempdir().expect("a directory to protect");
+    fs::set_permissions(victim.path(), fs::Permissions::from_mode(0o755)).expect("chmod");
+    fs::create_dir_all(runtime.parent().expect("the run dir")).expect("the run dir");
+    std::os::unix::fs::symlink(victim.path(), &runtime).expect("a link");
     for (rev, name) in [(1, "b1"), (2, "b2")] {
         let build = recording_build(&host, name);
         let mut attempt = host.attempt(rev, &build, name);
@@ -85,6 +91,16 @@ async fn managed_directories_are_the_instances_shared_by_an_overlap_and_runtime_
             );
         }
     }
+    let untouched = fs::metadata(victim.path()).expect("the victim");
+    assert_eq!(
+        (untouched.uid(), untouched.mode() & 0o7777),
+        (0, 0o755),
+        "the link's target is not chowned"
+    );
+    assert!(
+        fs::symlink_metadata(&runtime).expect("runtime").is_dir(),
+        "runtime is a directory, not the link"
+    );
     // Generation 2 found generation 1's state: one directory for both.
     let seen = fs::read_to_string(state.join("seen-2")).expect("what generation 2 found");
     assert!(seen.lines().any(|l| l == "gen-1"), "{seen}");

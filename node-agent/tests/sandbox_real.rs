@@ -550,3 +550,49 @@ async fn the_node_is_read_only_private_and_hidden_except_where_the_spec_opens_it
         ]
     );
 }
+
+/// The instance owns its run dir, so it could leave a link where the
+/// agent (root) makes a generation's private directory: the agent never
+/// follows one, and never uses a directory the instance made.
+#[tokio::test]
+async fn a_link_the_instance_left_in_its_run_dir_is_never_followed() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
+    let tree = TestCgroupTree::new("sandbox-links");
+    let victim = tempfile::tempdir().expect("a directory to protect");
+    fs::set_permissions(victim.path(), fs::Permissions::from_mode(0o755)).expect("chmod");
+    let socket = |n: u64| RUN.with(|run| run.path().join(format!("gen-{n}.sock")));
+    let private = |n: u64| node_agent::confine::filesystem::private_dir_of(&socket(n));
+
+    // A link where the private directory goes.
+    symlink(victim.path(), private(30)).expect("a link");
+    // A directory of the instance's own, with a link inside.
+    fs::create_dir(private(31)).expect("the instance's dir");
+    std::os::unix::fs::chown(private(31), Some(NOBODY), Some(NOBODY)).expect("chown");
+    symlink(victim.path(), private(31).join("tmp")).expect("a link inside");
+
+    for n in [30, 31] {
+        let mut started = spawn(sh(
+            generation(&tree, n).await,
+            n,
+            "exit 0",
+            SandboxSpec::default(),
+        ))
+        .await
+        .expect("spawned");
+        let status = tokio::time::timeout(LONG, started.wait())
+            .await
+            .expect("it exits")
+            .expect("its status");
+        assert!(status.success(), "{n}: {status:?}");
+        let meta = fs::symlink_metadata(private(n)).expect("the private dir");
+        assert!(meta.is_dir(), "{n}: a directory, not a link");
+        assert_eq!((meta.uid(), meta.mode() & 0o7777), (0, 0o700), "{n}");
+    }
+    let meta = fs::metadata(victim.path()).expect("the victim");
+    assert_eq!(meta.mode() & 0o7777, 0o755, "its mode untouched");
+    assert_eq!(
+        fs::read_dir(victim.path()).expect("list").count(),
+        0,
+        "nothing made in it"
+    );
+}

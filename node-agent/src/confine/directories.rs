@@ -16,13 +16,52 @@
 
 use std::fs;
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use genswap_crds::DirectoriesSpec;
 
 use crate::disk_name::DiskName;
 use crate::gate::InstanceKey;
+
+/// Makes `path` a directory of `uid`/`gid` with `mode`, never through a
+/// link: the runtime directory and a generation's private directory lie in
+/// the instance's run dir, which its user owns and could fill with a link
+/// to `/etc` for the agent (root) to chown. What is there and is not a
+/// directory is removed first; the owner and mode are set on a descriptor
+/// opened without following links.
+pub(crate) fn real_dir(
+    path: &Path,
+    mode: u32,
+    uid: Option<u32>,
+    gid: Option<u32>,
+) -> io::Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(meta) if !meta.file_type().is_dir() => fs::remove_file(path)?,
+        Ok(_) => {}
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+        Err(error) => return Err(error),
+    }
+    match fs::DirBuilder::new().mode(mode).create(path) {
+        Err(error) if error.kind() != io::ErrorKind::AlreadyExists => return Err(error),
+        _ => {}
+    }
+    let dir = nix::fcntl::open(
+        path,
+        nix::fcntl::OFlag::O_RDONLY
+            | nix::fcntl::OFlag::O_DIRECTORY
+            | nix::fcntl::OFlag::O_NOFOLLOW
+            | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )?;
+    nix::unistd::fchown(
+        &dir,
+        uid.map(nix::unistd::Uid::from_raw),
+        gid.map(nix::unistd::Gid::from_raw),
+    )?;
+    nix::sys::stat::fchmod(&dir, nix::sys::stat::Mode::from_bits_truncate(mode))?;
+    Ok(())
+}
 
 /// The runtime directory's name in the instance's run dir.
 pub const RUNTIME: &str = "runtime";
@@ -63,12 +102,13 @@ impl ManagedDirs {
     /// gives each to `uid`/`gid` with mode 0755; what is in them stays.
     pub fn ensure(&self, uid: Option<u32>, gid: Option<u32>) -> io::Result<()> {
         for (_, dir) in &self.dirs {
-            fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o755)
-                .create(dir)?;
-            std::os::unix::fs::chown(dir, uid, gid)?;
-            fs::set_permissions(dir, fs::Permissions::from_mode(0o755))?;
+            if let Some(parent) = dir.parent() {
+                fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o755)
+                    .create(parent)?;
+            }
+            real_dir(dir, 0o755, uid, gid)?;
         }
         Ok(())
     }

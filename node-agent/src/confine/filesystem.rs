@@ -356,7 +356,19 @@ impl PrivateDir {
                     .map_err(fail(format!("set the mode of {}", path.display()))),
             }
         };
-        make(dir, 0o700)?;
+        // In the instance's run dir, which its user owns: never through a
+        // link it put there, and never one it made (it could hold links
+        // for the agent to follow); the agent's own, 0700, where the
+        // instance cannot reach what is inside.
+        let (uid, gid) = (nix::unistd::geteuid(), nix::unistd::getegid());
+        if let Ok(meta) = fs::symlink_metadata(dir)
+            && meta.is_dir()
+            && std::os::unix::fs::MetadataExt::uid(&meta) != uid.as_raw()
+        {
+            fs::remove_dir_all(dir).map_err(fail(format!("remove {}", dir.display())))?;
+        }
+        super::directories::real_dir(dir, 0o700, Some(uid.as_raw()), Some(gid.as_raw()))
+            .map_err(fail(format!("create {}", dir.display())))?;
         for (_, sub) in PRIVATE_TMP {
             make(&dir.join(sub), 0o1777)?;
         }
