@@ -143,30 +143,25 @@ impl RunLayout {
     /// The generation numbers whose socket file exists in the instance's run
     /// dir, ascending. Crash recovery compares them with the cgroup tree.
     pub fn generation_sockets(&self, instance: &InstanceKey) -> io::Result<Vec<u64>> {
-        let entries = match fs::read_dir(self.instance_dir(instance)) {
-            Ok(entries) => entries,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(e),
-        };
-        let mut generations = Vec::new();
-        for entry in entries {
-            if let Some(n) = entry?
-                .file_name()
-                .to_str()
-                .and_then(parse_generation_socket_name)
-            {
-                generations.push(n);
-            }
-        }
-        generations.sort_unstable();
-        Ok(generations)
+        self.generations_named(instance, parse_generation_socket_name)
     }
-}
 
-impl RunLayout {
     /// The generation numbers that have a private directory
     /// (`gen-<N>.private`, their `/tmp`) in the instance's run dir.
     pub fn generation_private_dirs(&self, instance: &InstanceKey) -> io::Result<Vec<u64>> {
+        self.generations_named(instance, |name| {
+            let stem = name.strip_suffix(".private")?;
+            parse_generation_socket_name(&format!("{stem}.sock"))
+        })
+    }
+
+    /// The generation numbers `parse` finds in the names of the instance's
+    /// run dir, ascending.
+    fn generations_named(
+        &self,
+        instance: &InstanceKey,
+        parse: impl Fn(&str) -> Option<u64>,
+    ) -> io::Result<Vec<u64>> {
         let entries = match fs::read_dir(self.instance_dir(instance)) {
             Ok(entries) => entries,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -174,12 +169,7 @@ impl RunLayout {
         };
         let mut generations = Vec::new();
         for entry in entries {
-            let name = entry?.file_name();
-            if let Some(n) = name
-                .to_str()
-                .and_then(|n| n.strip_suffix(".private"))
-                .and_then(|stem| parse_generation_socket_name(&format!("{stem}.sock")))
-            {
+            if let Some(n) = entry?.file_name().to_str().and_then(&parse) {
                 generations.push(n);
             }
         }
