@@ -288,6 +288,18 @@ async fn a_limit_the_kernel_cannot_give_refuses_the_start_naming_it() {
 
 /// What the test app said it got for each thing it tried, in order.
 async fn tried(tree: &TestCgroupTree, n: u64, things: &str, sandbox: SandboxSpec) -> Vec<String> {
+    tried_by(tree, n, things, sandbox, false).await
+}
+
+/// [`tried`], as root when `root` (uid 0 without a capability: the owner
+/// of `/etc` and `/usr`, so only the read-only mount can refuse it).
+async fn tried_by(
+    tree: &TestCgroupTree,
+    n: u64,
+    things: &str,
+    sandbox: SandboxSpec,
+    root: bool,
+) -> Vec<String> {
     let app = testapp::binary().expect("the test app is built");
     let mut spec = as_nobody(
         app.to_str().expect("a UTF-8 path"),
@@ -295,6 +307,9 @@ async fn tried(tree: &TestCgroupTree, n: u64, things: &str, sandbox: SandboxSpec
         n,
         sandbox,
     );
+    if root {
+        (spec.uid, spec.gid, spec.allow_root) = (Some(0), Some(0), true);
+    }
     spec.env = vec![(testapp::knob::TRY.into(), things.into())];
     let out = tempfile::NamedTempFile::new().expect("an output file");
     spec.stdout = node_agent::spawn::Output::Append(out.path().to_path_buf());
@@ -431,36 +446,14 @@ async fn what_the_spec_opens_is_allowed() {
     );
 }
 
-/// `things` tried by a root instance (uid 0 without a capability: the
-/// owner of `/etc` and `/usr`, so only the read-only mount can refuse it).
+/// `things` tried by a root instance.
 async fn tried_as_root(
     tree: &TestCgroupTree,
     n: u64,
     things: &[String],
     sandbox: SandboxSpec,
 ) -> Vec<String> {
-    let app = testapp::binary().expect("the test app is built");
-    let mut spec = as_nobody(
-        app.to_str().expect("a UTF-8 path"),
-        generation(tree, n).await,
-        n,
-        sandbox,
-    );
-    (spec.uid, spec.gid, spec.allow_root) = (Some(0), Some(0), true);
-    spec.env = vec![(testapp::knob::TRY.into(), things.join(","))];
-    let out = tempfile::NamedTempFile::new().expect("an output file");
-    spec.stdout = node_agent::spawn::Output::Append(out.path().to_path_buf());
-    let mut spawned = spawn(spec).await.expect("spawned");
-    let status = tokio::time::timeout(LONG, spawned.wait())
-        .await
-        .expect("it exits")
-        .expect("its status");
-    assert!(status.success(), "{status:?}");
-    let said = fs::read_to_string(out.path()).expect("its output");
-    said.lines()
-        .filter_map(|l| l.strip_prefix("tried "))
-        .map(str::to_owned)
-        .collect()
+    tried_by(tree, n, &things.join(","), sandbox, true).await
 }
 
 const READ_ONLY: &str = "Read-only file system (os error 30)";
