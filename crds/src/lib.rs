@@ -29,7 +29,7 @@ pub use instance_generation::{
 pub use probes::*;
 pub use sandbox::{
     CapabilitiesSpec, Capability, DirectoriesSpec, FilesystemProfile, Limit, LimitsSpec,
-    SeccompProfile,
+    RootProfile, SeccompProfile,
 };
 pub use settings::*;
 pub use sidecars::{

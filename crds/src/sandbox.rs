@@ -152,6 +152,22 @@ pub enum FilesystemProfile {
     Host,
 }
 
+/// `process.root`: what the instance sees as `/`.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum RootProfile {
+    /// The node's own tree, as `process.filesystem` shows it.
+    #[default]
+    Host,
+    /// The build's tree (an image or an archive), read-only, with `/proc`,
+    /// a minimal `/dev`, `/sys` read-only, the node's `/etc/resolv.conf`
+    /// and `/etc/hosts`, a private `/tmp`, and the run dir, the writable
+    /// paths and the managed directories bound in at their node paths
+    /// (systemd's `RootDirectory=` with `BindPaths=`). Needs the
+    /// `Protected` filesystem.
+    Build,
+}
+
 /// `process.directories`: directories the agent makes for the instance,
 /// owned by its user, writable inside its sandbox, and named to it in
 /// systemd's variables (`StateDirectory=`, `CacheDirectory=`,

@@ -285,6 +285,7 @@ pub struct EnvVar {
 
 /// How the process is started.
 #[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, Default, PartialEq, Eq)]
+#[x_kube(validation = Rule::new("!has(self.root) || self.root != 'build' || !has(self.filesystem) || self.filesystem != 'Host'").message("process.root: build needs the Protected filesystem: the build's tree is mounted as / in a mount namespace of the instance's own"))]
 #[serde(rename_all = "camelCase")]
 pub struct ProcessSpec {
     /// Arguments after the executable.
@@ -348,6 +349,10 @@ pub struct ProcessSpec {
     /// Directories the agent makes and keeps for the instance.
     #[serde(default, skip_serializing_if = "crate::DirectoriesSpec::is_empty")]
     pub directories: crate::DirectoriesSpec,
+    /// `/` of the instance: `host` (the default) or `build`, the build's
+    /// own tree (an image or an archive build).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root: Option<crate::RootProfile>,
 }
 
 /// The settle window after a successor is healthy.
