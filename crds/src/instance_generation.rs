@@ -35,7 +35,7 @@ use crate::swap_attempt::LastExit;
 )]
 #[x_kube(validation = Rule::new(PROBE_LISTENERS_RULE).message("a probe's listener must name one of spec.listeners"))]
 #[x_kube(validation = Rule::new(SIDECAR_LISTENERS_RULE).message("a sidecar's listener must name one of spec.listeners"))]
-#[x_kube(validation = Rule::new(ROOT_BUILD_RULE).message("process.root: build needs a tree build: build.artifact.image, or an archive (artifact.unpack); a sidecar's own build when it has one"))]
+#[x_kube(validation = Rule::new(ROOT_BUILD_RULE).message("process.root: build needs a tree build: build.artifact.image, or an archive (artifact.unpack), and so does a sidecar's own build"))]
 #[x_kube(validation = Rule::new(WATCHDOG_RULE).message("liveness.watchdog needs health.notify: WATCHDOG=1 arrives on the NOTIFY_SOCKET the agent gives a generation whose health probe is notify"))]
 #[serde(rename_all = "camelCase")]
 pub struct InstanceGenerationSpec {
@@ -110,11 +110,13 @@ const PROBE_LISTENERS_RULE: &str = concat!(
     " && (!has(self.liveness) || !has(self.liveness.grpc) || !has(self.liveness.grpc.listener) || (has(self.listeners) && self.listeners.exists(l, l.name == self.liveness.grpc.listener)))",
 );
 
-/// `process.root: build` runs in a tree: the main process in the
-/// instance's build's, a sidecar in its own build's when it has one.
+/// `process.root: build` runs in a tree: the generation in its build's,
+/// a sidecar (in its generation's sandbox) in its own build's when it has
+/// one.
 const ROOT_BUILD_RULE: &str = concat!(
-    "(!has(self.process) || !has(self.process.root) || self.process.root != 'build' || has(self.build.artifact.image) || has(self.build.artifact.unpack))",
-    " && (!has(self.sidecars) || self.sidecars.all(s, !has(s.process) || !has(s.process.root) || s.process.root != 'build' || (has(s.build) ? (has(s.build.artifact.image) || has(s.build.artifact.unpack)) : (has(self.build.artifact.image) || has(self.build.artifact.unpack)))))",
+    "!has(self.process) || !has(self.process.root) || self.process.root != 'build' || (",
+    "(has(self.build.artifact.image) || has(self.build.artifact.unpack))",
+    " && (!has(self.sidecars) || self.sidecars.all(s, !has(s.build) || has(s.build.artifact.image) || has(s.build.artifact.unpack))))",
 );
 
 /// The watchdog's messages come on the notify socket, which only a

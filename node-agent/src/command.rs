@@ -293,6 +293,14 @@ impl GenerationCommands {
 
     fn resolve(&self, command: &CommandSpec, text: &str) -> Result<PathBuf, CommandError> {
         let program = &command.argv[0];
+        let tree = self
+            .sandbox
+            .tree
+            .as_deref()
+            .filter(|_| self.sandbox.root == genswap_crds::RootProfile::Build);
+        if let Some(tree) = tree {
+            return self.resolve_in_tree(tree, program, text);
+        }
         if program.contains('/') {
             let path = PathBuf::from(program);
             return if path.is_absolute() {
@@ -318,6 +326,41 @@ impl GenerationCommands {
                 program: program.clone(),
                 path: search.to_string(),
             })
+    }
+
+    /// `program` looked up inside the generation's tree (`process.root:
+    /// build`) as the command will see it, never through a link that
+    /// leaves the tree.
+    fn resolve_in_tree(
+        &self,
+        tree: &Path,
+        program: &str,
+        text: &str,
+    ) -> Result<PathBuf, CommandError> {
+        use genswap_store::tree::resolve_entrypoint;
+        let search = self
+            .env
+            .iter()
+            .find(|(name, _)| name == "PATH")
+            .map_or(DEFAULT_PATH, |(_, value)| value.as_str());
+        let found = if program.contains('/') {
+            if !program.starts_with('/') {
+                return Err(CommandError::RelativeProgram {
+                    command: text.to_string(),
+                });
+            }
+            resolve_entrypoint(tree, program).ok()
+        } else {
+            search
+                .split(':')
+                .filter(|dir| dir.starts_with('/'))
+                .find_map(|dir| resolve_entrypoint(tree, &format!("{dir}/{program}")).ok())
+        };
+        found.ok_or_else(|| CommandError::NotFound {
+            command: text.to_string(),
+            program: format!("{program} in the tree {}", tree.display()),
+            path: search.to_string(),
+        })
     }
 
     fn fresh_cgroup(&self, text: &str) -> Result<Cgroup, CommandError> {

@@ -244,6 +244,10 @@ pub(crate) enum ChildStep {
         fd: RawFd,
         target: CString,
     },
+    /// Makes the mount at `path` the root and lets go of the old one
+    /// (`pivot_root(".", ".")` and a lazy unmount of what lies below, as
+    /// runc does): nothing of the node's tree stays reachable.
+    PivotRoot(CString),
 }
 
 /// `struct __user_cap_header_struct`.
@@ -500,6 +504,21 @@ impl ChildStep {
                     libc::MOVE_MOUNT_F_EMPTY_PATH,
                 )
             }),
+            ChildStep::PivotRoot(path) => {
+                // SAFETY: chdir reads a NUL-terminated path.
+                checked(unsafe { libc::syscall(libc::SYS_chdir, path.as_ptr()) })?;
+                // SAFETY: pivot_root reads two NUL-terminated paths.
+                checked(unsafe {
+                    libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr())
+                })?;
+                // SAFETY: umount2 reads a NUL-terminated path; the old root
+                // now lies on top of the new one at ".".
+                checked(unsafe {
+                    libc::syscall(libc::SYS_umount2, c".".as_ptr(), libc::MNT_DETACH)
+                })?;
+                // SAFETY: chdir reads a NUL-terminated path.
+                checked(unsafe { libc::syscall(libc::SYS_chdir, c"/".as_ptr()) })
+            }
         }
     }
 }

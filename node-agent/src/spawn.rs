@@ -628,6 +628,7 @@ const FILESYSTEM_CODES: std::ops::RangeInclusive<u8> = 0x80..=0xff;
 fn filesystem_request(
     spec: &SpawnSpec,
     sandbox: &crate::confine::SandboxSpec,
+    tree: Option<&Path>,
 ) -> crate::confine::filesystem::FsRequest {
     let mut readable = vec![spec.exe.clone()];
     readable.extend(spec.readable.iter().cloned());
@@ -636,6 +637,7 @@ fn filesystem_request(
         socket: spec.socket.clone(),
         writable: sandbox.writable_paths.clone(),
         readable,
+        root: tree.map(Path::to_path_buf),
     }
 }
 
@@ -692,7 +694,20 @@ where
 fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     let generation = spec.generation;
     check_root(spec)?;
-    let plan = Plan::new(spec)?;
+    let tree = build_root(spec)?;
+    let plan = Plan::new(spec, tree)?;
+    // What the child execs, as it sees it.
+    let exec_path = match tree {
+        Some(tree) => inside(tree, &spec.exe).ok_or_else(|| SpawnError::Confine {
+            generation,
+            source: crate::confine::ConfineError::RootBuild(format!(
+                "{}: it lies outside the tree {}",
+                spec.exe.display(),
+                tree.display()
+            )),
+        })?,
+        None => spec.exe.clone(),
+    };
     let confinement = match &spec.sandbox {
         Some(sandbox) => Some(
             crate::confine::HostFacts::read()
@@ -736,11 +751,13 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     if let Some(sandbox) = spec.sandbox.as_ref().filter(|s| {
         confinement.is_some() && s.filesystem == genswap_crds::FilesystemProfile::Protected
     }) {
-        let prepared = crate::confine::filesystem::prepare(&filesystem_request(spec, sandbox))
-            .map_err(|e| SpawnError::Confine {
-                generation,
-                source: e.into(),
-            })?;
+        let prepared = crate::confine::filesystem::prepare(&filesystem_request(
+            spec, sandbox, tree,
+        ))
+        .map_err(|e| SpawnError::Confine {
+            generation,
+            source: e.into(),
+        })?;
         held.extend(prepared.held);
         for (i, (what, step)) in prepared.steps.into_iter().enumerate() {
             let code = FILESYSTEM_CODES
@@ -804,7 +821,7 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
         steps.push((SetupStep::Seccomp.code(), ChildStep::Seccomp(program)));
     }
     let pid_variable = (!spec.listeners.is_empty()).then_some(ENV_LISTEN_PID);
-    let image = ExecImage::new(&spec.exe, &spec.args, &plan.env, pid_variable)
+    let image = ExecImage::new(&exec_path, &spec.args, &plan.env, pid_variable)
         .map_err(|e| prepare("prepare the exec", e))?;
     let launch = Launch {
         cgroup: spec.cgroup.path().to_path_buf(),
@@ -830,7 +847,7 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
         Launched::Running(child) => child,
         Launched::ExecFailed(errno) => {
             let source = io::Error::from(errno);
-            return Err(match missing_interpreter(&spec.exe, &source) {
+            return Err(match missing_interpreter(&spec.exe, tree, &source) {
                 Some(interpreter) => SpawnError::MissingInterpreter {
                     generation,
                     exe: spec.exe.clone(),
@@ -876,7 +893,11 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     Ok(Spawned {
         exit: ExitWatch::new(child),
         pid,
-        resolved_exe: std::fs::canonicalize(&spec.exe).ok(),
+        resolved_exe: match tree {
+            // Already real: the store resolved it inside the tree.
+            Some(_) => Some(exec_path),
+            None => std::fs::canonicalize(&spec.exe).ok(),
+        },
         interpreter: script_interpreter(&spec.exe),
         exe: spec.exe.clone(),
         generation,
@@ -904,11 +925,49 @@ pub fn script_interpreter(exe: &Path) -> Option<PathBuf> {
 
 /// The interpreter that made an exec fail with `ENOENT` although `exe`
 /// exists: a script naming one that does not.
-fn missing_interpreter(exe: &Path, error: &io::Error) -> Option<PathBuf> {
+fn missing_interpreter(exe: &Path, tree: Option<&Path>, error: &io::Error) -> Option<PathBuf> {
     if error.raw_os_error() != Some(Errno::ENOENT as i32) || !exe.exists() {
         return None;
     }
-    script_interpreter(exe).filter(|interpreter| !interpreter.exists())
+    script_interpreter(exe).filter(|interpreter| match tree {
+        Some(tree) => !tree
+            .join(interpreter.strip_prefix("/").unwrap_or(interpreter))
+            .exists(),
+        None => !interpreter.exists(),
+    })
+}
+
+/// The build's tree that becomes `/` under `process.root: build`.
+fn build_root(spec: &SpawnSpec) -> Result<Option<&Path>, SpawnError> {
+    let Some(sandbox) = spec
+        .sandbox
+        .as_ref()
+        .filter(|s| s.root == genswap_crds::RootProfile::Build)
+    else {
+        return Ok(None);
+    };
+    let refuse = |why: &str| SpawnError::Confine {
+        generation: spec.generation,
+        source: crate::confine::ConfineError::RootBuild(why.to_owned()),
+    };
+    if sandbox.filesystem != genswap_crds::FilesystemProfile::Protected {
+        return Err(refuse(
+            "under the Host filesystem: the tree is mounted as / in a mount namespace of its own",
+        ));
+    }
+    match sandbox.tree.as_deref() {
+        Some(tree) => Ok(Some(tree)),
+        None => Err(refuse(
+            "a single-file build: it needs a tree (an image, or an archive with artifact.unpack)",
+        )),
+    }
+}
+
+/// `path` on the node as the process sees it inside `tree`.
+fn inside(tree: &Path, path: &Path) -> Option<PathBuf> {
+    path.strip_prefix(tree)
+        .ok()
+        .map(|rest| Path::new("/").join(rest))
 }
 
 fn check_root(spec: &SpawnSpec) -> Result<(), SpawnError> {
@@ -944,7 +1003,9 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(spec: &SpawnSpec) -> Result<Plan, SpawnError> {
+    /// `tree`: the root of `process.root: build`, inside which a working
+    /// directory on the node is taken.
+    fn new(spec: &SpawnSpec, tree: Option<&Path>) -> Result<Plan, SpawnError> {
         let invalid = |reason: String| SpawnError::InvalidSpec {
             generation: spec.generation,
             reason,
@@ -1029,6 +1090,10 @@ impl Plan {
         let working_dir = spec
             .working_dir
             .as_ref()
+            .map(|dir| match tree.and_then(|tree| inside(tree, dir)) {
+                Some(in_tree) => in_tree,
+                None => dir.clone(),
+            })
             .map(|dir| CString::new(dir.as_os_str().as_bytes()))
             .transpose()
             .map_err(|_| invalid("the working directory contains a NUL byte".to_owned()))?;

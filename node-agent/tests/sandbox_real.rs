@@ -589,3 +589,123 @@ async fn a_link_the_instance_left_in_its_run_dir_is_never_followed() {
         "nothing made in it"
     );
 }
+
+/// Debian's static busybox, which the VM's install puts here; `None`
+/// (after a skip line) where it is missing and not required.
+fn busybox() -> Option<&'static Path> {
+    let busybox = Path::new("/bin/busybox");
+    if busybox.exists() {
+        return Some(busybox);
+    }
+    if std::env::var("GENSWAP_VM").as_deref() == Ok("required") {
+        panic!("/bin/busybox is missing: apt-get install busybox-static");
+    }
+    eprintln!("SKIP: no /bin/busybox (apt-get install busybox-static)");
+    None
+}
+
+/// A tree of a static busybox and its applets' links, and nothing else.
+fn busybox_tree(busybox: &Path) -> tempfile::TempDir {
+    use std::os::unix::fs::PermissionsExt;
+    let tree = tempfile::tempdir().expect("a tree");
+    let bin = tree.path().join("bin");
+    fs::create_dir(&bin).expect("bin");
+    fs::copy(busybox, bin.join("busybox")).expect("busybox");
+    for applet in [
+        "sh", "cat", "ls", "touch", "readlink", "grep", "dirname", "test",
+    ] {
+        std::os::unix::fs::symlink("busybox", bin.join(applet)).expect("an applet");
+    }
+    for dir in [tree.path(), &bin] {
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o755)).expect("chmod");
+    }
+    tree
+}
+
+#[tokio::test]
+async fn a_build_root_is_the_trees_with_the_run_dir_tmp_and_declared_paths_bound_in() {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(busybox) = busybox() else {
+        return;
+    };
+    let tree = TestCgroupTree::new("sandbox-build-root");
+    let build = busybox_tree(busybox);
+    let declared = writable_dir();
+    let run_dir = RUN.with(|run| run.path().to_path_buf());
+    fs::set_permissions(&run_dir, fs::Permissions::from_mode(0o777)).expect("its run dir");
+    let script = format!(
+        "t() {{ if eval \"$2\" >/dev/null 2>&1; then echo \"$1: yes\"; else echo \"$1: no\"; fi; }}\n\
+         t node-files 'test -e /usr/bin/env'\n\
+         t write-tree 'touch /bin/new'\n\
+         t write-run 'touch \"$(dirname \"$GENSWAP_SOCKET\")/from-the-tree\"'\n\
+         t write-declared 'touch {declared}/from-the-tree'\n\
+         t write-tmp 'touch /tmp/mine'\n\
+         t resolver 'cat /etc/resolv.conf > {declared}/resolv.conf'\n\
+         t its-proc 'test \"$(readlink /proc/self/exe)\" = /bin/busybox'\n\
+         t sys-read-only 'grep -q \" /sys sysfs ro,\" /proc/self/mounts'\n\
+         t dev-null 'echo x > /dev/null'\n\
+         echo root: $(ls /)\n",
+        declared = declared.path().display(),
+    );
+    let exe = build.path().join("bin/busybox");
+    let mut spec = sh(
+        generation(&tree, 30).await,
+        30,
+        &script,
+        SandboxSpec {
+            writable_paths: vec![declared.path().to_path_buf()],
+            root: genswap_crds::RootProfile::Build,
+            tree: Some(build.path().to_path_buf()),
+            ..SandboxSpec::default()
+        },
+    );
+    spec.exe = exe;
+    spec.args.insert(0, "sh".into());
+    let out = tempfile::NamedTempFile::new().expect("an output file");
+    spec.stdout = node_agent::spawn::Output::Append(out.path().to_path_buf());
+    let mut spawned = spawn(spec).await.expect("spawned");
+    let status = tokio::time::timeout(LONG, spawned.wait())
+        .await
+        .expect("it exits")
+        .expect("its status");
+    assert!(status.success(), "{status:?}");
+    let said = fs::read_to_string(out.path()).expect("its output");
+    let top = declared
+        .path()
+        .components()
+        .nth(1)
+        .expect("a top directory");
+    let top = top.as_os_str().to_str().expect("UTF-8");
+    let mut root: Vec<&str> = vec!["bin", "dev", "etc", "proc", "sys", "tmp", "var", top];
+    root.sort_unstable();
+    root.dedup();
+    assert_eq!(
+        said.lines().collect::<Vec<_>>(),
+        vec![
+            "node-files: no",
+            "write-tree: no",
+            "write-run: yes",
+            "write-declared: yes",
+            "write-tmp: yes",
+            "resolver: yes",
+            "its-proc: yes",
+            "sys-read-only: yes",
+            "dev-null: yes",
+            &format!("root: {}", root.join(" ")),
+        ],
+        "{said}"
+    );
+    assert!(run_dir.join("from-the-tree").exists());
+    assert!(declared.path().join("from-the-tree").exists());
+    if let Ok(node) = fs::read("/etc/resolv.conf") {
+        assert_eq!(
+            fs::read(declared.path().join("resolv.conf")).expect("its copy"),
+            node,
+            "the node's resolver configuration"
+        );
+    }
+    let private_tmp =
+        node_agent::confine::filesystem::private_dir_of(&run_dir.join("gen-30.sock")).join("tmp");
+    assert!(private_tmp.join("mine").exists());
+    assert!(!build.path().join("bin/new").exists());
+}

@@ -93,7 +93,6 @@ fn every_examples_sandbox_is_a_unit_systemd_scores_ok() {
             "ProtectHome=yes",
             "PrivateDevices=yes",
             "ProtectProc=invisible",
-            "ReadWritePaths=/run/genswap/",
         ] {
             assert!(
                 unit.contains(line),
@@ -101,6 +100,22 @@ fn every_examples_sandbox_is_a_unit_systemd_scores_ok() {
                 example.display()
             );
         }
+        // The run dir writable; in its build's tree, bound in with the
+        // node's resolver files.
+        let run_dir = if unit.contains("RootDirectory=/var/lib/genswap/store/tree-sha256-") {
+            assert!(
+                unit.contains("BindReadOnlyPaths=-/etc/resolv.conf -/etc/hosts"),
+                "{unit}"
+            );
+            "BindPaths=/run/genswap/"
+        } else {
+            "ReadWritePaths=/run/genswap/"
+        };
+        assert!(
+            unit.contains(run_dir),
+            "{}: no {run_dir}:\n{unit}",
+            example.display()
+        );
         let name = example.file_stem().and_then(|s| s.to_str()).unwrap_or("x");
         let now = score(&unit, dir.path(), name).expect("scored above");
         println!(

@@ -39,6 +39,22 @@ use crate::unpack::{self, TreeCounts, TreeLimits, TreeWriter, UnpackError, Walke
 pub const TREE_PREFIX: &str = "tree-sha256-";
 /// The tree itself, inside its entry.
 pub const ROOTFS: &str = "rootfs";
+/// The root of the stored tree that `path` lies in
+/// (`<store>/tree-sha256-<hex>/rootfs`), if it lies in one: the outermost,
+/// so a tree's own directories of those names do not count.
+pub fn rootfs_of(path: &Path) -> Option<&Path> {
+    path.ancestors()
+        .filter(|dir| {
+            dir.file_name() == Some(ROOTFS.as_ref())
+                && dir
+                    .parent()
+                    .and_then(Path::file_name)
+                    .and_then(|name| name.to_str())
+                    .is_some_and(|name| name.starts_with(TREE_PREFIX))
+        })
+        .last()
+}
+
 /// The entry's listing of `rootfs/`.
 pub const LISTING: &str = "listing";
 /// What the tree was made from.
@@ -382,4 +398,21 @@ pub fn resolve_entrypoint(rootfs: &Path, entrypoint: &str) -> Result<PathBuf, En
         return Err(EntrypointProblem::Missing);
     }
     Ok(real)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_root_of_a_stored_tree_is_the_outermost_of_its_shape() {
+        let store = Path::new("/var/lib/genswap/store");
+        let exe = store.join("tree-sha256-ab/rootfs/usr/tree-sha256-x/rootfs/bin/app");
+        assert_eq!(
+            rootfs_of(&exe),
+            Some(store.join("tree-sha256-ab/rootfs").as_path())
+        );
+        assert_eq!(rootfs_of(&store.join("sha256-ab")), None);
+        assert_eq!(rootfs_of(&store.join("trees/rootfs/bin/app")), None);
+    }
 }

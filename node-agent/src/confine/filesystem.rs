@@ -25,7 +25,7 @@ use std::fs;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
 use nix::libc;
@@ -66,6 +66,8 @@ pub enum FsError {
     BadWritable { path: PathBuf },
     #[error("the generation's socket {} does not lie in a run dir of its own that exists", socket.display())]
     NoRunDir { socket: PathBuf },
+    #[error("process.root: build cannot mount {} as /: overlayfs takes no path with ':', ',' or '\\' in it", path.display())]
+    UnmountablePath { path: PathBuf },
 }
 
 /// What one process's namespace is built from.
@@ -80,6 +82,9 @@ pub struct FsRequest {
     /// Kept readable at the same path where they lie in a hidden place:
     /// the executable and the working directory.
     pub readable: Vec<PathBuf>,
+    /// `process.root: build`: the build's tree on the node, which becomes
+    /// `/`.
+    pub root: Option<PathBuf>,
 }
 
 /// The detached mounts (held until the child has its copies) and the
@@ -147,10 +152,6 @@ pub fn remove_private_dir(socket: &Path) -> io::Result<()> {
 
 /// Prepares what `request`'s namespace is built from.
 pub(crate) fn prepare(request: &FsRequest) -> Result<PreparedFs, FsError> {
-    let mut prepared = PreparedFs {
-        held: Vec::new(),
-        steps: Vec::new(),
-    };
     for path in &request.writable {
         if !is_plain_absolute(path) {
             return Err(FsError::BadWritable { path: path.clone() });
@@ -165,75 +166,41 @@ pub(crate) fn prepare(request: &FsRequest) -> Result<PreparedFs, FsError> {
         })?;
     let private_dir = private_dir_of(&request.socket);
     let private = PrivateDir::create(&private_dir)?;
-    let step = |prepared: &mut PreparedFs, what: String, step: ChildStep| {
-        prepared.steps.push((what, step));
+    let mut prepared = PreparedFs {
+        held: Vec::new(),
+        steps: Vec::new(),
     };
-    step(
-        &mut prepared,
-        "enter a mount namespace of its own".into(),
+    prepared.step(
+        "enter a mount namespace of its own",
         ChildStep::Unshare(libc::CLONE_NEWNS | libc::CLONE_NEWUTS),
     );
-    step(
-        &mut prepared,
-        "keep its mounts from reaching the host".into(),
+    prepared.step(
+        "keep its mounts from reaching the host",
         ChildStep::MountsSlave,
     );
-    step(
-        &mut prepared,
-        "make the node's filesystem read-only".into(),
+    match &request.root {
+        None => on_the_node(&mut prepared, request, run_dir, &private)?,
+        Some(tree) => in_the_tree(&mut prepared, request, tree, run_dir, &private)?,
+    }
+    Ok(prepared)
+}
+
+/// The node's tree, read-only, with what is kept at the same paths.
+fn on_the_node(
+    prepared: &mut PreparedFs,
+    request: &FsRequest,
+    run_dir: &Path,
+    private: &PrivateDir,
+) -> Result<(), FsError> {
+    let root = Path::new("/");
+    prepared.step(
+        "make the node's filesystem read-only",
         ChildStep::MountAttr {
-            path: cstring(Path::new("/"))?,
+            path: cstring(root)?,
             set: libc::MOUNT_ATTR_RDONLY,
         },
     );
-
-    let proc = new_proc()?;
-    prepared.attach(proc, Path::new("/proc"), "mount its own /proc")?;
-    for name in READ_ONLY_PROC {
-        let path = Path::new("/proc").join(name);
-        if fs::symlink_metadata(&path).is_err() {
-            continue;
-        }
-        let target = cstring(&path)?;
-        step(
-            &mut prepared,
-            format!("bind {}", path.display()),
-            ChildStep::BindSelf(target.clone()),
-        );
-        step(
-            &mut prepared,
-            format!("make {} read-only", path.display()),
-            ChildStep::MountAttr {
-                path: target,
-                set: libc::MOUNT_ATTR_RDONLY,
-            },
-        );
-    }
-    for name in HIDDEN_PROC_FILES {
-        let path = Path::new("/proc").join(name);
-        if fs::symlink_metadata(&path).is_ok() {
-            let hidden = clone_tree(&private.hidden_file, true)?;
-            prepared.attach(hidden, &path, "hide")?;
-        }
-    }
-
-    let dev = new_dev()?;
-    prepared.attach(dev, Path::new("/dev"), "mount its own /dev")?;
-    for name in DEVICES {
-        let path = Path::new("/dev").join(name);
-        if fs::symlink_metadata(&path).is_err() {
-            continue;
-        }
-        let device = clone_tree(&path, false)?;
-        prepared.attach(device, &path, "bind the node's")?;
-    }
-    for name in DEV_KEPT {
-        let path = Path::new("/dev").join(name);
-        if fs::metadata(&path).is_ok_and(|m| m.is_dir()) {
-            let kept = clone_tree(&path, false)?;
-            prepared.attach(kept, &path, "keep the node's")?;
-        }
-    }
+    kernel_filesystems(prepared, root, private)?;
 
     // Where the agent's root has no such directory (a minimal image's),
     // neither has the instance.
@@ -242,7 +209,7 @@ pub(crate) fn prepare(request: &FsRequest) -> Result<PreparedFs, FsError> {
         .filter(|(target, _)| Path::new(target).is_dir())
         .collect();
     for (target, sub) in &private_tmp {
-        let tmp = clone_tree(&private_dir.join(sub), false)?;
+        let tmp = clone_tree(&private.dir.join(sub), false)?;
         prepared.attach(tmp, Path::new(target), "mount its private")?;
     }
 
@@ -296,31 +263,222 @@ pub(crate) fn prepare(request: &FsRequest) -> Result<PreparedFs, FsError> {
             Err(_) => continue,
         };
         if let Some((tmp, _)) = in_private {
-            let mut below = PathBuf::from(tmp);
-            let rest = path.strip_prefix(tmp).unwrap_or(path);
-            let parts: Vec<Component<'_>> = rest.components().collect();
-            for (i, part) in parts.iter().enumerate() {
-                below.push(part);
-                let last = i + 1 == parts.len();
-                let made = if last && !is_dir {
-                    ChildStep::MakeFile(cstring(&below)?)
-                } else {
-                    ChildStep::MakeDir(cstring(&below)?)
-                };
-                step(
-                    &mut prepared,
-                    format!("make {} in its private {tmp}", below.display()),
-                    made,
-                );
-            }
+            prepared.make_in_private_tmp(Path::new("/"), Path::new(tmp), path, is_dir)?;
         }
         let copy = clone_tree(path, !writable)?;
         prepared.attach(copy, path, "keep")?;
     }
-    Ok(prepared)
+    Ok(())
+}
+
+/// The node's files a tree gets at the same paths, read-only, where the
+/// node has them.
+pub(crate) const FROM_THE_NODE: [&str; 2] = ["/etc/resolv.conf", "/etc/hosts"];
+
+/// `process.root: build`: the build's tree as `/`, read-only, and in it
+/// the kernel's filesystems, a private `/tmp`, the node's resolver files,
+/// the run dir and the writable paths at their node paths. The mount
+/// points the tree may lack come from a scaffold the agent lays over it
+/// (overlayfs with two lower layers: read-only, nothing written to the
+/// store), so a stored tree is never changed.
+fn in_the_tree(
+    prepared: &mut PreparedFs,
+    request: &FsRequest,
+    tree: &Path,
+    run_dir: &Path,
+    private: &PrivateDir,
+) -> Result<(), FsError> {
+    // Parents before what lies inside them.
+    let mut bound: Vec<&Path> = request
+        .writable
+        .iter()
+        .map(PathBuf::as_path)
+        .chain([run_dir])
+        .collect();
+    bound.sort_by(|a, b| (a.components().count(), a).cmp(&(b.components().count(), b)));
+    bound.dedup();
+    let mut points: Vec<(PathBuf, bool)> = ["/proc", "/dev", "/sys", "/tmp", "/var/tmp"]
+        .into_iter()
+        .map(|dir| (PathBuf::from(dir), true))
+        .collect();
+    let from_node: Vec<&Path> = FROM_THE_NODE
+        .into_iter()
+        .map(Path::new)
+        .filter(|file| fs::metadata(file).is_ok_and(|m| m.is_file()))
+        .collect();
+    points.extend(from_node.iter().map(|file| (file.to_path_buf(), false)));
+    for path in &bound {
+        let meta = fs::metadata(path).map_err(|source| FsError::MissingWritable {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        points.push((path.to_path_buf(), meta.is_dir()));
+    }
+    let scaffold = private.scaffold(&points)?;
+    let lower = [scaffold.as_path(), tree]
+        .iter()
+        .map(|layer| {
+            let text = layer.to_str().filter(|t| !t.contains([':', ',', '\\']));
+            text.ok_or_else(|| FsError::UnmountablePath {
+                path: layer.to_path_buf(),
+            })
+        })
+        .collect::<Result<Vec<&str>, FsError>>()?
+        .join(":");
+    let lower = CString::new(lower).map_err(|_| FsError::UnmountablePath {
+        path: tree.to_path_buf(),
+    })?;
+    let overlay = new_mount(
+        c"overlay",
+        &[(c"lowerdir", lower.as_c_str())],
+        libc::MOUNT_ATTR_RDONLY | libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV,
+    )
+    .map_err(|source| kernel_or(source, format!("mount the tree {} as /", tree.display())))?;
+    let root = private.dir.join("root");
+    prepared.attach(overlay, &root, "mount the build's tree at")?;
+
+    kernel_filesystems(prepared, &root, private)?;
+    // The tree's own homes hidden as the node's are (`ProtectHome=`);
+    // only where no link is on the way, which could lead out of the tree.
+    for dir in HIDDEN_DIRS {
+        let in_tree = under(tree, Path::new(dir));
+        if fs::canonicalize(&in_tree).is_ok_and(|real| real == in_tree) {
+            let cover = clone_tree(&private.hidden_dir, true)?;
+            prepared.attach(cover, &under(&root, Path::new(dir)), "hide")?;
+        }
+    }
+    let sys = clone_tree(Path::new("/sys"), true)?;
+    prepared.attach(
+        sys,
+        &under(&root, Path::new("/sys")),
+        "mount /sys read-only at",
+    )?;
+    for (target, sub) in PRIVATE_TMP {
+        let tmp = clone_tree(&private.dir.join(sub), false)?;
+        prepared.attach(tmp, &under(&root, Path::new(target)), "mount its private")?;
+    }
+    for file in from_node {
+        let copy = clone_tree(file, true)?;
+        prepared.attach(copy, &under(&root, file), "bind the node's")?;
+    }
+    for (path, is_dir) in &points[points.len() - bound.len()..] {
+        let tmp = PRIVATE_TMP
+            .into_iter()
+            .map(|(tmp, _)| Path::new(tmp))
+            .find(|tmp| path.starts_with(tmp) && path != tmp);
+        if let Some(tmp) = tmp {
+            prepared.make_in_private_tmp(&root, tmp, path, *is_dir)?;
+        }
+        let copy = clone_tree(path, false)?;
+        prepared.attach(copy, &under(&root, path), "bind")?;
+    }
+    prepared.step(
+        &format!("make the tree {} its root", tree.display()),
+        ChildStep::PivotRoot(cstring(&root)?),
+    );
+    Ok(())
+}
+
+/// `path`, absolute, as it lies below `root`.
+fn under(root: &Path, path: &Path) -> PathBuf {
+    root.join(path.strip_prefix("/").unwrap_or(path))
+}
+
+/// `/proc` and `/dev` of its own, below `root`.
+fn kernel_filesystems(
+    prepared: &mut PreparedFs,
+    root: &Path,
+    private: &PrivateDir,
+) -> Result<(), FsError> {
+    let proc = new_proc()?;
+    prepared.attach(
+        proc,
+        &under(root, Path::new("/proc")),
+        "mount its own /proc at",
+    )?;
+    for name in READ_ONLY_PROC {
+        let path = Path::new("/proc").join(name);
+        if fs::symlink_metadata(&path).is_err() {
+            continue;
+        }
+        let target = cstring(&under(root, &path))?;
+        prepared.step(
+            &format!("bind {}", path.display()),
+            ChildStep::BindSelf(target.clone()),
+        );
+        prepared.step(
+            &format!("make {} read-only", path.display()),
+            ChildStep::MountAttr {
+                path: target,
+                set: libc::MOUNT_ATTR_RDONLY,
+            },
+        );
+    }
+    for name in HIDDEN_PROC_FILES {
+        let path = Path::new("/proc").join(name);
+        if fs::symlink_metadata(&path).is_ok() {
+            let hidden = clone_tree(&private.hidden_file, true)?;
+            prepared.attach(hidden, &under(root, &path), "hide")?;
+        }
+    }
+
+    let dev = new_dev()?;
+    prepared.attach(
+        dev,
+        &under(root, Path::new("/dev")),
+        "mount its own /dev at",
+    )?;
+    for name in DEVICES {
+        let path = Path::new("/dev").join(name);
+        if fs::symlink_metadata(&path).is_err() {
+            continue;
+        }
+        let device = clone_tree(&path, false)?;
+        prepared.attach(device, &under(root, &path), "bind the node's")?;
+    }
+    for name in DEV_KEPT {
+        let path = Path::new("/dev").join(name);
+        if fs::metadata(&path).is_ok_and(|m| m.is_dir()) {
+            let kept = clone_tree(&path, false)?;
+            prepared.attach(kept, &under(root, &path), "keep the node's")?;
+        }
+    }
+    Ok(())
 }
 
 impl PreparedFs {
+    fn step(&mut self, what: &str, step: ChildStep) {
+        self.steps.push((what.to_owned(), step));
+    }
+
+    /// Steps that make `path` (and the directories above it) inside the
+    /// private `tmp` mounted below `root`, for a mount on it.
+    fn make_in_private_tmp(
+        &mut self,
+        root: &Path,
+        tmp: &Path,
+        path: &Path,
+        is_dir: bool,
+    ) -> Result<(), FsError> {
+        let mut below = tmp.to_path_buf();
+        let rest = path.strip_prefix(tmp).unwrap_or(path);
+        let parts: Vec<Component<'_>> = rest.components().collect();
+        for (i, part) in parts.iter().enumerate() {
+            below.push(part);
+            let at = cstring(&under(root, &below))?;
+            let made = if i + 1 == parts.len() && !is_dir {
+                ChildStep::MakeFile(at)
+            } else {
+                ChildStep::MakeDir(at)
+            };
+            self.step(
+                &format!("make {} in its private {}", below.display(), tmp.display()),
+                made,
+            );
+        }
+        Ok(())
+    }
+
     fn attach(&mut self, mount: OwnedFd, target: &Path, what: &str) -> Result<(), FsError> {
         let mount = fd_at_least(&mount, SETUP_FD_FLOOR).map_err(|source| FsError::Prepare {
             what: "move a mount's descriptor".into(),
@@ -340,6 +498,7 @@ impl PreparedFs {
 
 /// The generation's private directory, made once and kept.
 struct PrivateDir {
+    dir: PathBuf,
     hidden_dir: PathBuf,
     hidden_file: PathBuf,
 }
@@ -382,10 +541,73 @@ impl PrivateDir {
             .open(&hidden_file)
             .and_then(|_| fs::set_permissions(&hidden_file, fs::Permissions::from_mode(0o000)))
             .map_err(fail(format!("create {}", hidden_file.display())))?;
+        make(&dir.join("root"), 0o755)?;
         Ok(PrivateDir {
+            dir: dir.to_path_buf(),
             hidden_dir,
             hidden_file,
         })
+    }
+
+    /// A directory holding an empty directory or file at each of
+    /// `points` (absolute paths, `true` for a directory), made once per
+    /// set and never changed after: overlayfs forbids changing a layer
+    /// under a mount.
+    fn scaffold(&self, points: &[(PathBuf, bool)]) -> Result<PathBuf, FsError> {
+        use sha2::Digest;
+        let fail = |what: String| move |source| FsError::Prepare { what, source };
+        let mut hash = sha2::Sha256::new();
+        for (path, is_dir) in points {
+            hash.update(path.as_os_str().as_bytes());
+            hash.update(if *is_dir { b"/\0" } else { b"\0\0" });
+        }
+        let name = format!("scaffold-{}", &hex::encode(hash.finalize())[..16]);
+        let scaffold = self.dir.join(&name);
+        if scaffold.is_dir() {
+            return Ok(scaffold);
+        }
+        let making = self.dir.join(format!("{name}.new"));
+        if fs::symlink_metadata(&making).is_ok() {
+            fs::remove_dir_all(&making).map_err(fail(format!("remove {}", making.display())))?;
+        }
+        for (path, is_dir) in points {
+            let at = under(&making, path);
+            let parent = if *is_dir {
+                Some(at.as_path())
+            } else {
+                at.parent()
+            };
+            if let Some(parent) = parent {
+                fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o755)
+                    .create(parent)
+                    .map_err(fail(format!("create {}", parent.display())))?;
+            }
+            if !is_dir {
+                fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(false)
+                    .mode(0o644)
+                    .open(&at)
+                    .map_err(fail(format!("create {}", at.display())))?;
+            }
+        }
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(&making)
+            .map_err(fail(format!("create {}", making.display())))?;
+        match fs::rename(&making, &scaffold) {
+            Ok(()) => Ok(scaffold),
+            // Another spawn of the generation made the same one first.
+            Err(_) if scaffold.is_dir() => {
+                let _ = fs::remove_dir_all(&making);
+                Ok(scaffold)
+            }
+            Err(source) => Err(fail(format!("create {}", scaffold.display()))(source)),
+        }
     }
 }
 

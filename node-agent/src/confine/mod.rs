@@ -23,7 +23,8 @@ use std::io;
 use std::path::PathBuf;
 
 use genswap_crds::{
-    CapabilitiesSpec, FilesystemProfile, Limit, LimitsSpec, ProcessSpec, SeccompProfile,
+    CapabilitiesSpec, FilesystemProfile, Limit, LimitsSpec, ProcessSpec, RootProfile,
+    SeccompProfile,
 };
 use nix::libc;
 use thiserror::Error;
@@ -78,6 +79,8 @@ pub enum ConfineError {
     NoSetpcap,
     #[error(transparent)]
     Filesystem(#[from] filesystem::FsError),
+    #[error("process.root: build cannot run {0}")]
+    RootBuild(String),
 }
 
 /// The sandbox's part of a process spec, as a spawn takes it.
@@ -90,6 +93,11 @@ pub struct SandboxSpec {
     pub filesystem: FilesystemProfile,
     /// Writable inside a `Protected` filesystem.
     pub writable_paths: Vec<PathBuf>,
+    /// `process.root`.
+    pub root: RootProfile,
+    /// The build's tree on the node, which `root: build` makes `/`; the
+    /// engine sets it once the build is staged.
+    pub tree: Option<PathBuf>,
 }
 
 impl SandboxSpec {
@@ -102,6 +110,8 @@ impl SandboxSpec {
             seccomp: process.seccomp.unwrap_or_default(),
             filesystem: process.filesystem.unwrap_or_default(),
             writable_paths: process.writable_paths.iter().map(PathBuf::from).collect(),
+            root: process.root.unwrap_or_default(),
+            tree: None,
         }
     }
 }

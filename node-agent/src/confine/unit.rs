@@ -10,7 +10,9 @@
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
-use genswap_crds::{Capability, FilesystemProfile, InstanceGeneration, SeccompProfile};
+use genswap_crds::{
+    Capability, FilesystemProfile, InstanceGeneration, RootProfile, SeccompProfile,
+};
 use thiserror::Error;
 
 use super::{Confinement, HostFacts, SandboxSpec, limit_text};
@@ -186,6 +188,12 @@ fn unit_for(named: &Named<'_>, facts: &HostFacts) -> Result<String, UnitError> {
         ),
         (None, None) => format!("/var/lib/genswap/store/sha256-{}", build.sha256),
     };
+    let tree = format!("/var/lib/genswap/store/tree-sha256-{}/rootfs", build.sha256);
+    let in_tree = sandbox.root == RootProfile::Build;
+    let executable = match (&build.entrypoint, in_tree) {
+        (Some(entrypoint), true) => format!("/{entrypoint}"),
+        _ => executable,
+    };
     let mut exec = vec![executable];
     exec.extend(process.args.iter().map(|a| quoted(a)));
     line(format!("ExecStart={}", exec.join(" ")));
@@ -259,8 +267,22 @@ fn unit_for(named: &Named<'_>, facts: &HostFacts) -> Result<String, UnitError> {
             writable.extend(managed.paths().iter().map(|p| p.display().to_string()));
         }
         line("PrivateMounts=yes".into());
-        line("ProtectSystem=strict".into());
-        line(format!("ReadWritePaths={}", writable.join(" ")));
+        if in_tree {
+            // The node's paths, bound in where they are on the node.
+            line(format!("RootDirectory={tree}"));
+            line("MountAPIVFS=yes".into());
+            line(format!(
+                "BindReadOnlyPaths={}",
+                crate::confine::filesystem::FROM_THE_NODE
+                    .map(|file| format!("-{file}"))
+                    .join(" ")
+            ));
+            line(format!("BindPaths={}", writable.join(" ")));
+            line("ProtectSystem=strict".into());
+        } else {
+            line("ProtectSystem=strict".into());
+            line(format!("ReadWritePaths={}", writable.join(" ")));
+        }
         line("PrivateTmp=yes".into());
         line("ProtectHome=yes".into());
         line("PrivateDevices=yes".into());

@@ -233,7 +233,16 @@ pub(super) fn generation_commands(
         uid,
         gid,
         allow_root: engine.config.allow_root,
-        sandbox: crate::confine::SandboxSpec::of(process),
+        sandbox: crate::confine::SandboxSpec {
+            // Its commands see the generation's tree too.
+            tree: running
+                .record
+                .store_path
+                .as_deref()
+                .and_then(genswap_store::tree::rootfs_of)
+                .map(Path::to_path_buf),
+            ..crate::confine::SandboxSpec::of(process)
+        },
     };
     let mut identity = identity;
     with_managed_dirs(
@@ -644,6 +653,7 @@ pub(super) async fn spawn(
     (request.uid, request.gid) = owner_of(&spec.process);
     request.allow_root = allow_root;
     let mut sandbox = crate::confine::SandboxSpec::of(&spec.process);
+    sandbox.tree = staged.tree.clone();
     with_managed_dirs(&managed, &mut request.env, &mut sandbox);
     request.sandbox = Some(sandbox);
     request.listeners = listeners;

@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::fs;
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -364,6 +364,7 @@ async fn run_once(
         Err(_) => (Output::Null, Output::Null),
     };
     let process = &sidecar.process;
+    let exe_tree = genswap_store::tree::rootfs_of(&exe).map(Path::to_path_buf);
     let mut request = SpawnSpec::new(
         exe,
         cgroup.clone(),
@@ -402,6 +403,12 @@ async fn run_once(
     request.allow_root = target.allow_root;
     // The generation's sandbox: a sidecar is part of it.
     let mut sandbox = crate::confine::SandboxSpec::of(&target.instance_process);
+    // Under `process.root: build`, in its own build's tree, else the
+    // generation's.
+    sandbox.tree = match &staged {
+        Some(staged) => staged.tree.clone(),
+        None => exe_tree,
+    };
     super::parts::with_managed_dirs(&target.managed, &mut request.env, &mut sandbox);
     request.sandbox = Some(sandbox);
     request.listeners = listeners.to_vec();
