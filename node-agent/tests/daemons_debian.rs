@@ -16,8 +16,13 @@
 //! the agent holds keeps every connection not yet accepted). So each of
 //! its swaps may lose at most the one request in flight.
 //!
-//! `.ci/run` installs both and sets `GENSWAP_DAEMONS=required`; elsewhere a
-//! missing daemon skips its test with one line.
+//! lighttpd also runs from an ordinary OS image with its tree as its root
+//! (`process.root: build`): a Debian tree mmdebstrap makes of Debian's
+//! packages, pushed to a real registry, its own libc and all.
+//!
+//! `.ci/run` installs both (and mmdebstrap) and sets
+//! `GENSWAP_DAEMONS=required`; elsewhere a missing daemon skips its test
+//! with one line.
 
 #[path = "support/cgroup_guard.rs"]
 mod cgroup_guard;
@@ -295,4 +300,251 @@ fn lighttpd(host: &SwapHost, binary: PathBuf, daemonizes: bool) -> Daemon {
         pid_file: daemonizes.then_some(pid_file),
         writable: vec![site],
     }
+}
+
+/// This machine's apt sources, for mmdebstrap to read from stdin: the
+/// deb822 files where there are any, else the one-line ones. Nothing of a
+/// mirror is written here.
+fn apt_sources() -> String {
+    let read_all = |extension: &str| -> String {
+        let mut files: Vec<PathBuf> = std::fs::read_dir("/etc/apt/sources.list.d")
+            .map(|dir| {
+                dir.filter_map(Result::ok)
+                    .map(|entry| entry.path())
+                    .filter(|path| path.extension().is_some_and(|e| e == extension))
+                    .collect()
+            })
+            .unwrap_or_default();
+        files.sort();
+        files
+            .iter()
+            .filter_map(|path| std::fs::read_to_string(path).ok())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let deb822 = read_all("sources");
+    if !deb822.trim().is_empty() {
+        return deb822;
+    }
+    let mut lines = std::fs::read_to_string("/etc/apt/sources.list").unwrap_or_default();
+    lines.push('\n');
+    lines.push_str(&read_all("list"));
+    lines
+}
+
+/// This machine's Debian release (`VERSION_CODENAME`).
+fn debian_suite() -> String {
+    let release = std::fs::read_to_string("/etc/os-release").expect("/etc/os-release");
+    release
+        .lines()
+        .find_map(|line| line.strip_prefix("VERSION_CODENAME="))
+        .map(|name| name.trim_matches('"').to_string())
+        .expect("a VERSION_CODENAME in /etc/os-release")
+}
+
+/// A tree of Debian's packages holding lighttpd and what it needs (its
+/// own libc), made by Debian's mmdebstrap as a tar without device nodes
+/// (no image layer may carry them).
+fn debian_tree_with_lighttpd(mmdebstrap: &Path, dir: &Path) -> PathBuf {
+    use std::io::Write;
+    let tar = dir.join("debian.tar");
+    let mut child = std::process::Command::new(mmdebstrap)
+        .args([
+            "--quiet",
+            "--mode=root",
+            "--variant=extract",
+            "--aptopt=Apt::Install-Recommends \"false\"",
+            "--include=lighttpd,sysvinit-utils",
+            "--skip=output/dev",
+        ])
+        .arg(debian_suite())
+        .arg(&tar)
+        .arg("-")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("mmdebstrap");
+    child
+        .stdin
+        .take()
+        .expect("its stdin")
+        .write_all(apt_sources().as_bytes())
+        .expect("the apt sources");
+    let output = child.wait_with_output().expect("mmdebstrap ends");
+    assert!(
+        output.status.success(),
+        "mmdebstrap: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    tar
+}
+
+/// An image of the Debian tree with a site of its own on `port` that
+/// names `name`, built by umoci and pushed as `debian/lighttpd:<name>`.
+fn push_lighttpd_image(
+    registry: &test_cluster::registry::Registry,
+    debian: &Path,
+    dir: &Path,
+    name: &str,
+    port: u16,
+) -> String {
+    let image = test_cluster::registry::Umoci::new(&dir.join(format!("image-{name}")), name);
+    image.raw_layer(debian);
+    let site = dir.join(format!("site-{name}"));
+    std::fs::create_dir_all(site.join("etc/lighttpd")).expect("its config dir");
+    std::fs::create_dir_all(site.join("srv/www")).expect("its document root");
+    std::fs::write(
+        site.join("etc/lighttpd/genswap.conf"),
+        format!(
+            "server.document-root = \"/srv/www\"\n\
+             server.bind = \"127.0.0.1\"\n\
+             server.port = {port}\n\
+             server.systemd-socket-activation = \"enable\"\n\
+             index-file.names = (\"index.html\")\n"
+        ),
+    )
+    .expect("its config");
+    std::fs::write(
+        site.join("srv/www/index.html"),
+        format!("served by {name}\n"),
+    )
+    .expect("its page");
+    let layer = dir.join(format!("site-{name}.tar"));
+    let tarred = std::process::Command::new("tar")
+        .arg("-C")
+        .arg(&site)
+        .arg("-cf")
+        .arg(&layer)
+        .args(["etc", "srv"])
+        .status()
+        .expect("tar");
+    assert!(tarred.success(), "tar of the site");
+    image.raw_layer(&layer);
+    image.config(&["--config.entrypoint", "/usr/sbin/lighttpd"]);
+    registry.push(&image.layout, image.tag(), "debian/lighttpd", name, &[])
+}
+
+/// A daemon shipped as an ordinary OS image (SPEC 5.16, `process.root:
+/// build`): Debian's lighttpd with Debian's libc, from a tree mmdebstrap
+/// made of Debian's packages, pushed to a real registry, run with that
+/// tree as its root under the default sandbox, and swapped in hold mode
+/// twice while a client sends requests without pause: none fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lighttpd_from_a_debian_image_runs_in_its_tree_and_is_swapped_dropping_nothing() {
+    let Some(mmdebstrap) = installed("/usr/bin/mmdebstrap", "mmdebstrap") else {
+        return;
+    };
+    let Some(registry) =
+        test_cluster::registry::Registry::start(test_cluster::registry::Access::Plain)
+    else {
+        return;
+    };
+    let settings = genswap_store::RegistrySettings {
+        config: None,
+        ca: None,
+        insecure: vec![registry.addr.clone()],
+    };
+    let host = SwapHost::with_stager("daemon-in-tree", |config| config.registries = settings);
+    let work = host.staging.with_file_name("images");
+    std::fs::create_dir_all(&work).expect("a dir for the images");
+    let debian = debian_tree_with_lighttpd(&mmdebstrap, &work);
+    let port = free_port();
+    let attempt = |rev: i64, name: &str| {
+        let digest = push_lighttpd_image(&registry, &debian, &work, name, port);
+        let mut attempt = host.attempt_of(
+            rev,
+            genswap_crds::BuildSpec {
+                id: name.into(),
+                artifact: genswap_crds::Artifact {
+                    image: Some(format!(
+                        "{}/debian/lighttpd:{name}@sha256:{digest}",
+                        registry.addr
+                    )),
+                    ..genswap_crds::Artifact::default()
+                },
+                sha256: digest,
+                entrypoint: None,
+            },
+        );
+        attempt.spec.mode = Mode::Hold;
+        attempt.spec.process.root = Some(genswap_crds::RootProfile::Build);
+        attempt.spec.process.args = ["-D", "-f", "/etc/lighttpd/genswap.conf"]
+            .map(String::from)
+            .to_vec();
+        attempt.spec.listeners = vec![listener(port)];
+        attempt.spec.health = HealthSpec {
+            http_get: Some(HttpGetProbe {
+                path: "/".into(),
+                port: None,
+                listener: Some("web".into()),
+            }),
+            timeout_seconds: 20,
+            ..HealthSpec::default()
+        };
+        attempt.spec.stop.signal = StopSignal::Int;
+        attempt
+    };
+    let result = host.swap(&attempt(1, "debian-1")).await;
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    assert!(
+        get(port)
+            .expect("it answers")
+            .contains("served by debian-1")
+    );
+
+    let load = Load::start(port);
+    for (rev, name) in [(2, "debian-2"), (3, "debian-3")] {
+        let result = host.swap(&attempt(rev, name)).await;
+        assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    }
+    let (sent, failures) = load.finish();
+    eprintln!(
+        "lighttpd in its Debian tree: {sent} requests through two hold swaps, {} failed",
+        failures.len()
+    );
+    assert!(sent > 10, "the load ran: {sent}");
+    assert!(
+        failures.is_empty(),
+        "{} of {sent} failed: {failures:?}",
+        failures.len()
+    );
+    assert!(
+        get(port)
+            .expect("it answers")
+            .contains("served by debian-3")
+    );
+
+    // Its root is the image's tree: its site is there, the node's files
+    // are not, and its lighttpd is the image's, not the node's.
+    let procs = host.instance_cgroup().join("gen-3/cgroup.procs");
+    let pid: u32 = std::fs::read_to_string(&procs)
+        .expect("generation 3's processes")
+        .lines()
+        .next()
+        .and_then(|line| line.parse().ok())
+        .expect("lighttpd runs");
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    assert_eq!(
+        std::fs::read_to_string(root.join("srv/www/index.html")).expect("its page"),
+        "served by debian-3\n"
+    );
+    assert!(
+        !root
+            .join(host.staging.strip_prefix("/").expect("absolute"))
+            .exists()
+    );
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).expect("its exe");
+    assert_eq!(exe, Path::new("/usr/sbin/lighttpd"));
+    if let Ok(node) = std::fs::metadata("/usr/sbin/lighttpd") {
+        use std::os::unix::fs::MetadataExt;
+        let its = std::fs::metadata(root.join("usr/sbin/lighttpd")).expect("its lighttpd");
+        assert_ne!((its.dev(), its.ino()), (node.dev(), node.ino()));
+    }
+    assert_eq!(
+        host.generation_cgroups(),
+        vec![3],
+        "only the last generation runs"
+    );
+    host.tear_down().await;
 }
