@@ -1,7 +1,9 @@
 //! Standalone mode with tree builds (SPEC 5.14): an archive of the test
 //! app's server, made by the real GNU tar, installs from a manifest and a
 //! second archive overlaps it; the status file says done and Ready, and
-//! what serves is the server inside the stored tree.
+//! what serves is the server inside the stored tree. With `process.root:
+//! build`, the same server and the libraries it links (its own copies in
+//! the tree) run with the tree as their root, through an overlap.
 
 #[path = "support/cgroup_guard.rs"]
 mod cgroup_guard;
@@ -68,6 +70,71 @@ async fn an_archive_installs_and_another_overlaps_it() {
             .contains(&format!("tree-sha256-{}/rootfs/bin/server", two.sha256)),
         "{}",
         exe.display()
+    );
+    host.stop().await;
+}
+
+/// `binary`'s shared libraries and loader as `ldd` names them, each copied
+/// into `tree` at the path it has on the node.
+fn with_its_libraries(tree: &std::path::Path, binary: &std::path::Path) {
+    let output = std::process::Command::new("ldd")
+        .arg(binary)
+        .output()
+        .expect("ldd");
+    assert!(output.status.success(), "ldd {}", binary.display());
+    let text = String::from_utf8_lossy(&output.stdout);
+    for word in text.split_whitespace().filter(|w| w.starts_with('/')) {
+        let library = std::path::Path::new(word);
+        let copy = tree.join(library.strip_prefix("/").expect("absolute"));
+        fs::create_dir_all(copy.parent().expect("a directory")).expect("its directory");
+        fs::copy(library, &copy).expect("a library");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_archive_runs_with_its_tree_as_root_through_an_overlap() {
+    let host = StandaloneHost::start("trees-as-root");
+    let hello = key("hello");
+    let rooted = |name: &str| {
+        let src = host
+            .staging
+            .parent()
+            .expect("temp dir")
+            .join(format!("src-{name}"));
+        fs::create_dir_all(src.join("bin")).expect("bin");
+        let server = host.build(&format!("server-{name}"));
+        fs::copy(&server.path, src.join("bin/server")).expect("server");
+        fs::set_permissions(src.join("bin/server"), fs::Permissions::from_mode(0o755))
+            .expect("chmod");
+        with_its_libraries(&src, &server.path);
+        let path = host.staging.join(format!("{name}.tar.gz"));
+        let sha256 = swap_host::tar_tree(&src, &path, genswap_crds::Unpack::TarGzip);
+        let mut manifest = tree_manifest(name, &testapp::Build { path, sha256 });
+        manifest.root_build = true;
+        manifest
+    };
+
+    host.write("hello.yaml", &rooted("rooted-1").yaml());
+    let doc = host.settled_after("hello.yaml", 0).await;
+    let install = doc.last_attempt().expect("the install");
+    assert_eq!(install.outcome, Outcome::Done, "{install:?}");
+
+    host.write("hello.yaml", &rooted("rooted-2").yaml());
+    let doc = host.settled_after("hello.yaml", install.sched_rev).await;
+    let release = doc.last_attempt().expect("the release");
+    assert_eq!(release.outcome, Outcome::Done, "{release:?}");
+    assert!(doc.is_true(ConditionType::Ready));
+    // It answers on its socket in the run dir, bound into its root, and
+    // its executable is /bin/server of its own root.
+    let serving = host.who_serves(&hello).await.expect("serves");
+    assert_eq!(serving.build, "rooted-2");
+    let exe = fs::read_link(format!("/proc/{}/exe", serving.pid)).expect("exe");
+    assert_eq!(exe, std::path::Path::new("/bin/server"));
+    let root = format!("/proc/{}/root", serving.pid);
+    assert!(fs::metadata(format!("{root}/bin/server")).is_ok());
+    assert!(
+        fs::metadata(format!("{root}/usr/bin")).is_err(),
+        "the node's /usr is not in its root"
     );
     host.stop().await;
 }

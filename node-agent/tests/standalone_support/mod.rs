@@ -350,6 +350,8 @@ pub struct Manifest {
     pub tree: Option<(&'static str, String)>,
     /// `process.writablePaths`: the test's dirs the instance writes.
     pub writable: Vec<PathBuf>,
+    /// `process.root: build`.
+    pub root_build: bool,
 }
 
 impl Manifest {
@@ -372,6 +374,7 @@ impl Manifest {
             listeners: None,
             tree: None,
             writable: Vec::new(),
+            root_build: false,
         }
     }
 
@@ -425,7 +428,7 @@ spec:{node_selector}
   process:
     args: [{args}]
     env: [{env}]
-    writablePaths: [{writable}]
+    writablePaths: [{writable}]{root}
     user: {NOBODY}
     group: {NOBODY}
   health:
@@ -435,6 +438,11 @@ spec:{node_selector}
   stop:
     timeoutSeconds: 10
 {resources}{listeners}",
+            root = if self.root_build {
+                "\n    root: build"
+            } else {
+                ""
+            },
             resources = self
                 .resources
                 .as_ref()
