@@ -3,7 +3,9 @@
 //! as `nobody`, with no sandbox (as before it), with the default sandbox
 //! (limits, the emptied bounding set, the seccomp filter, the `Protected`
 //! filesystem), with it but `filesystem: Host` (the sandbox of the last
-//! release), and with it but `seccomp: Unconfined`, the four taking turns.
+//! release), with it but `seccomp: Unconfined`, and with it and
+//! `process.root: build` (the test app and the libraries `ldd` names in a
+//! tree of their own as `/`), the five taking turns.
 //!
 //! Prints the spawn (from `spawn()` to its return: the exec done) and the
 //! whole run to the exit, median, 99th percentile and largest. It asserts
@@ -41,7 +43,12 @@ async fn run(spawns: usize) {
         .expect("an instance cgroup");
     let app = testapp::binary().expect("the test app is built");
     let run = tempfile::tempdir().expect("a run dir");
-    let kinds: [(&str, Option<SandboxSpec>); 4] = [
+    let tree = tempfile::tempdir().expect("a tree");
+    let in_tree = tree.path().join("bin/testapp");
+    std::fs::create_dir_all(tree.path().join("bin")).expect("its bin");
+    std::fs::copy(&app, &in_tree).expect("the test app in the tree");
+    copy_libraries(tree.path(), &app);
+    let kinds: [(&str, Option<SandboxSpec>); 5] = [
         ("no sandbox", None),
         ("default sandbox", Some(SandboxSpec::default())),
         (
@@ -58,6 +65,14 @@ async fn run(spawns: usize) {
                 ..SandboxSpec::default()
             }),
         ),
+        (
+            "sandbox, root: build",
+            Some(SandboxSpec {
+                root: genswap_crds::RootProfile::Build,
+                tree: Some(tree.path().to_path_buf()),
+                ..SandboxSpec::default()
+            }),
+        ),
     ];
     let mut spawned: Vec<Vec<Duration>> = vec![Vec::new(); kinds.len()];
     let mut exited: Vec<Vec<Duration>> = vec![Vec::new(); kinds.len()];
@@ -70,7 +85,11 @@ async fn run(spawns: usize) {
                 .await
                 .expect("a generation cgroup");
             let socket = run.path().join(format!("gen-{generation}.sock"));
-            let mut spec = SpawnSpec::new(&app, cgroup.clone(), &socket, generation, "b");
+            let exe = match sandbox.as_ref().and_then(|s| s.tree.as_ref()) {
+                Some(_) => &in_tree,
+                None => &app,
+            };
+            let mut spec = SpawnSpec::new(exe, cgroup.clone(), &socket, generation, "b");
             spec.uid = Some(65534);
             spec.gid = Some(65534);
             spec.env = vec![(testapp::knob::TRY.into(), String::new())];
@@ -104,5 +123,21 @@ async fn run(spawns: usize) {
     );
     for (i, (name, _)) in kinds.iter().enumerate() {
         print_row(name, exited[i].clone());
+    }
+}
+
+/// `binary`'s shared libraries and loader as `ldd` names them, each copied
+/// into `tree` at its path on the node.
+fn copy_libraries(tree: &std::path::Path, binary: &std::path::Path) {
+    let output = std::process::Command::new("ldd")
+        .arg(binary)
+        .output()
+        .expect("ldd");
+    let text = String::from_utf8_lossy(&output.stdout);
+    for word in text.split_whitespace().filter(|w| w.starts_with('/')) {
+        let library = std::path::Path::new(word);
+        let copy = tree.join(library.strip_prefix("/").expect("absolute"));
+        std::fs::create_dir_all(copy.parent().expect("a directory")).expect("its directory");
+        std::fs::copy(library, &copy).expect("a library");
     }
 }
