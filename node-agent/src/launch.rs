@@ -246,7 +246,13 @@ pub(crate) enum ChildStep {
     },
     /// Makes the mount at `path` the root and lets go of the old one
     /// (`pivot_root(".", ".")` and a lazy unmount of what lies below, as
-    /// runc does): nothing of the node's tree stays reachable.
+    /// runc does): nothing of the node's tree stays reachable. Where
+    /// `pivot_root` is refused (the agent's own seccomp profile, such as
+    /// containerd's RuntimeDefault, may not list it; an initramfs root
+    /// cannot be pivoted), the mount is moved onto `/` and made the root
+    /// by `chroot`, as systemd and runc fall back to: the node's mounts
+    /// stay below it, out of reach of a process that may neither mount nor
+    /// chroot.
     PivotRoot(CString),
 }
 
@@ -508,14 +514,32 @@ impl ChildStep {
                 // SAFETY: chdir reads a NUL-terminated path.
                 checked(unsafe { libc::syscall(libc::SYS_chdir, path.as_ptr()) })?;
                 // SAFETY: pivot_root reads two NUL-terminated paths.
-                checked(unsafe {
+                match checked(unsafe {
                     libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr())
-                })?;
-                // SAFETY: umount2 reads a NUL-terminated path; the old root
-                // now lies on top of the new one at ".".
-                checked(unsafe {
-                    libc::syscall(libc::SYS_umount2, c".".as_ptr(), libc::MNT_DETACH)
-                })?;
+                }) {
+                    // SAFETY: umount2 reads a NUL-terminated path; the old
+                    // root now lies on top of the new one at ".".
+                    Ok(()) => checked(unsafe {
+                        libc::syscall(libc::SYS_umount2, c".".as_ptr(), libc::MNT_DETACH)
+                    })?,
+                    Err(Errno::EPERM | Errno::EINVAL) => {
+                        // SAFETY: mount reads two NUL-terminated paths; a
+                        // move reads neither the type nor the data.
+                        checked(unsafe {
+                            libc::syscall(
+                                libc::SYS_mount,
+                                c".".as_ptr(),
+                                c"/".as_ptr(),
+                                std::ptr::null::<libc::c_char>(),
+                                libc::MS_MOVE,
+                                std::ptr::null::<libc::c_void>(),
+                            )
+                        })?;
+                        // SAFETY: chroot reads a NUL-terminated path.
+                        checked(unsafe { libc::syscall(libc::SYS_chroot, c".".as_ptr()) })?;
+                    }
+                    Err(other) => return Err(other),
+                }
                 // SAFETY: chdir reads a NUL-terminated path.
                 checked(unsafe { libc::syscall(libc::SYS_chdir, c"/".as_ptr()) })
             }

@@ -709,3 +709,71 @@ async fn a_build_root_is_the_trees_with_the_run_dir_tmp_and_declared_paths_bound
     assert!(private_tmp.join("mine").exists());
     assert!(!build.path().join("bin/new").exists());
 }
+
+/// Where the agent's own seccomp profile refuses `pivot_root` (containerd's
+/// RuntimeDefault does not list it), the tree still becomes the root, by a
+/// move onto `/` and a chroot, and what it sees is the same.
+#[tokio::test]
+async fn a_build_root_needs_no_pivot_root() {
+    let Some(busybox) = busybox() else {
+        return;
+    };
+    // This test's thread, which the spawn forks from, may not pivot_root.
+    let no_pivot = seccompiler::SeccompFilter::new(
+        [(nix::libc::SYS_pivot_root, Vec::new())]
+            .into_iter()
+            .collect(),
+        seccompiler::SeccompAction::Allow,
+        seccompiler::SeccompAction::Errno(1),
+        std::env::consts::ARCH
+            .try_into()
+            .expect("a known architecture"),
+    )
+    .expect("a filter");
+    let no_pivot: seccompiler::BpfProgram = no_pivot.try_into().expect("a program");
+    seccompiler::apply_filter(&no_pivot).expect("the thread's filter");
+
+    let tree = TestCgroupTree::new("sandbox-no-pivot");
+    let build = busybox_tree(busybox);
+    let mut spec = sh(
+        generation(&tree, 31).await,
+        31,
+        "echo root: $(ls /); if touch /bin/new 2>/dev/null; then echo tree writable; fi",
+        SandboxSpec {
+            root: genswap_crds::RootProfile::Build,
+            tree: Some(build.path().to_path_buf()),
+            ..SandboxSpec::default()
+        },
+    );
+    spec.exe = build.path().join("bin/busybox");
+    spec.args.insert(0, "sh".into());
+    let out = tempfile::NamedTempFile::new().expect("an output file");
+    spec.stdout = node_agent::spawn::Output::Append(out.path().to_path_buf());
+    let mut spawned = spawn(spec).await.expect("spawned without pivot_root");
+    let status = tokio::time::timeout(LONG, spawned.wait())
+        .await
+        .expect("it exits")
+        .expect("its status");
+    assert!(status.success(), "{status:?}");
+    let said = fs::read_to_string(out.path()).expect("its output");
+    let run_top = RUN.with(|run| {
+        run.path()
+            .components()
+            .nth(1)
+            .and_then(|c| c.as_os_str().to_str().map(str::to_owned))
+            .expect("a top directory")
+    });
+    let mut root = vec![
+        "bin",
+        "dev",
+        "etc",
+        "proc",
+        "sys",
+        "tmp",
+        "var",
+        run_top.as_str(),
+    ];
+    root.sort_unstable();
+    root.dedup();
+    assert_eq!(said.trim(), format!("root: {}", root.join(" ")));
+}
