@@ -7,7 +7,9 @@
 //! image build pulled by the pod from a registry on loopback with the
 //! credentials and CA the chart mounts (a Secret made by `kubectl create
 //! secret docker-registry`, a ConfigMap) and a second image overlapping it
-//! while a client sends requests without pause, then
+//! with its tree as its root (`process.root: build`, mounted by the pod's
+//! agent under the runtime's seccomp profile) while a client sends
+//! requests without pause, then
 //! the agent replaced three ways (a DaemonSet rolling update by `helm
 //! upgrade`, `kubectl delete pod`, its container killed with `ctr`) while a
 //! client sends requests without pause, and `helm uninstall` after the
@@ -426,15 +428,28 @@ impl Story {
     }
 
     /// An InstanceGeneration of the image `apps/testapp:<tag>@sha256:<digest>`
-    /// in `registry`, build id `image-<tag>`.
-    fn apply_image(&self, name: &str, registry: &Registry, tag: &str, digest: &str) {
-        self.apply_build(
+    /// in `registry`, build id `image-<tag>`; run with the image's tree as
+    /// its root when `in_its_tree` (`process.root: build`).
+    fn apply_image(
+        &self,
+        name: &str,
+        registry: &Registry,
+        (tag, digest): (&str, &str),
+        in_its_tree: bool,
+    ) {
+        let mut process =
+            serde_json::json!({"user": support::INSTANCE_ID, "group": support::INSTANCE_ID});
+        if in_its_tree {
+            process["root"] = "build".into();
+        }
+        self.apply_spec(
             name,
             serde_json::json!({
                 "id": format!("image-{tag}"),
                 "artifact": {"image": format!("{}/apps/testapp:{tag}@sha256:{digest}", registry.addr)},
                 "sha256": digest,
             }),
+            process,
         );
     }
 
@@ -501,6 +516,14 @@ impl Story {
     }
 
     fn apply_build(&self, name: &str, build: Value) {
+        self.apply_spec(
+            name,
+            build,
+            serde_json::json!({"user": support::INSTANCE_ID, "group": support::INSTANCE_ID}),
+        );
+    }
+
+    fn apply_spec(&self, name: &str, build: Value, process: Value) {
         let manifest = serde_json::json!({
             "apiVersion": "genswap.dev/v1alpha1",
             "kind": "InstanceGeneration",
@@ -508,7 +531,7 @@ impl Story {
             "spec": {
                 "nodeSelector": {"kubernetes.io/hostname": NODE},
                 "build": build,
-                "process": {"user": support::INSTANCE_ID, "group": support::INSTANCE_ID},
+                "process": process,
                 "health": {"path": "/", "timeoutSeconds": 30},
                 "stop": {"timeoutSeconds": 5},
             },
@@ -748,7 +771,7 @@ fn the_chart_runs_the_whole_story_on_a_real_node() {
         let one = support::push_testapp_image(registry, &images, "one", &static_app);
         let two = support::push_testapp_image(registry, &images, "two", &static_app);
         let began = Instant::now();
-        story.apply_image(IMAGE, registry, "one", &one);
+        story.apply_image(IMAGE, registry, ("one", &one), false);
         story.wait_serving(IMAGE, "image-one");
         println!(
             "chart on a real node: image one pulled and serving {:.1} s after kubectl apply",
@@ -756,7 +779,9 @@ fn the_chart_runs_the_whole_story_on_a_real_node() {
         );
         let load = Load::start(story.current_sock(IMAGE));
         let began = Instant::now();
-        story.apply_image(IMAGE, registry, "two", &two);
+        // The second with its tree as its root (the pod's agent mounts it,
+        // under the container runtime's seccomp profile).
+        story.apply_image(IMAGE, registry, ("two", &two), true);
         story.wait_serving(IMAGE, "image-two");
         let took = began.elapsed().as_secs_f64();
         let (answered, failures) = load.finish();
@@ -774,7 +799,12 @@ fn the_chart_runs_the_whole_story_on_a_real_node() {
         assert!(shown.contains("serving image-two"), "{shown}");
         instances += 1;
         image_pid = story.serving_pid(IMAGE);
-        assert!(image_pid.is_some(), "image two answers");
+        let exe = image_pid.and_then(|pid| fs::read_link(format!("/proc/{pid}/exe")).ok());
+        assert_eq!(
+            exe.as_deref(),
+            Some(Path::new("/bin/testapp")),
+            "image two runs with its tree as its root"
+        );
     }
 
     // The agent replaced three ways while a client sends without pause.
