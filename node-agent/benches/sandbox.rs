@@ -47,7 +47,7 @@ async fn run(spawns: usize) {
     let in_tree = tree.path().join("bin/testapp");
     std::fs::create_dir_all(tree.path().join("bin")).expect("its bin");
     std::fs::copy(&app, &in_tree).expect("the test app in the tree");
-    copy_libraries(tree.path(), &app);
+    testapp::copy_libraries(tree.path(), &app).expect("its libraries");
     let kinds: [(&str, Option<SandboxSpec>); 5] = [
         ("no sandbox", None),
         ("default sandbox", Some(SandboxSpec::default())),
@@ -123,21 +123,5 @@ async fn run(spawns: usize) {
     );
     for (i, (name, _)) in kinds.iter().enumerate() {
         print_row(name, exited[i].clone());
-    }
-}
-
-/// `binary`'s shared libraries and loader as `ldd` names them, each copied
-/// into `tree` at its path on the node.
-fn copy_libraries(tree: &std::path::Path, binary: &std::path::Path) {
-    let output = std::process::Command::new("ldd")
-        .arg(binary)
-        .output()
-        .expect("ldd");
-    let text = String::from_utf8_lossy(&output.stdout);
-    for word in text.split_whitespace().filter(|w| w.starts_with('/')) {
-        let library = std::path::Path::new(word);
-        let copy = tree.join(library.strip_prefix("/").expect("absolute"));
-        std::fs::create_dir_all(copy.parent().expect("a directory")).expect("its directory");
-        std::fs::copy(library, &copy).expect("a library");
     }
 }

@@ -293,74 +293,55 @@ impl GenerationCommands {
 
     fn resolve(&self, command: &CommandSpec, text: &str) -> Result<PathBuf, CommandError> {
         let program = &command.argv[0];
-        let tree = self
-            .sandbox
-            .tree
-            .as_deref()
-            .filter(|_| self.sandbox.root == genswap_crds::RootProfile::Build);
-        if let Some(tree) = tree {
-            return self.resolve_in_tree(tree, program, text);
-        }
-        if program.contains('/') {
-            let path = PathBuf::from(program);
-            return if path.is_absolute() {
-                Ok(path)
-            } else {
-                Err(CommandError::RelativeProgram {
-                    command: text.to_string(),
-                })
-            };
+        if program.contains('/') && !program.starts_with('/') {
+            return Err(CommandError::RelativeProgram {
+                command: text.to_string(),
+            });
         }
         let search = self
             .env
             .iter()
             .find(|(name, _)| name == "PATH")
             .map_or(DEFAULT_PATH, |(_, value)| value.as_str());
+        let not_found = |program: String| CommandError::NotFound {
+            command: text.to_string(),
+            program,
+            path: search.to_string(),
+        };
+        // Under `process.root: build`, looked up as the command will see
+        // it: inside the generation's tree, never through a link out. The
+        // path as named, not the link's target, so a multi-call program
+        // (busybox's `sh`) still learns its name from argv[0].
+        if let Some(tree) = self
+            .sandbox
+            .tree
+            .as_deref()
+            .filter(|_| self.sandbox.root == genswap_crds::RootProfile::Build)
+        {
+            let candidates: Vec<String> = if program.starts_with('/') {
+                vec![program.clone()]
+            } else {
+                search
+                    .split(':')
+                    .filter(|dir| dir.starts_with('/'))
+                    .map(|dir| format!("{}/{program}", dir.trim_end_matches('/')))
+                    .collect()
+            };
+            return candidates
+                .into_iter()
+                .find(|c| genswap_store::tree::resolve_entrypoint(tree, c).is_ok())
+                .map(|found| tree.join(found.trim_start_matches('/')))
+                .ok_or_else(|| not_found(format!("{program} in the tree {}", tree.display())));
+        }
+        if program.starts_with('/') {
+            return Ok(PathBuf::from(program));
+        }
         search
             .split(':')
             .filter(|dir| dir.starts_with('/'))
             .map(|dir| Path::new(dir).join(program))
             .find(|candidate| is_executable(candidate))
-            .ok_or_else(|| CommandError::NotFound {
-                command: text.to_string(),
-                program: program.clone(),
-                path: search.to_string(),
-            })
-    }
-
-    /// `program` looked up inside the generation's tree (`process.root:
-    /// build`) as the command will see it, never through a link that
-    /// leaves the tree.
-    fn resolve_in_tree(
-        &self,
-        tree: &Path,
-        program: &str,
-        text: &str,
-    ) -> Result<PathBuf, CommandError> {
-        use genswap_store::tree::resolve_entrypoint;
-        let search = self
-            .env
-            .iter()
-            .find(|(name, _)| name == "PATH")
-            .map_or(DEFAULT_PATH, |(_, value)| value.as_str());
-        let found = if program.contains('/') {
-            if !program.starts_with('/') {
-                return Err(CommandError::RelativeProgram {
-                    command: text.to_string(),
-                });
-            }
-            resolve_entrypoint(tree, program).ok()
-        } else {
-            search
-                .split(':')
-                .filter(|dir| dir.starts_with('/'))
-                .find_map(|dir| resolve_entrypoint(tree, &format!("{dir}/{program}")).ok())
-        };
-        found.ok_or_else(|| CommandError::NotFound {
-            command: text.to_string(),
-            program: format!("{program} in the tree {}", tree.display()),
-            path: search.to_string(),
-        })
+            .ok_or_else(|| not_found(program.clone()))
     }
 
     fn fresh_cgroup(&self, text: &str) -> Result<Cgroup, CommandError> {

@@ -311,6 +311,16 @@ async fn tried_by(
         (spec.uid, spec.gid, spec.allow_root) = (Some(0), Some(0), true);
     }
     spec.env = vec![(testapp::knob::TRY.into(), things.into())];
+    said_by(spec)
+        .await
+        .lines()
+        .filter_map(|l| l.strip_prefix("tried "))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// What `spec`'s process wrote to its stdout, once it has exited 0.
+async fn said_by(mut spec: SpawnSpec) -> String {
     let out = tempfile::NamedTempFile::new().expect("an output file");
     spec.stdout = node_agent::spawn::Output::Append(out.path().to_path_buf());
     let mut spawned = spawn(spec).await.expect("spawned");
@@ -319,11 +329,7 @@ async fn tried_by(
         .expect("it exits")
         .expect("its status");
     assert!(status.success(), "{status:?}");
-    let said = fs::read_to_string(out.path()).expect("its output");
-    said.lines()
-        .filter_map(|l| l.strip_prefix("tried "))
-        .map(str::to_owned)
-        .collect()
+    fs::read_to_string(out.path()).expect("its output")
 }
 
 const DENIED: &str = "Operation not permitted (os error 1)";
@@ -622,6 +628,43 @@ fn busybox_tree(busybox: &Path) -> tempfile::TempDir {
     tree
 }
 
+/// `script` run by the busybox of `build` with `build` as its root, as
+/// `nobody`.
+fn in_busybox_root(
+    cgroup: Cgroup,
+    n: u64,
+    build: &Path,
+    script: &str,
+    sandbox: SandboxSpec,
+) -> SpawnSpec {
+    let sandbox = SandboxSpec {
+        root: genswap_crds::RootProfile::Build,
+        tree: Some(build.to_path_buf()),
+        ..sandbox
+    };
+    let mut spec = sh(cgroup, n, script, sandbox);
+    spec.exe = build.join("bin/busybox");
+    spec.args.insert(0, "sh".into());
+    spec
+}
+
+/// What `ls /` says in a busybox tree as the root: its `bin`, the mount
+/// points, and the top directory of the test's temp dirs (the run dir's
+/// and a declared path's, bound in at their paths).
+fn busybox_root_listing() -> String {
+    let temp = RUN.with(|run| {
+        run.path()
+            .components()
+            .nth(1)
+            .and_then(|c| c.as_os_str().to_str().map(str::to_owned))
+            .expect("a top directory")
+    });
+    let mut root = vec!["bin", "dev", "etc", "proc", "sys", "tmp", "var", &temp];
+    root.sort_unstable();
+    root.dedup();
+    format!("root: {}", root.join(" "))
+}
+
 #[tokio::test]
 async fn a_build_root_is_the_trees_with_the_run_dir_tmp_and_declared_paths_bound_in() {
     use std::os::unix::fs::PermissionsExt;
@@ -647,38 +690,17 @@ async fn a_build_root_is_the_trees_with_the_run_dir_tmp_and_declared_paths_bound
          echo root: $(ls /)\n",
         declared = declared.path().display(),
     );
-    let exe = build.path().join("bin/busybox");
-    let mut spec = sh(
+    let spec = in_busybox_root(
         generation(&tree, 30).await,
         30,
+        build.path(),
         &script,
         SandboxSpec {
             writable_paths: vec![declared.path().to_path_buf()],
-            root: genswap_crds::RootProfile::Build,
-            tree: Some(build.path().to_path_buf()),
             ..SandboxSpec::default()
         },
     );
-    spec.exe = exe;
-    spec.args.insert(0, "sh".into());
-    let out = tempfile::NamedTempFile::new().expect("an output file");
-    spec.stdout = node_agent::spawn::Output::Append(out.path().to_path_buf());
-    let mut spawned = spawn(spec).await.expect("spawned");
-    let status = tokio::time::timeout(LONG, spawned.wait())
-        .await
-        .expect("it exits")
-        .expect("its status");
-    assert!(status.success(), "{status:?}");
-    let said = fs::read_to_string(out.path()).expect("its output");
-    let top = declared
-        .path()
-        .components()
-        .nth(1)
-        .expect("a top directory");
-    let top = top.as_os_str().to_str().expect("UTF-8");
-    let mut root: Vec<&str> = vec!["bin", "dev", "etc", "proc", "sys", "tmp", "var", top];
-    root.sort_unstable();
-    root.dedup();
+    let said = said_by(spec).await;
     assert_eq!(
         said.lines().collect::<Vec<_>>(),
         vec![
@@ -691,7 +713,7 @@ async fn a_build_root_is_the_trees_with_the_run_dir_tmp_and_declared_paths_bound
             "its-proc: yes",
             "sys-read-only: yes",
             "dev-null: yes",
-            &format!("root: {}", root.join(" ")),
+            &busybox_root_listing(),
         ],
         "{said}"
     );
@@ -735,45 +757,62 @@ async fn a_build_root_needs_no_pivot_root() {
 
     let tree = TestCgroupTree::new("sandbox-no-pivot");
     let build = busybox_tree(busybox);
-    let mut spec = sh(
+    let spec = in_busybox_root(
         generation(&tree, 31).await,
         31,
+        build.path(),
         "echo root: $(ls /); if touch /bin/new 2>/dev/null; then echo tree writable; fi",
-        SandboxSpec {
-            root: genswap_crds::RootProfile::Build,
-            tree: Some(build.path().to_path_buf()),
-            ..SandboxSpec::default()
+        SandboxSpec::default(),
+    );
+    assert_eq!(said_by(spec).await.trim(), busybox_root_listing());
+}
+
+/// A generation's exec probes and hooks run in its tree too: a bare name
+/// is found on the `PATH` inside it, and a multi-call program still gets
+/// the name it was called by (busybox's `sh` is a link).
+#[tokio::test]
+async fn a_generations_commands_run_in_its_build_root() {
+    use node_agent::command::{CommandEnd, CommandIdentity, CommandSpec, GenerationCommands};
+    let Some(busybox) = busybox() else {
+        return;
+    };
+    let tree = TestCgroupTree::new("sandbox-root-commands");
+    let build = busybox_tree(busybox);
+    let cgroup = generation(&tree, 32).await;
+    let socket = RUN.with(|run| run.path().join("gen-32.sock"));
+    let commands = GenerationCommands::new(
+        cgroup,
+        Some(tree.mount()),
+        socket,
+        32,
+        "build-a",
+        CommandIdentity {
+            uid: Some(NOBODY),
+            gid: Some(NOBODY),
+            sandbox: SandboxSpec {
+                root: genswap_crds::RootProfile::Build,
+                tree: Some(build.path().to_path_buf()),
+                ..SandboxSpec::default()
+            },
+            ..CommandIdentity::default()
         },
     );
-    spec.exe = build.path().join("bin/busybox");
-    spec.args.insert(0, "sh".into());
-    let out = tempfile::NamedTempFile::new().expect("an output file");
-    spec.stdout = node_agent::spawn::Output::Append(out.path().to_path_buf());
-    let mut spawned = spawn(spec).await.expect("spawned without pivot_root");
-    let status = tokio::time::timeout(LONG, spawned.wait())
+    for program in ["sh", "/bin/sh"] {
+        let command = CommandSpec::new(&[program.into(), "-c".into(), "echo root: $(ls /)".into()])
+            .expect("a command");
+        match commands.run(&command, LONG).await.expect("it ran") {
+            CommandEnd::Exited { status, output } => {
+                assert!(status.success(), "{program}: {status:?} {output}");
+                assert_eq!(output.trim(), busybox_root_listing(), "{program}");
+            }
+            other => panic!("{program}: {other:?}"),
+        }
+    }
+    // Nothing of the node's: its programs are not found.
+    let node_only = CommandSpec::new(&["env".into()]).expect("a command");
+    let refused = commands
+        .run(&node_only, LONG)
         .await
-        .expect("it exits")
-        .expect("its status");
-    assert!(status.success(), "{status:?}");
-    let said = fs::read_to_string(out.path()).expect("its output");
-    let run_top = RUN.with(|run| {
-        run.path()
-            .components()
-            .nth(1)
-            .and_then(|c| c.as_os_str().to_str().map(str::to_owned))
-            .expect("a top directory")
-    });
-    let mut root = vec![
-        "bin",
-        "dev",
-        "etc",
-        "proc",
-        "sys",
-        "tmp",
-        "var",
-        run_top.as_str(),
-    ];
-    root.sort_unstable();
-    root.dedup();
-    assert_eq!(said.trim(), format!("root: {}", root.join(" ")));
+        .expect_err("not in the tree");
+    assert!(refused.to_string().contains("in the tree"), "{refused}");
 }

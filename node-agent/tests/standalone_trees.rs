@@ -21,6 +21,12 @@ use standalone_support::{Manifest, StandaloneHost, key};
 /// A tar+gzip archive of a tree with the test app's server at
 /// `bin/server`, in the staging root, as a build the manifest names.
 fn archive(host: &StandaloneHost, name: &str) -> testapp::Build {
+    archive_of(host, name, false)
+}
+
+/// [`archive`], with the libraries the server links in the tree too when
+/// `with_libraries` (to run with the tree as its root).
+fn archive_of(host: &StandaloneHost, name: &str, with_libraries: bool) -> testapp::Build {
     let src = host
         .staging
         .parent()
@@ -30,6 +36,9 @@ fn archive(host: &StandaloneHost, name: &str) -> testapp::Build {
     let server = host.build(&format!("server-{name}"));
     fs::copy(&server.path, src.join("bin/server")).expect("server");
     fs::set_permissions(src.join("bin/server"), fs::Permissions::from_mode(0o755)).expect("chmod");
+    if with_libraries {
+        testapp::copy_libraries(&src, &server.path).expect("its libraries");
+    }
     let path = host.staging.join(format!("{name}.tar.gz"));
     let sha256 = swap_host::tar_tree(&src, &path, genswap_crds::Unpack::TarGzip);
     testapp::Build { path, sha256 }
@@ -74,42 +83,12 @@ async fn an_archive_installs_and_another_overlaps_it() {
     host.stop().await;
 }
 
-/// `binary`'s shared libraries and loader as `ldd` names them, each copied
-/// into `tree` at the path it has on the node.
-fn with_its_libraries(tree: &std::path::Path, binary: &std::path::Path) {
-    let output = std::process::Command::new("ldd")
-        .arg(binary)
-        .output()
-        .expect("ldd");
-    assert!(output.status.success(), "ldd {}", binary.display());
-    let text = String::from_utf8_lossy(&output.stdout);
-    for word in text.split_whitespace().filter(|w| w.starts_with('/')) {
-        let library = std::path::Path::new(word);
-        let copy = tree.join(library.strip_prefix("/").expect("absolute"));
-        fs::create_dir_all(copy.parent().expect("a directory")).expect("its directory");
-        fs::copy(library, &copy).expect("a library");
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_archive_runs_with_its_tree_as_root_through_an_overlap() {
     let host = StandaloneHost::start("trees-as-root");
     let hello = key("hello");
     let rooted = |name: &str| {
-        let src = host
-            .staging
-            .parent()
-            .expect("temp dir")
-            .join(format!("src-{name}"));
-        fs::create_dir_all(src.join("bin")).expect("bin");
-        let server = host.build(&format!("server-{name}"));
-        fs::copy(&server.path, src.join("bin/server")).expect("server");
-        fs::set_permissions(src.join("bin/server"), fs::Permissions::from_mode(0o755))
-            .expect("chmod");
-        with_its_libraries(&src, &server.path);
-        let path = host.staging.join(format!("{name}.tar.gz"));
-        let sha256 = swap_host::tar_tree(&src, &path, genswap_crds::Unpack::TarGzip);
-        let mut manifest = tree_manifest(name, &testapp::Build { path, sha256 });
+        let mut manifest = tree_manifest(name, &archive_of(&host, name, true));
         manifest.root_build = true;
         manifest
     };

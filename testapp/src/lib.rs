@@ -278,6 +278,45 @@ fn binary_beside(exe: &Path) -> Result<PathBuf, Error> {
     }
 }
 
+/// Copies the shared libraries and the loader `ldd` names for `binary`
+/// into `tree`, each at its path on the node: a tree the dynamically
+/// linked server runs in as its root.
+pub fn copy_libraries(tree: &Path, binary: &Path) -> Result<(), Error> {
+    let output = std::process::Command::new("ldd")
+        .arg(binary)
+        .output()
+        .map_err(|source| Error::Read {
+            path: binary.to_path_buf(),
+            source,
+        })?;
+    if !output.status.success() {
+        return Err(Error::Read {
+            path: binary.to_path_buf(),
+            source: std::io::Error::other(format!(
+                "ldd: {}",
+                String::from_utf8_lossy(&output.stderr).trim()
+            )),
+        });
+    }
+    let text = String::from_utf8_lossy(&output.stdout);
+    for library in text
+        .split_whitespace()
+        .filter_map(|word| word.strip_prefix('/'))
+        .map(Path::new)
+    {
+        let copy = tree.join(library);
+        let write_err = |source| Error::Write {
+            path: copy.clone(),
+            source,
+        };
+        if let Some(dir) = copy.parent() {
+            fs::create_dir_all(dir).map_err(write_err)?;
+        }
+        fs::copy(Path::new("/").join(library), &copy).map_err(write_err)?;
+    }
+    Ok(())
+}
+
 /// A copy of the server that differs from every other build by its bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Build {
