@@ -231,7 +231,7 @@ fn on_the_node(
         *writable
             || !request.writable.iter().any(|w| path.starts_with(w)) && !path.starts_with(run_dir)
     });
-    kept.sort_by(|(a, _), (b, _)| (a.components().count(), a).cmp(&(b.components().count(), b)));
+    kept.sort_by_key(|(path, _)| parents_first(path));
     kept.dedup_by(|(a, _), (b, _)| a == b);
     for (path, writable) in kept {
         if let Some(dir) = hidden.iter().find(|dir| path.starts_with(dir)) {
@@ -295,7 +295,7 @@ fn in_the_tree(
         .map(PathBuf::as_path)
         .chain([run_dir])
         .collect();
-    bound.sort_by(|a, b| (a.components().count(), a).cmp(&(b.components().count(), b)));
+    bound.sort_by_key(|path| parents_first(path));
     bound.dedup();
     let mut points: Vec<(PathBuf, bool)> = ["/proc", "/dev", "/sys", "/tmp", "/var/tmp"]
         .into_iter()
@@ -377,6 +377,12 @@ fn in_the_tree(
         ChildStep::PivotRoot(cstring(&root)?),
     );
     Ok(())
+}
+
+/// A sort key that puts a directory before what lies inside it, so a
+/// mount on it never covers one below it.
+fn parents_first(path: &Path) -> (usize, &Path) {
+    (path.components().count(), path)
 }
 
 /// `path`, absolute, as it lies below `root`.

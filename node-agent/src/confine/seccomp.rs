@@ -283,11 +283,8 @@ impl Layout {
     fn search(&mut self, calls: &[(u32, usize)], deny: usize) {
         if calls.len() <= 3 {
             for (number, target) in calls {
-                self.cond(libc::BPF_JEQ, *number, To::Next, To::Label(0));
                 let skip = self.label();
-                if let Some(Op::Cond { other, .. }) = self.ops.last_mut() {
-                    *other = To::Label(skip);
-                }
+                self.cond(libc::BPF_JEQ, *number, To::Next, To::Label(skip));
                 self.ops.push(Op::Goto(*target));
                 self.ops.push(Op::Mark(skip));
             }
