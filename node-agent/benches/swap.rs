@@ -7,6 +7,9 @@
 //! successor's boot-to-first-healthy time (its health step: from the exec's
 //! return to the first answer below 500). It asserts nothing on time.
 //!
+//! The run dir is a tmpfs, as a node's `/run` is; the journal and the logs
+//! stay on the temp dir's filesystem, as `/var/lib` and `/var/log` do.
+//!
 //! `cargo bench -p node-agent --bench swap` (root, cgroup v2). `SWAPS=n`
 //! changes the count.
 
@@ -51,7 +54,7 @@ async fn run(swaps: usize) {
 }
 
 async fn run_one(swaps: usize, name: &str, relaxed: bool) {
-    let host = SwapHost::new("bench");
+    let host = SwapHost::with_run_dir_in_memory("bench");
     // Two builds alternate, so every swap changes the build.
     let builds = [host.build("bench-even"), host.build("bench-odd")];
     let names = ["bench-even", "bench-odd"];

@@ -45,8 +45,35 @@ pub struct SwapHost {
     pub run_dir: PathBuf,
     pub state_dir: PathBuf,
     tree: TestCgroupTree,
-    // Dropped after the tree: nothing runs from it by then.
+    // Dropped after the tree and before the dir: nothing runs from either.
+    run_mount: Option<TmpfsMount>,
     dir: tempfile::TempDir,
+}
+
+/// A tmpfs mounted by a test, taken down by its path on drop.
+pub struct TmpfsMount(PathBuf);
+
+impl TmpfsMount {
+    /// Mounts a tmpfs at `at` (an existing directory) as a node's `/run` is:
+    /// `nosuid,nodev`, mode 0755.
+    pub fn mount(at: &Path) -> TmpfsMount {
+        use nix::mount::{MsFlags, mount};
+        mount(
+            Some("genswap-test-run"),
+            at,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some("mode=0755"),
+        )
+        .expect("mount a tmpfs (the tests run as root)");
+        TmpfsMount(at.to_path_buf())
+    }
+}
+
+impl Drop for TmpfsMount {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+    }
 }
 
 impl SwapHost {
@@ -59,14 +86,33 @@ impl SwapHost {
         SwapHost::in_tree(tag, config, TestCgroupTree::new(tag))
     }
 
+    /// [`SwapHost::new`] with its run dir on a tmpfs of its own, as a
+    /// node's `/run` is (the temp dir may be on a disk): for figures that
+    /// must be what a node would show.
+    pub fn with_run_dir_in_memory(tag: &str) -> SwapHost {
+        SwapHost::in_tree_staging(
+            tag,
+            EngineConfig::default(),
+            TestCgroupTree::new(tag),
+            |_| {},
+            true,
+        )
+    }
+
     /// A node whose agent's cgroup root is `<tree>/genswap`.
     pub fn in_tree(tag: &str, config: EngineConfig, tree: TestCgroupTree) -> SwapHost {
-        SwapHost::in_tree_staging(tag, config, tree, |_| {})
+        SwapHost::in_tree_staging(tag, config, tree, |_| {}, false)
     }
 
     /// A node whose stager is configured by `tune` (registries, limits).
     pub fn with_stager(tag: &str, tune: impl FnOnce(&mut StagerConfig)) -> SwapHost {
-        SwapHost::in_tree_staging(tag, EngineConfig::default(), TestCgroupTree::new(tag), tune)
+        SwapHost::in_tree_staging(
+            tag,
+            EngineConfig::default(),
+            TestCgroupTree::new(tag),
+            tune,
+            false,
+        )
     }
 
     fn in_tree_staging(
@@ -74,6 +120,7 @@ impl SwapHost {
         config: EngineConfig,
         tree: TestCgroupTree,
         tune: impl FnOnce(&mut StagerConfig),
+        run_in_memory: bool,
     ) -> SwapHost {
         let dir = tempfile::Builder::new()
             .prefix(&format!("genswap-{tag}-"))
@@ -86,6 +133,10 @@ impl SwapHost {
         let run_dir = dir.path().join("run");
         let state_dir = dir.path().join("state");
         fs::create_dir(&staging).expect("staging root");
+        let run_mount = run_in_memory.then(|| {
+            fs::create_dir(&run_dir).expect("the run dir");
+            TmpfsMount::mount(&run_dir)
+        });
         let mut stager_config = StagerConfig::new(&staging);
         tune(&mut stager_config);
         let stager = Stager::new(
@@ -110,6 +161,7 @@ impl SwapHost {
             run_dir,
             state_dir,
             tree,
+            run_mount,
             dir,
         }
     }
