@@ -133,20 +133,26 @@ async fn a_generations_output_is_its_own_cri_log_and_logs_reads_it() {
     host.tear_down().await;
     let root = host.instance_cgroup();
     let root = root.parent().expect("the cgroup root");
+    // The shim started ahead for the next generation has none yet.
+    let spare = || host.engine.logs().spare_pid();
     eventually(DEADLINE, "every shim to exit after its generation", || {
-        shim_pids(root).is_empty()
+        shim_pids(root).into_iter().all(|pid| Some(pid) == spare())
     })
     .await;
+    assert!(spare().is_some(), "a shim waits for the next generation");
 }
 
-/// A sink over a fresh cgroup tree, for tests that write to a shim directly.
+/// A sink over a fresh cgroup tree, for tests that write to a shim directly
+/// and count the shims: so without one started ahead.
 fn sink(
     tag: &str,
     settings: impl FnOnce(&Path) -> LogSettings,
 ) -> (TestCgroupTree, LogSink, tempfile::TempDir) {
     let tree = TestCgroupTree::new(tag);
     let dir = tempfile::tempdir().expect("temp dir");
-    let sink = LogSink::new(settings(dir.path()), &tree.manager()).expect("log sink");
+    let sink = LogSink::new(settings(dir.path()), &tree.manager())
+        .expect("log sink")
+        .without_spare();
     (tree, sink, dir)
 }
 
@@ -453,11 +459,24 @@ spec:
     .and_then(|l| l.trim().parse().ok())
     .expect("the server's pid");
 
+    let shims_root = tree.path().join("genswap");
+    eventually(
+        DEADLINE,
+        "generation 1's shim and one started ahead",
+        || shim_pids(&shims_root).len() == 2,
+    )
+    .await;
+
     // The pod restarts: everything in its cgroup is killed at once.
     let killed_at = std::time::SystemTime::now();
     kill_cgroup(&pod);
     eventually(DEADLINE, "the pod cgroup to empty", || !populated(&pod)).await;
     let _ = pod_shell.wait().await;
+    // The shim that waited for the agent's next generation saw its agent go.
+    eventually(DEADLINE, "the shim started ahead to exit", || {
+        shim_pids(&shims_root).len() == 1
+    })
+    .await;
 
     for round in 0..5 {
         let status =
@@ -641,4 +660,79 @@ async fn a_shim_that_cannot_open_its_file_still_reads_so_the_writer_never_breaks
     writes_return(writer, "no log file").await;
     let root = tree.path().join("genswap");
     eventually(DEADLINE, "the shim to exit", || shim_pids(&root).is_empty()).await;
+}
+
+/// The shim started ahead is the one that writes the next generation's
+/// output; one that died while it waited is replaced without a word to the
+/// generation; the one left waiting goes with its sink.
+#[tokio::test]
+async fn the_shim_started_ahead_writes_the_next_generation_and_a_dead_one_is_replaced() {
+    let tree = TestCgroupTree::new("logs-spare");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let logs = dir.path().join("logs");
+    let sink = LogSink::new(LogSettings::in_dir(&logs, AGENT), &tree.manager()).expect("log sink");
+    let root = tree.path().join("genswap");
+    let instance_dir = logs.join("default_app");
+    // A line written to a generation's stdout lands in its own log file.
+    let reaches_its_log = async |stdout: std::os::fd::OwnedFd, generation: &str| {
+        let line = format!("from generation {generation}");
+        fs::File::from(stdout)
+            .write_all(format!("{line}\n").as_bytes())
+            .expect("the shim reads");
+        eventually(DEADLINE, &format!("{line} in its log"), || {
+            fs::read_to_string(current_path(&instance_dir, generation))
+                .is_ok_and(|text| text.contains(&line))
+        })
+        .await;
+    };
+
+    let first = sink.start(&key(), 1, None).expect("generation 1's shim");
+    let spare = async || {
+        // The engine asks for one once a generation runs.
+        sink.prepare_spare();
+        let mut pid = None;
+        eventually(DEADLINE, "a shim started ahead", || {
+            pid = sink.spare_pid();
+            pid.is_some()
+        })
+        .await;
+        pid.expect("a spare's pid")
+    };
+    let ahead = spare().await;
+    let second = sink.start(&key(), 2, None).expect("generation 2's shim");
+    assert_ne!(sink.spare_pid(), Some(ahead), "taken, not left waiting");
+    reaches_its_log(second.stdout, "2").await;
+    assert!(
+        shim_pids(&root).contains(&ahead),
+        "the shim started ahead writes generation 2"
+    );
+    drop(second.stderr);
+    eventually(
+        DEADLINE,
+        "the shim taken ahead to exit with its pipes",
+        || !shim_pids(&root).contains(&ahead),
+    )
+    .await;
+
+    // A waiting shim killed: the next generation gets a working one.
+    let doomed = spare().await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(doomed).expect("a pid")),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill the waiting shim");
+    let third = sink.start(&key(), 3, None).expect("generation 3's shim");
+    reaches_its_log(third.stdout, "3").await;
+    drop((third.stderr, first));
+
+    let waiting = spare().await;
+    drop(sink);
+    assert!(
+        !shim_pids(&root).contains(&waiting),
+        "the waiting shim went with its sink"
+    );
+    eventually(DEADLINE, "every shim to exit", || {
+        shim_pids(&root).is_empty()
+    })
+    .await;
 }

@@ -193,6 +193,9 @@ pub(super) async fn run(
         parts::remove_empty_instance(engine, &attempt.instance);
     }
     drop(claim);
+    // The next generation's log shim starts now, between attempts, not on
+    // the next swap's path.
+    engine.logs.prepare_spare();
     result
 }
 
@@ -348,9 +351,10 @@ impl<'a> Run<'a> {
         }));
     }
 
-    /// Starts the successor's log shim in the background: the agent's own
-    /// process (its exec is most of the spawn step's time), so it may start
-    /// before the intent is on file. Unused, it exits when its pipes close.
+    /// Gets the successor's log shim in the background (the one the sink
+    /// started ahead, or a new one when none waits): the agent's own
+    /// process, so it may start before the intent is on file. Unused, it
+    /// exits when its pipes close.
     pub(super) fn start_log_shim(&mut self) {
         if let Some(successor) = &self.record.successor {
             self.log_shim = Some(log_shim_start(self.ctx(), successor.n));

@@ -21,8 +21,11 @@ use std::fs;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use nix::fcntl::OFlag;
+use nix::sys::socket::{AddressFamily, MsgFlags, SockFlag, SockType, send, socketpair};
 use thiserror::Error;
 
 use crate::cgroup::CgroupManager;
@@ -102,12 +105,6 @@ pub enum LogError {
         #[source]
         source: io::Error,
     },
-    #[error("cannot make the pipes for generation {generation}'s output: {source}")]
-    Pipe {
-        generation: u64,
-        #[source]
-        source: nix::Error,
-    },
     #[error("cannot start the log shim {exe}: {source}")]
     Start {
         exe: PathBuf,
@@ -126,10 +123,62 @@ pub struct GenerationOutput {
 }
 
 /// Starts a log shim per generation.
+///
+/// A shim takes about 2 ms to start (the agent's binary is large): that
+/// would be on every swap's path between the intent and the exec. So the
+/// sink keeps one shim started ahead, unassigned, and hands it the next
+/// generation: its start happens after the attempt that took the previous
+/// one. An unassigned shim holds no file and exits when the sink goes (or
+/// the agent dies): its control socket reaches end-of-file.
 #[derive(Clone, Debug)]
 pub struct LogSink {
     settings: LogSettings,
     shim_cgroup: PathBuf,
+    spare: Option<Arc<SpareSlot>>,
+}
+
+/// Where the shim started ahead waits.
+#[derive(Default)]
+struct SpareSlot {
+    shim: Mutex<Option<UnassignedShim>>,
+    /// A spare is being started: no second one.
+    refilling: AtomicBool,
+}
+
+impl std::fmt::Debug for SpareSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpareSlot")
+            .field("refilling", &self.refilling.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+/// A started shim that has not yet been told whose output it writes:
+/// killed and reaped when dropped unassigned.
+struct UnassignedShim {
+    child: Option<launch::Child>,
+    control: OwnedFd,
+    output: Option<GenerationOutput>,
+}
+
+impl UnassignedShim {
+    fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, |child| child.pid)
+    }
+}
+
+impl Drop for UnassignedShim {
+    fn drop(&mut self) {
+        let Some(child) = self.child.take() else {
+            return;
+        };
+        // Never reaped yet, so the pid is still this child's.
+        if let Ok(raw) = i32::try_from(child.pid) {
+            let pid = nix::unistd::Pid::from_raw(raw);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            let _ = nix::sys::wait::waitpid(pid, None);
+        }
+    }
 }
 
 impl LogSink {
@@ -148,7 +197,22 @@ impl LogSink {
         Ok(LogSink {
             settings,
             shim_cgroup,
+            spare: Some(Arc::default()),
         })
+    }
+
+    /// Without a shim started ahead: each generation's shim starts when it
+    /// is needed (for tests that count shims).
+    pub fn without_spare(mut self) -> LogSink {
+        self.spare = None;
+        self
+    }
+
+    /// The pid of the shim started ahead, when one waits.
+    pub fn spare_pid(&self) -> Option<u32> {
+        let slot = self.spare.as_ref()?;
+        let shim = slot.shim.lock().unwrap_or_else(PoisonError::into_inner);
+        shim.as_ref().map(UnassignedShim::pid)
     }
 
     pub fn settings(&self) -> &LogSettings {
@@ -211,18 +275,95 @@ impl LogSink {
         generation: u64,
         sidecar: Option<&str>,
     ) -> Result<GenerationOutput, LogError> {
-        let pipe = || {
-            nix::unistd::pipe2(OFlag::O_CLOEXEC)
-                .map_err(|source| LogError::Pipe { generation, source })
+        let assignment = shim::Assignment {
+            dir: dir.to_path_buf(),
+            generation,
+            sidecar: sidecar.map(str::to_owned),
         };
-        let (out_read, out_write) = pipe()?;
-        let (err_read, err_write) = pipe()?;
-        let (ready_read, ready_write) = pipe()?;
+        // Sidecars start after the switch, off the swap's path: the spare
+        // stays for the next generation.
+        let spare = sidecar.is_none().then(|| self.take_spare()).flatten();
+        if let Some(spare) = spare {
+            match self.assign(spare, instance, &assignment) {
+                Ok(output) => return Ok(output),
+                Err(error) => tracing::warn!(
+                    instance = %instance,
+                    generation,
+                    error = %error,
+                    "the log shim started ahead could not take this output; starting another"
+                ),
+            }
+        }
+        let shim = self.launch_shim()?;
+        self.assign(shim, instance, &assignment)
+    }
+
+    fn take_spare(&self) -> Option<UnassignedShim> {
+        let slot = self.spare.as_ref()?;
+        slot.shim
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+
+    /// Starts a shim ahead of the next generation on a blocking thread,
+    /// unless one waits or is being started (or no runtime is at hand).
+    /// The engine calls it as each attempt ends, so the start happens
+    /// between attempts, not on the next swap's path.
+    pub fn prepare_spare(&self) {
+        let Some(slot) = &self.spare else {
+            return;
+        };
+        if slot.refilling.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            slot.refilling.store(false, Ordering::Release);
+            return;
+        };
+        let sink = self.clone();
+        runtime.spawn_blocking(move || {
+            let Some(slot) = &sink.spare else {
+                return;
+            };
+            let waiting = slot
+                .shim
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_some();
+            if !waiting {
+                match sink.launch_shim() {
+                    Ok(shim) => {
+                        *slot.shim.lock().unwrap_or_else(PoisonError::into_inner) = Some(shim);
+                    }
+                    Err(error) => {
+                        tracing::warn!(error = %error, "no log shim could be started ahead; the next generation's starts when it is needed");
+                    }
+                }
+            }
+            slot.refilling.store(false, Ordering::Release);
+        });
+    }
+
+    /// Starts a shim in the shims' cgroup, holding the read ends of a fresh
+    /// pair of pipes; it waits for its assignment.
+    fn launch_shim(&self) -> Result<UnassignedShim, LogError> {
         let exe = &self.settings.shim;
         let start_err = |source: io::Error| LogError::Start {
             exe: exe.clone(),
             source,
         };
+        let pipe =
+            || nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|source| start_err(source.into()));
+        let (out_read, out_write) = pipe()?;
+        let (err_read, err_write) = pipe()?;
+        let (control, shim_control) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(|source| start_err(source.into()))?;
         let null: OwnedFd = fs::File::open("/dev/null").map_err(start_err)?.into();
         // Above the descriptors the child places them at, so no dup2 there
         // overwrites another's source.
@@ -234,9 +375,9 @@ impl LogSink {
             (high(&null)?, 2),
             (high(&out_read)?, shim::STDOUT_FD),
             (high(&err_read)?, shim::STDERR_FD),
-            (high(&ready_write)?, shim::READY_FD),
+            (high(&shim_control)?, shim::CONTROL_FD),
         ];
-        drop((out_read, err_read, ready_write));
+        drop((out_read, err_read, shim_control));
         let steps = held
             .iter()
             .map(|(fd, to)| {
@@ -247,20 +388,13 @@ impl LogSink {
                 (b'o', step)
             })
             .collect();
-        let mut args = vec![
+        let args = [
             "log-shim".to_owned(),
-            "--dir".to_owned(),
-            dir.display().to_string(),
-            "--generation".to_owned(),
-            generation.to_string(),
             "--max-size".to_owned(),
             self.settings.max_size.to_string(),
             "--max-files".to_owned(),
             self.settings.max_files.to_string(),
         ];
-        if let Some(name) = sidecar {
-            args.extend(["--sidecar".to_owned(), name.to_owned()]);
-        }
         let image = ExecImage::new(exe, &args, &[], None).map_err(start_err)?;
         fs::create_dir_all(&self.shim_cgroup).map_err(|source| LogError::Cgroup {
             path: self.shim_cgroup.clone(),
@@ -280,57 +414,79 @@ impl LogSink {
             LaunchError::Start(source) => start_err(source),
         })?;
         drop(held);
-        let child = match launched {
-            Launched::Running(child) => child,
+        match launched {
+            Launched::Running(child) => Ok(UnassignedShim {
+                child: Some(child),
+                control,
+                output: Some(GenerationOutput {
+                    stdout: out_write,
+                    stderr: err_write,
+                }),
+            }),
             Launched::ExecFailed(errno)
             | Launched::StepFailed {
                 errno: Some(errno), ..
-            } => {
-                return Err(start_err(errno.into()));
-            }
-            Launched::StepFailed { errno: None, .. } | Launched::Vanished => {
-                return Err(start_err(io::Error::other(
-                    "it ended before it reported its setup",
-                )));
-            }
+            } => Err(start_err(errno.into())),
+            Launched::StepFailed { errno: None, .. } | Launched::Vanished => Err(start_err(
+                io::Error::other("it ended before it reported its setup"),
+            )),
+        }
+    }
+
+    /// Tells `shim` whose output it writes and waits for its answer.
+    fn assign(
+        &self,
+        mut shim: UnassignedShim,
+        instance: &InstanceKey,
+        assignment: &shim::Assignment,
+    ) -> Result<GenerationOutput, LogError> {
+        let message = assignment.encode();
+        let answer = if message.len() > shim::MAX_ASSIGNMENT {
+            Err(format!(
+                "its assignment is {} bytes, more than {} (the log directory's path is too long)",
+                message.len(),
+                shim::MAX_ASSIGNMENT
+            ))
+        } else {
+            send(shim.control.as_raw_fd(), &message, MsgFlags::MSG_NOSIGNAL)
+                .map_err(|errno| format!("its assignment could not be sent: {errno}"))
+                .and_then(|_| await_ready(&shim.control))
         };
-        let pid = child.pid;
-        match await_ready(&ready_read) {
+        match answer {
             Ok(true) => {}
             Ok(false) => tracing::warn!(
                 instance = %instance,
-                generation,
-                dir = %dir.display(),
+                generation = assignment.generation,
+                dir = %assignment.dir.display(),
                 "the log shim cannot open the log file; this generation's output is read and dropped"
             ),
             Err(why) => {
-                // Dead or wedged: a generation must not write into a pipe
-                // nobody reads.
-                if let Ok(raw) = i32::try_from(pid) {
-                    let _ = nix::sys::signal::kill(
-                        nix::unistd::Pid::from_raw(raw),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
-                }
-                crate::process::reap_when_exited(child);
+                // Dead or wedged (dropping it kills it): a generation must
+                // not write into a pipe nobody reads.
                 return Err(LogError::NotReady {
-                    exe: exe.clone(),
-                    pid,
+                    exe: self.settings.shim.clone(),
+                    pid: shim.pid(),
                     why,
                 });
             }
         }
-        crate::process::reap_when_exited(child);
-        Ok(GenerationOutput {
-            stdout: out_write,
-            stderr: err_write,
-        })
+        match (shim.child.take(), shim.output.take()) {
+            (Some(child), Some(output)) => {
+                crate::process::reap_when_exited(child);
+                Ok(output)
+            }
+            _ => Err(LogError::NotReady {
+                exe: self.settings.shim.clone(),
+                pid: shim.pid(),
+                why: "it was handed out twice".into(),
+            }),
+        }
     }
 }
 
-/// Waits for the shim's ready byte: it writes one once its signals are
-/// ignored and its pipes taken, then closes the descriptor. `false`: it
-/// runs without its log file.
+/// Waits for the shim's ready byte: it answers its assignment with one once
+/// its log file is open, then closes its end. `false`: it runs without its
+/// log file.
 fn await_ready(ready: &OwnedFd) -> Result<bool, String> {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
     let mut fds = [PollFd::new(ready.as_fd(), PollFlags::POLLIN)];

@@ -8,15 +8,21 @@
 //! from the agent going away. It ignores the signals a terminal, a pod stop
 //! or a generation's stop would send it, and exits once both pipes reach
 //! end-of-file: when every process of the generation has closed them.
+//!
+//! It learns whose output it writes after it starts, from the agent over a
+//! socket ([`Assignment`]), so the agent can start it ahead of the next
+//! generation; a shim whose agent goes before it is assigned exits.
 
 use std::fs::File;
-use std::io::{self, Read, Write};
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::io::{self, Read};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use jiff::Timestamp;
 use nix::sys::signal::{SigHandler, Signal, signal};
+use nix::sys::socket::{MsgFlags, recv, send};
 
 use super::cri::{self, LineSplitter, Stream};
 use super::file::RotatingFile;
@@ -25,26 +31,25 @@ use super::file::RotatingFile;
 pub const STDOUT_FD: i32 = 3;
 /// ... and of its stderr pipe.
 pub const STDERR_FD: i32 = 4;
-/// Where the shim writes [`READY`] once it runs, then closes it.
-pub const READY_FD: i32 = 5;
+/// The shim's end of a `SOCK_SEQPACKET` pair with the agent: it receives
+/// its [`Assignment`] there, answers [`READY`] once its log file is open,
+/// and closes it. End-of-file before an assignment ends the shim.
+pub const CONTROL_FD: i32 = 5;
 /// The ready byte: the log file is open.
 pub const READY: u8 = b'r';
-/// The ready byte when the log file could not be opened: the shim still
-/// reads (the writer never blocks) and drops what it reads.
+/// The ready byte when the log file could not be opened (or the assignment
+/// could not be read): the shim still reads (the writer never blocks) and
+/// drops what it reads.
 pub const READY_WITHOUT_FILE: u8 = b'n';
+/// The longest assignment (a number, a sidecar name and a path): a longer
+/// message would arrive cut, so the agent refuses to send one.
+pub const MAX_ASSIGNMENT: usize = 8192;
 
-/// `node-agent log-shim`: not for people; the agent starts it.
+/// `node-agent log-shim`: not for people; the agent starts it. What it
+/// writes comes later, as an [`Assignment`]: so a shim can be started
+/// before the generation it will serve exists (see `LogSink`).
 #[derive(clap::Args, Debug, Clone)]
 pub struct ShimArgs {
-    /// The instance's log directory.
-    #[arg(long)]
-    pub dir: PathBuf,
-    /// The generation N whose output this is.
-    #[arg(long)]
-    pub generation: u64,
-    /// The sidecar of generation N whose output this is, if not N's own.
-    #[arg(long)]
-    pub sidecar: Option<String>,
     /// Bytes after which the file is rotated.
     #[arg(long)]
     pub max_size: u64,
@@ -53,19 +58,72 @@ pub struct ShimArgs {
     pub max_files: u32,
 }
 
+/// Whose output a shim writes, and where.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assignment {
+    /// The instance's log directory.
+    pub dir: PathBuf,
+    /// The generation N whose output this is.
+    pub generation: u64,
+    /// The sidecar of generation N whose output this is, if not N's own.
+    pub sidecar: Option<String>,
+}
+
+impl Assignment {
+    /// `<generation> NUL <sidecar or nothing> NUL <dir>`: one message.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut bytes = self.generation.to_string().into_bytes();
+        bytes.push(0);
+        bytes.extend(self.sidecar.as_deref().unwrap_or_default().as_bytes());
+        bytes.push(0);
+        bytes.extend(self.dir.as_os_str().as_bytes());
+        bytes
+    }
+
+    /// The message [`encode`](Self::encode) wrote, or `None`.
+    pub fn decode(bytes: &[u8]) -> Option<Assignment> {
+        let mut parts = bytes.splitn(3, |b| *b == 0);
+        let generation = std::str::from_utf8(parts.next()?).ok()?.parse().ok()?;
+        let sidecar = std::str::from_utf8(parts.next()?).ok()?;
+        let dir = parts.next().filter(|dir| dir.starts_with(b"/"))?;
+        Some(Assignment {
+            dir: PathBuf::from(std::ffi::OsStr::from_bytes(dir)),
+            generation,
+            sidecar: (!sidecar.is_empty()).then(|| sidecar.to_owned()),
+        })
+    }
+}
+
 /// Runs the shim until both pipes end.
 pub fn run(args: &ShimArgs) {
     detach();
-    let stem = super::file::stem(args.generation, args.sidecar.as_deref());
-    let log = RotatingFile::open(&args.dir, &stem, args.max_size, args.max_files).ok();
-    // SAFETY: as for the pipes below, the agent put this descriptor here.
-    let ready = File::from(unsafe { OwnedFd::from_raw_fd(READY_FD) });
-    let _ = (&ready).write_all(&[if log.is_some() {
+    // SAFETY: the agent put its end of the control pair at this descriptor
+    // before exec (and no other code of this process opened it), so it is
+    // open and this is its only owner.
+    let control = unsafe { OwnedFd::from_raw_fd(CONTROL_FD) };
+    let mut message = vec![0u8; MAX_ASSIGNMENT];
+    let received = loop {
+        match recv(control.as_raw_fd(), &mut message, MsgFlags::empty()) {
+            Err(nix::errno::Errno::EINTR) => continue,
+            other => break other,
+        }
+    };
+    let assignment = match received {
+        // The agent dropped this shim unused, or is gone.
+        Ok(0) | Err(_) => return,
+        Ok(n) => Assignment::decode(&message[..n]),
+    };
+    let log = assignment.and_then(|a| {
+        let stem = super::file::stem(a.generation, a.sidecar.as_deref());
+        RotatingFile::open(&a.dir, &stem, args.max_size, args.max_files).ok()
+    });
+    let answer = if log.is_some() {
         READY
     } else {
         READY_WITHOUT_FILE
-    }]);
-    drop(ready);
+    };
+    let _ = send(control.as_raw_fd(), &[answer], MsgFlags::MSG_NOSIGNAL);
+    drop(control);
     let log = Arc::new(Mutex::new(log));
     let readers: Vec<_> = [(STDOUT_FD, Stream::Stdout), (STDERR_FD, Stream::Stderr)]
         .into_iter()
@@ -124,4 +182,38 @@ fn copy(mut pipe: File, stream: Stream, log: &Mutex<Option<RotatingFile>>) {
         }
     }
     splitter.finish(&mut write);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_assignment_reads_back_as_written() {
+        for sidecar in [None, Some("exporter".to_owned())] {
+            let assignment = Assignment {
+                dir: PathBuf::from("/var/log/genswap/default_app"),
+                generation: 12,
+                sidecar,
+            };
+            assert_eq!(
+                Assignment::decode(&assignment.encode()),
+                Some(assignment.clone())
+            );
+        }
+    }
+
+    #[test]
+    fn a_malformed_assignment_is_none() {
+        for bytes in [
+            &b""[..],
+            b"12",
+            b"12\0",
+            b"x\0\0/var/log",
+            b"12\0\0relative/dir",
+            b"-1\0\0/var/log",
+        ] {
+            assert_eq!(Assignment::decode(bytes), None, "{bytes:?}");
+        }
+    }
 }
