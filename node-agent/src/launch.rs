@@ -113,10 +113,25 @@ impl ExecImage {
         env: &[(String, String)],
         pid_variable: Option<&str>,
     ) -> io::Result<ExecImage> {
+        ExecImage::named(exe, None, args, env, pid_variable)
+    }
+
+    /// [`new`](Self::new), with `argv0` as the program's name where given
+    /// (else `exe`).
+    pub(crate) fn named(
+        exe: &Path,
+        argv0: Option<&str>,
+        args: &[String],
+        env: &[(String, String)],
+        pid_variable: Option<&str>,
+    ) -> io::Result<ExecImage> {
         let nul = |_| io::Error::from(io::ErrorKind::InvalidInput);
         let path = CString::new(exe.as_os_str().as_bytes()).map_err(nul)?;
         let mut strings = Vec::with_capacity(1 + args.len() + env.len());
-        strings.push(path.clone());
+        strings.push(match argv0 {
+            Some(name) => CString::new(name).map_err(nul)?,
+            None => path.clone(),
+        });
         for arg in args {
             strings.push(CString::new(arg.as_str()).map_err(nul)?);
         }

@@ -107,6 +107,8 @@ pub enum Output {
 pub struct SpawnSpec {
     /// Absolute path of the executable: the agent's verified store copy.
     pub exe: PathBuf,
+    /// Its name as the build gives it (`argv[0]`); `None`: `exe` as run.
+    pub argv0: Option<String>,
     /// Arguments after the executable.
     pub args: Vec<String>,
     /// The environment, on top of an empty one. `GENSWAP_*` names are
@@ -190,6 +192,7 @@ impl SpawnSpec {
             target_pid: None,
             sandbox: Some(crate::confine::SandboxSpec::default()),
             readable: Vec::new(),
+            argv0: None,
         }
     }
 }
@@ -821,8 +824,14 @@ fn spawn_once(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
         steps.push((SetupStep::Seccomp.code(), ChildStep::Seccomp(program)));
     }
     let pid_variable = (!spec.listeners.is_empty()).then_some(ENV_LISTEN_PID);
-    let image = ExecImage::new(&exec_path, &spec.args, &plan.env, pid_variable)
-        .map_err(|e| prepare("prepare the exec", e))?;
+    let image = ExecImage::named(
+        &exec_path,
+        spec.argv0.as_deref(),
+        &spec.args,
+        &plan.env,
+        pid_variable,
+    )
+    .map_err(|e| prepare("prepare the exec", e))?;
     let launch = Launch {
         cgroup: spec.cgroup.path().to_path_buf(),
         steps,

@@ -225,3 +225,39 @@ async fn a_tree_that_cannot_run_or_attacks_the_node_fails_with_nothing_run() {
     host.assert_only(Some(1));
     host.tear_down().await;
 }
+
+/// An entrypoint that is a link to a multi-call program (busybox's
+/// `/bin/sh`, as in Alpine's images) runs as the name the build gives it:
+/// `argv[0]` is the entrypoint as named, not the link's target, or busybox
+/// would take `-c` for the applet to run.
+#[tokio::test]
+async fn an_entrypoint_linked_to_a_multi_call_program_runs_as_named() {
+    let busybox = Path::new("/bin/busybox");
+    if !busybox.exists() {
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "CI installs busybox-static"
+        );
+        eprintln!("SKIP: no /bin/busybox (apt-get install busybox-static)");
+        return;
+    }
+    let host = SwapHost::new("tree-multi-call");
+    let src = host.staging.parent().expect("temp dir").join("src-busybox");
+    fs::create_dir_all(src.join("bin")).expect("bin");
+    fs::copy(busybox, src.join("bin/busybox")).expect("busybox");
+    std::os::unix::fs::symlink("busybox", src.join("bin/sh")).expect("sh");
+    let archive = host.staging.join("busybox.tar");
+    let digest = swap_host::tar_tree(&src, &archive, Unpack::Tar);
+    let mut attempt = host.attempt_of(
+        1,
+        swap_host::archive_build("bb-1", &archive, &digest, Unpack::Tar, "/bin/sh"),
+    );
+    // A one-shot: it exits 0 only when it was called /bin/sh.
+    attempt.spec.kind = genswap_crds::InstanceKind::Worker;
+    attempt.spec.process.args = vec!["-c".into(), r#"test "$0" = /bin/sh"#.into()];
+    let result = host.swap(&attempt).await;
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+    assert!(result.clean_exit, "it ran and exited 0: {result:?}");
+    host.assert_only(None);
+}

@@ -625,6 +625,7 @@ pub(super) async fn spawn(
     request.readable.extend(staged.tree.iter().cloned());
     // An image's config fills in what the spec leaves out (SPEC 5.14).
     request.args = staged.args(&spec.process.args);
+    request.argv0 = staged.run.argv0.clone();
     request.env = staged.env(env_of(&spec.process));
     // The agent's own, when it gives them.
     request.env.retain(|(name, _)| {

@@ -373,6 +373,7 @@ async fn run_once(
         &target.build,
     );
     request.target_pid = Some(target.pid);
+    request.argv0 = staged.as_ref().and_then(|s| s.run.argv0.clone());
     request
         .readable
         .extend(staged.as_ref().and_then(|s| s.tree.clone()));

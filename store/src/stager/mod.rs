@@ -73,6 +73,11 @@ pub struct Staged {
 /// does. The image's `User` is never used.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RunDefaults {
+    /// The program as the build names it (`build.entrypoint`, or the
+    /// config's first word), given to it as `argv[0]` as a container
+    /// runtime does: a multi-call program reached through a link (busybox's
+    /// `/bin/sh` in Alpine's images) learns from it what to be.
+    pub argv0: Option<String>,
     /// Arguments that always follow the executable (`Entrypoint[1..]`).
     pub args: Vec<String>,
     /// Arguments used when the spec gives none (`Cmd`).

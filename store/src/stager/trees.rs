@@ -372,10 +372,11 @@ fn run_in_tree(
         entrypoint: entrypoint.to_string(),
         problem,
     };
-    let (exe, args, cmd) = match entrypoint {
+    let (exe, argv0, args, cmd) = match entrypoint {
         Some(entrypoint) => (
             tree::resolve_entrypoint(rootfs, entrypoint)
                 .map_err(|p| entrypoint_error(entrypoint, p))?,
+            entrypoint.to_string(),
             Vec::new(),
             Vec::new(),
         ),
@@ -401,7 +402,7 @@ fn run_in_tree(
             };
             let exe = tree::resolve_command(rootfs, command, path_var)
                 .map_err(|p| entrypoint_error(command, p))?;
-            (exe, args, cmd)
+            (exe, command.clone(), args, cmd)
         }
     };
     let working_dir = (!config.working_dir.is_empty())
@@ -410,6 +411,7 @@ fn run_in_tree(
     Ok((
         exe,
         RunDefaults {
+            argv0: Some(argv0),
             args,
             cmd,
             env,
