@@ -3,8 +3,10 @@
 //! engine; then the proportional set size (PSS, `/proc/PID/smaps_rollup`:
 //! a shared page is split among the processes that map it) of the agent
 //! (this process, before and after), of every log shim and of every
-//! listener keeper. PSS, not RSS: the shims and keepers run the agent's
-//! binary, whose pages they share. The instances' own memory is not
+//! listener keeper. PSS, not RSS: the shims and keepers of a node share
+//! their program's pages. It runs twice: with the agent's own binary as the
+//! shims and keepers (what an agent without `genswap-helper` beside it
+//! runs), then with `genswap-helper`. The instances' own memory is not
 //! genswap's and is left out. It asserts nothing on the figures.
 //!
 //! `cargo bench -p node-agent --bench footprint` (root, cgroup v2).
@@ -33,7 +35,22 @@ fn main() {
 
 async fn run(instances: usize) {
     let instances = instances.max(1);
-    let host = SwapHost::with_run_dir_in_memory("footprint");
+    for (helper, program) in [
+        ("the agent's binary", env!("CARGO_BIN_EXE_node-agent")),
+        ("genswap-helper", swap_host::HELPER),
+    ] {
+        run_one(instances, helper, program).await;
+    }
+}
+
+async fn run_one(instances: usize, helper: &str, program: &'static str) {
+    let host = SwapHost::with_options(
+        "footprint",
+        swap_host::HostOptions {
+            run_dir_in_memory: true,
+            helper: program,
+        },
+    );
     let build = host.build("footprint");
     let agent_before = memory_kib(std::process::id());
     let mut keys = Vec::with_capacity(instances);
@@ -61,7 +78,7 @@ async fn run(instances: usize) {
     let keepers = cgroup_guard::instance_pids(&root.join(node_agent::cgroup::KEEPER_CGROUP));
 
     println!(
-        "{instances} instances of the testapp, each with a TCP listener ({})",
+        "{instances} instances of the testapp, each with a TCP listener, shims and keepers run as {helper} ({})",
         figures::build_and_mount()
     );
     println!(

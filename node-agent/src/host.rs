@@ -26,7 +26,7 @@ use crate::disk_name::{self, PathLimitError};
 use crate::engine::{Engine, EngineConfig, EngineParts};
 use crate::gate::NewestRevisionGate;
 use crate::journal::{Journal, JournalError};
-use crate::logs::{LogError, LogSettings, LogSink};
+use crate::logs::{HelperProgram, LogError, LogSettings, LogSink};
 use crate::switch::RunLayout;
 use genswap_store::{StageError, Stager, StagerConfig, Store, StoreError};
 
@@ -127,6 +127,14 @@ pub struct HostArgs {
     /// Log files kept per generation, the current one included (at least 2).
     #[arg(long, env = "GENSWAP_LOG_MAX_FILES", value_name = "N", default_value_t = crate::logs::DEFAULT_MAX_FILES, value_parser = clap::value_parser!(u32).range(2..))]
     pub log_max_files: u32,
+    /// The program run as each log shim and listener keeper; default:
+    /// `genswap-helper` beside the agent's binary, else the agent's binary
+    /// itself (which costs about 1 MiB more per process).
+    #[arg(long, env = "GENSWAP_HELPER", value_name = "FILE")]
+    pub helper: Option<PathBuf>,
+    /// The helper found by [`locate_helper`], before any namespace is joined.
+    #[arg(skip)]
+    pub helper_program: Option<HelperProgram>,
     /// The wait before the second restart in a row of an exited generation
     /// (the first is at once); each further one doubles it.
     #[arg(
@@ -226,7 +234,7 @@ impl HostArgs {
                 dir: self.log_dir.clone(),
                 max_size: self.log_max_size,
                 max_files: self.log_max_files,
-                shim: PathBuf::from(crate::logs::SELF_EXE),
+                helper: self.helper_program.clone().unwrap_or_default(),
             },
         }
     }
@@ -301,6 +309,13 @@ pub enum HostError {
     /// A configured directory is too long for the paths made under it.
     #[error(transparent)]
     PathTooLong(#[from] PathLimitError),
+    /// `--helper` names a program that cannot be run.
+    #[error("cannot use {} as the helper (--helper): {source}", path.display())]
+    Helper {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     /// A file the pod mounts could not be kept readable across the join.
     #[error("cannot keep {} readable after joining the host's mount namespace: {source}", path.display())]
     Pin {
@@ -507,6 +522,82 @@ pub fn join_host_namespaces() -> Result<JoinedNamespaces, HostError> {
     Ok(joined)
 }
 
+/// The program the agent runs as its log shims and listener keepers:
+/// `explicit` (`--helper`), else `genswap-helper` beside the agent's own
+/// binary, held open so that its `/proc/self/fd/N` works in any mount
+/// namespace (the host's, once joined) and above every descriptor a child
+/// is given. Without one beside it, the agent's own binary, with a warning:
+/// it works, at about 1 MiB more per process.
+pub fn locate_helper(explicit: Option<&Path>) -> Result<HelperProgram, HostError> {
+    locate_helper_beside(explicit, std::env::current_exe())
+}
+
+/// [`locate_helper`] for an agent whose binary is `agent`.
+fn locate_helper_beside(
+    explicit: Option<&Path>,
+    agent: io::Result<PathBuf>,
+) -> Result<HelperProgram, HostError> {
+    let candidate = match explicit {
+        Some(path) => path.to_path_buf(),
+        None => match agent {
+            Ok(agent) => agent.with_file_name(crate::logs::HELPER_NAME),
+            Err(error) => {
+                tracing::warn!(%error, "cannot find the agent's own binary; its log shims and listener keepers run as {}", crate::logs::SELF_EXE);
+                return Ok(HelperProgram::agent_itself());
+            }
+        },
+    };
+    match hold_executable(&candidate) {
+        Ok(fd) => {
+            let path = PathBuf::from(format!(
+                "/proc/self/fd/{}",
+                std::os::fd::AsRawFd::as_raw_fd(&fd)
+            ));
+            PINNED_FILES
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(fd);
+            Ok(HelperProgram {
+                path,
+                name: candidate.file_name().map_or_else(
+                    || crate::logs::HELPER_NAME.to_owned(),
+                    |n| n.to_string_lossy().into_owned(),
+                ),
+            })
+        }
+        Err(source) if explicit.is_some() => Err(HostError::Helper {
+            path: candidate,
+            source,
+        }),
+        Err(error) => {
+            tracing::warn!(
+                helper = %candidate.display(),
+                %error,
+                "no helper beside the agent: its log shims and listener keepers run as the agent's own binary (about 1 MiB more each)"
+            );
+            Ok(HelperProgram::agent_itself())
+        }
+    }
+}
+
+/// `path` opened for exec only, if it is an executable regular file, at a
+/// descriptor no child's setup overwrites.
+fn hold_executable(path: &Path) -> io::Result<std::os::fd::OwnedFd> {
+    let file = fs::File::open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not an executable file",
+        ));
+    }
+    crate::launch::fd_at_least(&file, crate::launch::SETUP_FD_FLOOR)
+}
+
+/// The helper's file, held open for the agent's life.
+static PINNED_FILES: std::sync::Mutex<Vec<std::os::fd::OwnedFd>> =
+    std::sync::Mutex::new(Vec::new());
+
 /// The directories [`pin_through_fd`] keeps open for the process's life.
 static PINNED_DIRS: std::sync::Mutex<Vec<fs::File>> = std::sync::Mutex::new(Vec::new());
 
@@ -654,6 +745,57 @@ mod tests {
     }
 
     #[test]
+    fn the_helper_named_is_held_open_and_one_that_cannot_run_is_refused_by_name() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let helper = dir.path().join("genswap-helper");
+        fs::write(&helper, b"#!/bin/sh\n").expect("a helper");
+        fs::set_permissions(&helper, fs::Permissions::from_mode(0o755)).expect("chmod");
+        let found = locate_helper(Some(&helper)).expect("an executable helper");
+        assert_eq!(found.name, "genswap-helper");
+        let fd: i32 = found
+            .path
+            .strip_prefix("/proc/self/fd")
+            .ok()
+            .and_then(|n| n.to_str()?.parse().ok())
+            .expect("a held descriptor");
+        assert!(
+            fd >= crate::launch::SETUP_FD_FLOOR,
+            "above a child's descriptors: {fd}"
+        );
+        // Removed from its directory, it still runs through the descriptor:
+        // as the image's path is gone from view once the host's namespaces
+        // are joined.
+        fs::remove_file(&helper).expect("remove the helper");
+        assert!(fs::metadata(&found.path).is_ok_and(|m| m.is_file()));
+
+        let plain = dir.path().join("plain");
+        fs::write(&plain, b"data").expect("a plain file");
+        for path in [plain, dir.path().join("missing"), dir.path().to_path_buf()] {
+            let error = locate_helper(Some(&path)).expect_err("not a program");
+            assert!(
+                error.to_string().contains(&path.display().to_string()),
+                "{error}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_helper_beside_the_agent_is_found_and_without_one_the_agent_runs_itself() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let agent = dir.path().join("node-agent");
+        assert_eq!(
+            locate_helper_beside(None, Ok(agent.clone())).expect("a fallback"),
+            HelperProgram::agent_itself()
+        );
+        let helper = dir.path().join(crate::logs::HELPER_NAME);
+        fs::write(&helper, b"#!/bin/sh\n").expect("a helper");
+        fs::set_permissions(&helper, fs::Permissions::from_mode(0o755)).expect("chmod");
+        let found = locate_helper_beside(None, Ok(agent)).expect("the helper");
+        assert_eq!(found.name, crate::logs::HELPER_NAME);
+        assert!(found.path.starts_with("/proc/self/fd"), "{found:?}");
+    }
+
+    #[test]
     fn a_cgroup_root_outside_cgroup_v2_is_refused_with_what_to_do() {
         let dir = tempfile::tempdir().expect("temp dir");
         let settings = settings_in(dir.path());
@@ -711,7 +853,7 @@ mod tests {
                 dir: PathBuf::from("/tmp/l"),
                 max_size: 1024 * 1024,
                 max_files: 3,
-                shim: PathBuf::from(crate::logs::SELF_EXE),
+                helper: HelperProgram::agent_itself(),
             }
         );
         assert!(Cli::try_parse_from(["node-agent", "--log-max-files", "1"]).is_err());

@@ -105,19 +105,9 @@ unsafe impl Send for ExecImage {}
 unsafe impl Sync for ExecImage {}
 
 impl ExecImage {
-    /// `exe` with `args` after it and exactly `env`, plus `pid_variable` set
-    /// to the child's pid when given. `InvalidInput` for a NUL byte.
-    pub(crate) fn new(
-        exe: &Path,
-        args: &[String],
-        env: &[(String, String)],
-        pid_variable: Option<&str>,
-    ) -> io::Result<ExecImage> {
-        ExecImage::named(exe, None, args, env, pid_variable)
-    }
-
-    /// [`new`](Self::new), with `argv0` as the program's name where given
-    /// (else `exe`).
+    /// `exe`, named `argv0` where given (else `exe`), with `args` after it
+    /// and exactly `env`, plus `pid_variable` set to the child's pid when
+    /// given. `InvalidInput` for a NUL byte.
     pub(crate) fn named(
         exe: &Path,
         argv0: Option<&str>,
@@ -922,7 +912,7 @@ mod tests {
         Launch {
             cgroup: cgroup.to_path_buf(),
             steps,
-            image: ExecImage::new(Path::new("/bin/sleep"), &["30".into()], &[], None)
+            image: ExecImage::named(Path::new("/bin/sleep"), None, &["30".into()], &[], None)
                 .expect("image"),
         }
     }

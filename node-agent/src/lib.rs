@@ -29,6 +29,7 @@ pub mod engine;
 pub mod failpoint;
 pub mod gate;
 pub mod health;
+pub mod helper;
 pub mod host;
 mod inotify;
 pub mod journal;

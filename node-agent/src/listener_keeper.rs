@@ -10,8 +10,8 @@
 //! keeps it open; the next agent takes the sockets back from it
 //! (`pidfd_getfd(2)`) and serves what waited.
 //!
-//! It is the agent's own binary (`node-agent listener-keeper`, as the log
-//! shim is), in `<cgroup root>/listeners/<disk name>`: outside the agent's
+//! It is `genswap-helper listener-keeper` (or the agent's own binary run
+//! so, as the log shim is: [`HelperProgram`]), in `<cgroup root>/listeners/<disk name>`: outside the agent's
 //! cgroup (a pod's is killed whole when it restarts) and outside the
 //! instance's (its limits and its proof of exit do not count it). It never
 //! accepts, so it takes no connection from a generation. It is replaced
@@ -29,6 +29,7 @@ use thiserror::Error;
 use crate::cgroup::{Cgroup, CgroupError, CgroupManager};
 use crate::disk_name::DiskName;
 use crate::gate::InstanceKey;
+use crate::logs::HelperProgram;
 use crate::spawn::{ActivatedSocket, Output, SpawnSpec};
 
 /// The subcommand the agent's binary runs as a keeper.
@@ -53,7 +54,7 @@ pub enum KeeperError {
     Stop(#[from] CgroupError),
 }
 
-/// `node-agent listener-keeper`: holds the descriptors it was started with
+/// `genswap-helper listener-keeper`: holds the descriptors it was started with
 /// (3 and up) until it is killed. The signals a terminal, a pod stop or a
 /// stray `kill` send are ignored: only its cgroup's `cgroup.kill` (or
 /// SIGKILL) ends it.
@@ -79,17 +80,17 @@ pub fn run() -> ! {
 /// Where the keepers run and what they run.
 #[derive(Clone, Debug)]
 pub struct KeeperSite {
-    program: PathBuf,
+    program: HelperProgram,
     dir: PathBuf,
     mount: Option<PathBuf>,
 }
 
 impl KeeperSite {
-    /// Keepers that are `<program> listener-keeper` (the agent's own
-    /// binary) under `<cgroup root>/listeners`.
-    pub fn new(program: impl Into<PathBuf>, cgroups: &CgroupManager) -> KeeperSite {
+    /// Keepers that are `<program> listener-keeper` under
+    /// `<cgroup root>/listeners`.
+    pub fn new(program: HelperProgram, cgroups: &CgroupManager) -> KeeperSite {
         KeeperSite {
-            program: program.into(),
+            program,
             dir: cgroups.root().join(crate::cgroup::KEEPER_CGROUP),
             mount: cgroups.mount().map(Path::to_path_buf),
         }
@@ -125,7 +126,8 @@ impl KeeperSite {
             path: cgroup.path().to_path_buf(),
             source,
         })?;
-        let mut spec = SpawnSpec::new(&self.program, cgroup, "/dev/null", 0, KEEPER_COMMAND);
+        let mut spec = SpawnSpec::new(&self.program.path, cgroup, "/dev/null", 0, KEEPER_COMMAND);
+        spec.argv0 = Some(self.program.name.clone());
         spec.args = vec![KEEPER_COMMAND.to_owned()];
         spec.allow_root = true;
         // The agent's own program, holding sockets: not an instance.

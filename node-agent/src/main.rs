@@ -262,6 +262,11 @@ fn run(mut command: Command) -> Result<(), MainError> {
         Command::Standalone(args) => args.join_host_namespaces,
         _ => false,
     };
+    // Found before any namespace is joined: the helper lies beside the
+    // agent's binary, in the image.
+    if let Some(host) = command.host_mut() {
+        host.helper_program = Some(host::locate_helper(host.helper.as_deref())?);
+    }
     if join {
         // What the pod mounts (its service account, a registry Secret) is
         // gone from view once the agent is in the host's mount namespace:
@@ -293,6 +298,7 @@ fn run(mut command: Command) -> Result<(), MainError> {
             Command::Demo(args) => {
                 let report = demo::run(DemoOptions {
                     cgroup_parent: args.host.cgroup_root.clone(),
+                    helper: args.host.helper_program.clone().unwrap_or_default(),
                 })
                 .await?;
                 if report.as_expected() {

@@ -6,8 +6,8 @@
 //! the agent and the reader of its output are killed together, as a
 //! DaemonSet pod restart kills them.
 //!
-//! Real processes throughout: the shims are the built `node-agent`, the
-//! instances testapp and a C program compiled here, on real cgroup v2.
+//! Real processes throughout: the shims are the built `genswap-helper` (and
+//! `node-agent`, which can stand in for it), the instances testapp and a C program compiled here, on real cgroup v2.
 
 #[path = "support/cgroup_guard.rs"]
 mod cgroup_guard;
@@ -31,6 +31,7 @@ use swap_host::SwapHost;
 
 const DEADLINE: Duration = Duration::from_secs(30);
 const AGENT: &str = env!("CARGO_BIN_EXE_node-agent");
+const HELPER: &str = swap_host::HELPER;
 
 fn shim_pids(cgroup_root: &Path) -> Vec<u32> {
     fs::read_to_string(cgroup_root.join(SHIM_CGROUP).join("cgroup.procs"))
@@ -192,7 +193,7 @@ async fn the_shim_rotates_by_size_and_keeps_at_most_the_configured_files() {
     let (tree, sink, dir) = sink("logs-rotate", |dir| LogSettings {
         max_size: 4096,
         max_files: 3,
-        ..LogSettings::in_dir(dir.join("logs"), AGENT)
+        ..LogSettings::in_dir(dir.join("logs"), HELPER)
     });
     let output = sink.start(&key(), 1, None).expect("shim starts");
     let root = tree.path().join("genswap");
@@ -265,7 +266,7 @@ impl Drop for SmallDisk {
 #[tokio::test]
 async fn a_full_disk_drops_whole_records_counts_them_and_never_blocks_the_writer() {
     let (tree, sink, dir) = sink("logs-full", |dir| {
-        LogSettings::in_dir(dir.join("logs"), AGENT)
+        LogSettings::in_dir(dir.join("logs"), HELPER)
     });
     let disk = SmallDisk::mount(&dir.path().join("logs"), "64k");
     let output = sink.start(&key(), 1, None).expect("shim starts");
@@ -582,7 +583,7 @@ async fn logs_follow_prints_every_record_once_across_rotations() {
     let (tree, sink, dir) = sink("logs-follow", |dir| LogSettings {
         max_size: 300,
         max_files: 5,
-        ..LogSettings::in_dir(dir.join("logs"), AGENT)
+        ..LogSettings::in_dir(dir.join("logs"), HELPER)
     });
     let output = sink.start(&key(), 1, None).expect("shim starts");
     drop(output.stderr);
@@ -647,7 +648,7 @@ async fn logs_follow_prints_every_record_once_across_rotations() {
 #[tokio::test]
 async fn a_shim_that_cannot_open_its_file_still_reads_so_the_writer_never_breaks() {
     let (tree, sink, dir) = sink("logs-nofile", |dir| {
-        LogSettings::in_dir(dir.join("logs"), AGENT)
+        LogSettings::in_dir(dir.join("logs"), HELPER)
     });
     // Where the log file would be, a directory: the shim cannot open it.
     let instance_dir = dir.path().join("logs").join("default_app");
@@ -670,7 +671,7 @@ async fn the_shim_started_ahead_writes_the_next_generation_and_a_dead_one_is_rep
     let tree = TestCgroupTree::new("logs-spare");
     let dir = tempfile::tempdir().expect("temp dir");
     let logs = dir.path().join("logs");
-    let sink = LogSink::new(LogSettings::in_dir(&logs, AGENT), &tree.manager()).expect("log sink");
+    let sink = LogSink::new(LogSettings::in_dir(&logs, HELPER), &tree.manager()).expect("log sink");
     let root = tree.path().join("genswap");
     let instance_dir = logs.join("default_app");
     // A line written to a generation's stdout lands in its own log file.
@@ -735,4 +736,54 @@ async fn the_shim_started_ahead_writes_the_next_generation_and_a_dead_one_is_rep
         shim_pids(&root).is_empty()
     })
     .await;
+}
+
+/// Either program serves as the shim: `genswap-helper`, and the agent's own
+/// binary (what an agent without the helper beside it runs); `ps` shows
+/// each by its name, with the shim's arguments.
+#[tokio::test]
+async fn the_helper_and_the_agents_own_binary_each_write_a_generations_log() {
+    for (program, name) in [(HELPER, "genswap-helper"), (AGENT, "node-agent")] {
+        let (tree, sink, dir) = sink("logs-program", |dir| {
+            LogSettings::in_dir(dir.join("logs"), program)
+        });
+        let root = tree.path().join("genswap");
+        let output = sink.start(&key(), 1, None).expect("a shim");
+        let pids = shim_pids(&root);
+        assert_eq!(pids.len(), 1, "{name}: one shim");
+        let cmdline = fs::read(format!("/proc/{}/cmdline", pids[0])).expect("its cmdline");
+        let words: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .filter(|w| !w.is_empty())
+            .map(|w| String::from_utf8_lossy(w).into_owned())
+            .collect();
+        assert_eq!(
+            words[..2],
+            [name.to_owned(), "log-shim".to_owned()],
+            "{name}"
+        );
+        let writer = write_lines(output.stdout, ["to stdout\n".to_owned()].into_iter());
+        fs::File::from(output.stderr)
+            .write_all(b"to stderr\n")
+            .expect("the shim reads stderr");
+        writes_return(writer, name).await;
+        eventually(DEADLINE, "the shim to exit with its pipes", || {
+            shim_pids(&root).is_empty()
+        })
+        .await;
+        let log = current_path(&dir.path().join("logs").join("default_app"), "1");
+        let mut lines: Vec<(cri::Stream, String)> = records(&[log])
+            .into_iter()
+            .map(|(stream, _, text)| (stream, text))
+            .collect();
+        lines.sort_by_key(|(stream, _)| *stream == cri::Stream::Stderr);
+        assert_eq!(
+            lines,
+            [
+                (cri::Stream::Stdout, "to stdout".to_owned()),
+                (cri::Stream::Stderr, "to stderr".to_owned())
+            ],
+            "{name}"
+        );
+    }
 }

@@ -45,7 +45,7 @@ fn restarted(node: &TestNode) -> Engine {
     let base = node.staging.parent().expect("the node's temp dir");
     let cgroups = CgroupManager::open(root).expect("the test cgroup root");
     let logs = LogSink::new(
-        LogSettings::in_dir(base.join("logs"), env!("CARGO_BIN_EXE_node-agent")),
+        LogSettings::in_dir(base.join("logs"), env!("CARGO_BIN_EXE_genswap-helper")),
         &cgroups,
     )
     .expect("log sink");

@@ -42,7 +42,7 @@ use crate::cgroup::{CgroupError, discover_mount};
 use crate::engine::EngineConfig;
 use crate::gate::InstanceKey;
 use crate::host::{Host, HostError, HostSettings};
-use crate::logs::LogSettings;
+use crate::logs::{HelperProgram, LogSettings};
 use crate::sandbox::{Sandbox, SandboxError};
 use crate::standalone::files::replace_file;
 use crate::standalone::{
@@ -67,6 +67,8 @@ pub struct DemoOptions {
     /// The cgroup directory the demo's subtree goes under; default: the
     /// cgroup v2 mount found in `/proc/self/mountinfo`.
     pub cgroup_parent: Option<PathBuf>,
+    /// What runs as the log shims and listener keepers.
+    pub helper: crate::logs::HelperProgram,
 }
 
 /// Why the demo could not run to its end.
@@ -227,7 +229,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoReport, DemoError> {
         None => discover_mount().map_err(DemoError::Cgroup)?,
     };
     let mut sandbox = Sandbox::create(&parent, "genswap-demo")?;
-    let result = run_in(&sandbox).await;
+    let result = run_in(&sandbox, &options.helper).await;
     let cleanup = tokio::task::spawn_blocking(move || {
         let cleanup = sandbox.clean_up();
         (sandbox, cleanup)
@@ -255,7 +257,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoReport, DemoError> {
 }
 
 /// Everything between setting up the sandbox and removing it.
-async fn run_in(sandbox: &Sandbox) -> Result<DemoReport, DemoError> {
+async fn run_in(sandbox: &Sandbox, helper: &HelperProgram) -> Result<DemoReport, DemoError> {
     let dir = sandbox.dir();
     let manifests = dir.join("manifests");
     let staging = dir.join("staging");
@@ -277,6 +279,7 @@ async fn run_in(sandbox: &Sandbox) -> Result<DemoReport, DemoError> {
         engine: EngineConfig::default(),
         logs: LogSettings {
             dir: dir.join("logs"),
+            helper: helper.clone(),
             ..LogSettings::default()
         },
     };

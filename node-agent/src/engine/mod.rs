@@ -284,9 +284,11 @@ pub struct Engine {
 impl Engine {
     /// An engine over these host parts.
     pub fn new(parts: EngineParts, config: EngineConfig) -> Self {
-        // The log shim's program is the agent's own binary: the keeper's too.
-        let keeper =
-            crate::listener_keeper::KeeperSite::new(&parts.logs.settings().shim, &parts.cgroups);
+        // The keepers are the shims' program run as another command.
+        let keeper = crate::listener_keeper::KeeperSite::new(
+            parts.logs.settings().helper.clone(),
+            &parts.cgroups,
+        );
         let listeners =
             crate::listeners::Listeners::with_keeper(keeper).handover(config.listener_handover);
         Self {

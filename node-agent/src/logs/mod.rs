@@ -45,11 +45,52 @@ pub use crate::cgroup::SHIM_CGROUP;
 /// so the output of a failed successor is there to read after it.
 pub const GENERATIONS_KEPT: usize = 3;
 
-/// The agent's own executable, which is also the log shim: the name works
-/// in every mount namespace, the host's joined one too.
+/// The agent's own executable, which can also be the log shim: the name
+/// works in every mount namespace, the host's joined one too.
 pub const SELF_EXE: &str = "/proc/self/exe";
+/// The helpers' own program, looked for beside the agent's.
+pub const HELPER_NAME: &str = "genswap-helper";
 /// How long a shim may take to say it is ready.
 const SHIM_READY_TIMEOUT_MS: u16 = 5000;
+
+/// The program run as each log shim (`<program> log-shim ...`) and each
+/// listener keeper (`<program> listener-keeper`): `genswap-helper`, small
+/// because one runs per generation and one per instance, or the agent's
+/// own binary, which takes the same arguments.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HelperProgram {
+    /// What is executed: a path, or `/proc/self/fd/N` of a file the agent
+    /// holds open (which works in any mount namespace).
+    pub path: PathBuf,
+    /// Its `argv[0]`: what `ps` shows.
+    pub name: String,
+}
+
+impl HelperProgram {
+    /// The agent's own binary, through [`SELF_EXE`].
+    pub fn agent_itself() -> HelperProgram {
+        HelperProgram {
+            path: PathBuf::from(SELF_EXE),
+            name: "node-agent".to_owned(),
+        }
+    }
+
+    /// The program at `path`, named by its file name.
+    pub fn at(path: impl Into<PathBuf>) -> HelperProgram {
+        let path = path.into();
+        let name = path.file_name().map_or_else(
+            || HELPER_NAME.to_owned(),
+            |name| name.to_string_lossy().into_owned(),
+        );
+        HelperProgram { path, name }
+    }
+}
+
+impl Default for HelperProgram {
+    fn default() -> Self {
+        HelperProgram::agent_itself()
+    }
+}
 
 /// The log flags, as values.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -57,9 +98,8 @@ pub struct LogSettings {
     pub dir: PathBuf,
     pub max_size: u64,
     pub max_files: u32,
-    /// The program that is run as `<shim> log-shim`: the agent itself
-    /// ([`SELF_EXE`]); tests name the built `node-agent` binary.
-    pub shim: PathBuf,
+    /// What runs as each shim (and each listener keeper).
+    pub helper: HelperProgram,
 }
 
 impl Default for LogSettings {
@@ -68,17 +108,18 @@ impl Default for LogSettings {
             dir: PathBuf::from(DEFAULT_LOG_DIR),
             max_size: DEFAULT_MAX_SIZE,
             max_files: DEFAULT_MAX_FILES,
-            shim: PathBuf::from(SELF_EXE),
+            helper: HelperProgram::default(),
         }
     }
 }
 
 impl LogSettings {
-    /// The default sizes, writing under `dir` through `shim`.
-    pub fn in_dir(dir: impl Into<PathBuf>, shim: impl Into<PathBuf>) -> Self {
+    /// The default sizes, writing under `dir` through the helper at
+    /// `helper` (`genswap-helper`, or `node-agent`).
+    pub fn in_dir(dir: impl Into<PathBuf>, helper: impl Into<PathBuf>) -> Self {
         Self {
             dir: dir.into(),
-            shim: shim.into(),
+            helper: HelperProgram::at(helper),
             ..Self::default()
         }
     }
@@ -348,7 +389,7 @@ impl LogSink {
     /// Starts a shim in the shims' cgroup, holding the read ends of a fresh
     /// pair of pipes; it waits for its assignment.
     fn launch_shim(&self) -> Result<UnassignedShim, LogError> {
-        let exe = &self.settings.shim;
+        let exe = &self.settings.helper.path;
         let start_err = |source: io::Error| LogError::Start {
             exe: exe.clone(),
             source,
@@ -389,13 +430,14 @@ impl LogSink {
             })
             .collect();
         let args = [
-            "log-shim".to_owned(),
+            shim::SHIM_COMMAND.to_owned(),
             "--max-size".to_owned(),
             self.settings.max_size.to_string(),
             "--max-files".to_owned(),
             self.settings.max_files.to_string(),
         ];
-        let image = ExecImage::new(exe, &args, &[], None).map_err(start_err)?;
+        let image = ExecImage::named(exe, Some(&self.settings.helper.name), &args, &[], None)
+            .map_err(start_err)?;
         fs::create_dir_all(&self.shim_cgroup).map_err(|source| LogError::Cgroup {
             path: self.shim_cgroup.clone(),
             source,
@@ -464,7 +506,7 @@ impl LogSink {
                 // Dead or wedged (dropping it kills it): a generation must
                 // not write into a pipe nobody reads.
                 return Err(LogError::NotReady {
-                    exe: self.settings.shim.clone(),
+                    exe: self.settings.helper.path.clone(),
                     pid: shim.pid(),
                     why,
                 });
@@ -476,7 +518,7 @@ impl LogSink {
                 Ok(output)
             }
             _ => Err(LogError::NotReady {
-                exe: self.settings.shim.clone(),
+                exe: self.settings.helper.path.clone(),
                 pid: shim.pid(),
                 why: "it was handed out twice".into(),
             }),

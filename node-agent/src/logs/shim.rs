@@ -15,18 +15,20 @@
 
 use std::fs::File;
 use std::io::{self, Read};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, PoisonError};
 
 use jiff::Timestamp;
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::{SigHandler, Signal, signal};
 use nix::sys::socket::{MsgFlags, recv, send};
 
 use super::cri::{self, LineSplitter, Stream};
 use super::file::RotatingFile;
 
+/// The subcommand the agent's binary (or `genswap-helper`) runs as a shim.
+pub const SHIM_COMMAND: &str = "log-shim";
 /// Where the agent places the read end of the generation's stdout pipe.
 pub const STDOUT_FD: i32 = 3;
 /// ... and of its stderr pipe.
@@ -48,7 +50,7 @@ pub const MAX_ASSIGNMENT: usize = 8192;
 /// `node-agent log-shim`: not for people; the agent starts it. What it
 /// writes comes later, as an [`Assignment`]: so a shim can be started
 /// before the generation it will serve exists (see `LogSink`).
-#[derive(clap::Args, Debug, Clone)]
+#[derive(clap::Args, Debug, Clone, PartialEq, Eq)]
 pub struct ShimArgs {
     /// Bytes after which the file is rotated.
     #[arg(long)]
@@ -113,6 +115,7 @@ pub fn run(args: &ShimArgs) {
         Ok(0) | Err(_) => return,
         Ok(n) => Assignment::decode(&message[..n]),
     };
+    drop(message);
     let log = assignment.and_then(|a| {
         let stem = super::file::stem(a.generation, a.sidecar.as_deref());
         RotatingFile::open(&a.dir, &stem, args.max_size, args.max_files).ok()
@@ -124,21 +127,11 @@ pub fn run(args: &ShimArgs) {
     };
     let _ = send(control.as_raw_fd(), &[answer], MsgFlags::MSG_NOSIGNAL);
     drop(control);
-    let log = Arc::new(Mutex::new(log));
-    let readers: Vec<_> = [(STDOUT_FD, Stream::Stdout), (STDERR_FD, Stream::Stderr)]
-        .into_iter()
-        .map(|(fd, stream)| {
-            // SAFETY: the agent put the pipe's read end at this descriptor
-            // before exec (and no other code of this process opened it), so
-            // it is open and this is its only owner.
-            let pipe = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-            let log = Arc::clone(&log);
-            std::thread::spawn(move || copy(pipe, stream, &log))
-        })
-        .collect();
-    for reader in readers {
-        let _ = reader.join();
-    }
+    // SAFETY: the agent put the pipes' read ends at these descriptors before
+    // exec (and no other code of this process opened them), so they are
+    // open and this is their only owner.
+    let pipes = [STDOUT_FD, STDERR_FD].map(|fd| File::from(unsafe { OwnedFd::from_raw_fd(fd) }));
+    copy(pipes, log);
 }
 
 /// Its own session, and deaf to the signals meant for others: a terminal's
@@ -160,28 +153,64 @@ fn detach() {
     }
 }
 
-/// Reads one stream to its end and writes its records. Without a log file
-/// (it could not be opened) it still reads, so the writer never blocks.
-fn copy(mut pipe: File, stream: Stream, log: &Mutex<Option<RotatingFile>>) {
-    let mut splitter = LineSplitter::default();
+/// Reads both streams to their ends, in one thread (a thread and a buffer
+/// per stream would double what each shim costs the node), and writes their
+/// records. Without a log file (it could not be opened) it still reads, so
+/// the writer never blocks.
+fn copy(pipes: [File; 2], mut log: Option<RotatingFile>) {
+    let streams = [Stream::Stdout, Stream::Stderr];
+    let mut splitters = [LineSplitter::default(), LineSplitter::default()];
+    let mut open = [true, true];
     let mut buffer = vec![0u8; 64 * 1024];
     let mut record = Vec::new();
-    let mut write = |full: bool, text: &[u8]| {
+    let mut write = |stream: Stream, full: bool, text: &[u8]| {
         record.clear();
         cri::encode(&mut record, Timestamp::now(), stream, full, text);
-        if let Some(file) = log.lock().unwrap_or_else(PoisonError::into_inner).as_mut() {
+        if let Some(file) = log.as_mut() {
             file.write_record(&record);
         }
     };
-    loop {
-        match pipe.read(&mut buffer) {
-            Ok(0) => break,
-            Ok(n) => splitter.feed(&buffer[..n], &mut write),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+    while open.iter().any(|o| *o) {
+        let mut fds: Vec<PollFd<'_>> = pipes
+            .iter()
+            .zip(open)
+            .filter(|(_, open)| *open)
+            .map(|(pipe, _)| PollFd::new(pipe.as_fd(), PollFlags::POLLIN))
+            .collect();
+        match poll(&mut fds, PollTimeout::NONE) {
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
             Err(_) => break,
         }
+        let ready: Vec<bool> = fds
+            .iter()
+            .map(|fd| fd.revents().is_some_and(|r| !r.is_empty()))
+            .collect();
+        drop(fds);
+        let mut ready = ready.into_iter();
+        for index in 0..2 {
+            if !open[index] || !ready.next().unwrap_or(false) {
+                continue;
+            }
+            let stream = streams[index];
+            match (&pipes[index]).read(&mut buffer) {
+                Ok(0) => {
+                    open[index] = false;
+                    splitters[index]
+                        .finish(&mut |full: bool, text: &[u8]| write(stream, full, text));
+                }
+                Ok(n) => splitters[index].feed(&buffer[..n], &mut |full: bool, text: &[u8]| {
+                    write(stream, full, text)
+                }),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => {
+                    open[index] = false;
+                    splitters[index]
+                        .finish(&mut |full: bool, text: &[u8]| write(stream, full, text));
+                }
+            }
+        }
     }
-    splitter.finish(&mut write);
 }
 
 #[cfg(test)]

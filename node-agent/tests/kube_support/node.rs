@@ -68,7 +68,10 @@ impl TestNode {
         .expect("stager");
         let cgroups = tree.manager();
         let logs = LogSink::new(
-            LogSettings::in_dir(dir.path().join("logs"), env!("CARGO_BIN_EXE_node-agent")),
+            LogSettings::in_dir(
+                dir.path().join("logs"),
+                env!("CARGO_BIN_EXE_genswap-helper"),
+            ),
             &cgroups,
         )
         .expect("log sink");

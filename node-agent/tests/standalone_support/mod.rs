@@ -113,7 +113,10 @@ impl StandaloneHost {
             registries: Default::default(),
             retention: Default::default(),
             engine: EngineConfig::default(),
-            logs: LogSettings::in_dir(temp.path().join("logs"), env!("CARGO_BIN_EXE_node-agent")),
+            logs: LogSettings::in_dir(
+                temp.path().join("logs"),
+                env!("CARGO_BIN_EXE_genswap-helper"),
+            ),
         };
         let (host, stop, runner) = launch(&settings, &dir, stop_on_exit, &labels);
         StandaloneHost {

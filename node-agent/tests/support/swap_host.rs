@@ -50,6 +50,27 @@ pub struct SwapHost {
     dir: tempfile::TempDir,
 }
 
+/// How a [`SwapHost`] differs from a plain one.
+pub struct HostOptions {
+    /// Its run dir on a tmpfs of its own, as a node's `/run` is (the temp
+    /// dir may be on a disk): for figures that must be what a node shows.
+    pub run_dir_in_memory: bool,
+    /// What runs as the log shims and listener keepers.
+    pub helper: &'static str,
+}
+
+impl Default for HostOptions {
+    fn default() -> Self {
+        HostOptions {
+            run_dir_in_memory: false,
+            helper: HELPER,
+        }
+    }
+}
+
+/// The built helper (`genswap-helper`): the shims' and keepers' program.
+pub const HELPER: &str = env!("CARGO_BIN_EXE_genswap-helper");
+
 /// A tmpfs mounted by a test, taken down by its path on drop.
 pub struct TmpfsMount(PathBuf);
 
@@ -90,18 +111,29 @@ impl SwapHost {
     /// node's `/run` is (the temp dir may be on a disk): for figures that
     /// must be what a node would show.
     pub fn with_run_dir_in_memory(tag: &str) -> SwapHost {
+        SwapHost::with_options(
+            tag,
+            HostOptions {
+                run_dir_in_memory: true,
+                ..HostOptions::default()
+            },
+        )
+    }
+
+    /// [`SwapHost::new`] as `options` say.
+    pub fn with_options(tag: &str, options: HostOptions) -> SwapHost {
         SwapHost::in_tree_staging(
             tag,
             EngineConfig::default(),
             TestCgroupTree::new(tag),
             |_| {},
-            true,
+            options,
         )
     }
 
     /// A node whose agent's cgroup root is `<tree>/genswap`.
     pub fn in_tree(tag: &str, config: EngineConfig, tree: TestCgroupTree) -> SwapHost {
-        SwapHost::in_tree_staging(tag, config, tree, |_| {}, false)
+        SwapHost::in_tree_staging(tag, config, tree, |_| {}, HostOptions::default())
     }
 
     /// A node whose stager is configured by `tune` (registries, limits).
@@ -111,7 +143,7 @@ impl SwapHost {
             EngineConfig::default(),
             TestCgroupTree::new(tag),
             tune,
-            false,
+            HostOptions::default(),
         )
     }
 
@@ -120,7 +152,7 @@ impl SwapHost {
         config: EngineConfig,
         tree: TestCgroupTree,
         tune: impl FnOnce(&mut StagerConfig),
-        run_in_memory: bool,
+        options: HostOptions,
     ) -> SwapHost {
         let dir = tempfile::Builder::new()
             .prefix(&format!("genswap-{tag}-"))
@@ -133,7 +165,7 @@ impl SwapHost {
         let run_dir = dir.path().join("run");
         let state_dir = dir.path().join("state");
         fs::create_dir(&staging).expect("staging root");
-        let run_mount = run_in_memory.then(|| {
+        let run_mount = options.run_dir_in_memory.then(|| {
             fs::create_dir(&run_dir).expect("the run dir");
             TmpfsMount::mount(&run_dir)
         });
@@ -145,7 +177,11 @@ impl SwapHost {
         )
         .expect("stager");
         let cgroups = tree.manager();
-        let logs = test_log_sink(&dir.path().join("logs"), &cgroups);
+        let logs = LogSink::new(
+            LogSettings::in_dir(dir.path().join("logs"), options.helper),
+            &cgroups,
+        )
+        .expect("log sink");
         let parts = EngineParts {
             cgroups,
             layout: RunLayout::new(&run_dir),
@@ -569,13 +605,9 @@ impl AttemptGate for SupersedeAt {
     }
 }
 
-/// A log sink writing under `dir`, whose shims are the built `node-agent`.
+/// A log sink writing under `dir`, whose shims are the built `genswap-helper`.
 pub fn test_log_sink(dir: &Path, cgroups: &node_agent::cgroup::CgroupManager) -> LogSink {
-    LogSink::new(
-        LogSettings::in_dir(dir, env!("CARGO_BIN_EXE_node-agent")),
-        cgroups,
-    )
-    .expect("log sink")
+    LogSink::new(LogSettings::in_dir(dir, HELPER), cgroups).expect("log sink")
 }
 
 impl SwapHost {
