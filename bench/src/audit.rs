@@ -22,6 +22,8 @@ pub struct Request {
     pub received: Timestamp,
     /// From received to answered, ms.
     pub millis: f64,
+    /// The HTTP status it was answered with.
+    pub code: Option<u16>,
 }
 
 impl Request {
@@ -43,6 +45,9 @@ impl Request {
             resource,
             received,
             millis: answered.duration_since(received).as_secs_f64() * 1000.0,
+            code: entry["responseStatus"]["code"]
+                .as_u64()
+                .and_then(|c| u16::try_from(c).ok()),
         })
     }
 
@@ -147,6 +152,7 @@ mod tests {
             resource: resource.into(),
             received: at,
             millis: 1.0,
+            code: Some(201),
         };
         let requests = [
             request("c", "create", "swapattempts"),

@@ -409,13 +409,13 @@ async fn run_phase(
 }
 
 /// One IG's write in a phase.
-enum Write {
+pub(crate) enum Write {
     Create(serde_json::Value),
     Patch(serde_json::Value),
 }
 
 /// Writes every IG, [`WRITERS`] at a time; when each write was answered.
-async fn write_all(
+pub(crate) async fn write_all(
     igs: &Api<InstanceGeneration>,
     names: &[String],
     write: impl Fn(&str) -> Write,
@@ -447,13 +447,13 @@ async fn write_all(
 
 /// The instant each IG was first seen Ready at its current generation,
 /// from a watch of the bench's own (admin credentials, not counted).
-struct ReadyWatch {
+pub(crate) struct ReadyWatch {
     ready: Arc<Mutex<HashMap<String, Instant>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl ReadyWatch {
-    fn start(igs: Api<InstanceGeneration>) -> ReadyWatch {
+    pub(crate) fn start(igs: Api<InstanceGeneration>) -> ReadyWatch {
         let ready = Arc::new(Mutex::new(HashMap::new()));
         let seen = Arc::clone(&ready);
         let task = tokio::spawn(async move {
@@ -475,14 +475,14 @@ impl ReadyWatch {
         ReadyWatch { ready, task }
     }
 
-    fn forget(&self, names: &[String]) {
+    pub(crate) fn forget(&self, names: &[String]) {
         let mut ready = self.ready.lock().unwrap_or_else(PoisonError::into_inner);
         for name in names {
             ready.remove(name);
         }
     }
 
-    async fn wait_all(
+    pub(crate) async fn wait_all(
         &self,
         names: &[String],
         deadline: Duration,
@@ -601,12 +601,18 @@ fn start_agent(
 }
 
 /// A process of the benchmark and its log.
-struct Logged {
+pub(crate) struct Logged {
     guard: Guarded,
     log: PathBuf,
 }
 
-fn spawn_logged(mut command: Command, log: &Path) -> Result<Logged, BenchError> {
+impl Logged {
+    pub(crate) fn pid(&self) -> u32 {
+        self.guard.pid()
+    }
+}
+
+pub(crate) fn spawn_logged(mut command: Command, log: &Path) -> Result<Logged, BenchError> {
     let setup = |source| BenchError::Setup {
         what: format!("start a process logging to {}", log.display()),
         source,
@@ -625,7 +631,7 @@ fn spawn_logged(mut command: Command, log: &Path) -> Result<Logged, BenchError> 
     })
 }
 
-fn free_port() -> Result<u16, BenchError> {
+pub(crate) fn free_port() -> Result<u16, BenchError> {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -636,7 +642,7 @@ fn free_port() -> Result<u16, BenchError> {
 }
 
 /// `a - b` in ms, negative when `a` came first.
-fn signed_ms(a: Instant, b: Instant) -> f64 {
+pub(crate) fn signed_ms(a: Instant, b: Instant) -> f64 {
     if a >= b {
         (a - b).as_secs_f64() * 1000.0
     } else {
@@ -645,7 +651,7 @@ fn signed_ms(a: Instant, b: Instant) -> f64 {
 }
 
 /// The controller's `/metrics` text, empty when it does not answer.
-async fn scrape(url: &str) -> String {
+pub(crate) async fn scrape(url: &str) -> String {
     let url = url.to_string();
     tokio::task::spawn_blocking(move || http_get(&url).unwrap_or_default())
         .await
@@ -669,7 +675,7 @@ fn http_get(url: &str) -> Option<String> {
 }
 
 /// The sum of every sample of `name` (all label sets).
-fn counter(metrics: &str, name: &str) -> u64 {
+pub(crate) fn counter(metrics: &str, name: &str) -> u64 {
     metrics
         .lines()
         .filter(|l| l.starts_with(name) && !l.starts_with('#'))

@@ -21,6 +21,7 @@ mod cluster;
 mod cluster_report;
 mod datagram;
 mod fanout;
+mod fleet;
 mod http1;
 mod image_overlap;
 mod loadgen;
@@ -118,6 +119,9 @@ enum Command {
     Cluster(ClusterArgs),
     /// The load generator (started by the benchmark as its own process).
     Loadgen(loadgen::LoadArgs),
+    /// The controller against a fleet of Node objects with simulated
+    /// agents on a real API server: status size, objects, memory (issue 49).
+    Fleet(FleetArgs),
     /// Staging an image from a registry on loopback against skopeo and
     /// tar by hand; memory; staging a stored digest again.
     Store(store::StoreArgs),
@@ -150,6 +154,26 @@ struct ClusterArgs {
     #[arg(long, value_enum)]
     only: Option<ClusterPart>,
     /// Where cluster.md and cluster.json go.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Clone, Debug, clap::Args)]
+struct FleetArgs {
+    /// Fleet sizes (Node objects), each on a control plane of its own.
+    #[arg(long, value_delimiter = ',', default_values_t = [1000, 5000])]
+    nodes: Vec<usize>,
+    /// InstanceGenerations, each selecting every node.
+    #[arg(long, default_value_t = 20, value_parser = at_least_one())]
+    igs: usize,
+    /// How long a simulated agent takes to answer an attempt, ms.
+    #[arg(long, default_value_t = 1000)]
+    answer_ms: u64,
+    /// Another genswap-controller binary (an older build) to run on each
+    /// fleet first, for before and after in one run.
+    #[arg(long)]
+    compare: Option<PathBuf>,
+    /// Where fleet.md and fleet.json go.
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -220,7 +244,7 @@ fn main() -> ExitCode {
             }
         };
     }
-    if matches!(cli.command, Command::Cluster(_))
+    if matches!(cli.command, Command::Cluster(_) | Command::Fleet(_))
         && let Err(error) = cluster::ensure_helm()
     {
         eprintln!("genswap-bench: {error}");
@@ -252,6 +276,7 @@ async fn run(command: Command) -> Result<(), BenchError> {
         Command::ZeroDowntime(args) => (args, true, false),
         Command::Scale(args) => (args, false, true),
         Command::Cluster(args) => return run_cluster(args).await,
+        Command::Fleet(args) => return run_fleet(args).await,
         Command::Loadgen(_) => return Ok(()),
         Command::Store(args) => {
             let bench = std::env::current_exe().map_err(|source| BenchError::Setup {
@@ -409,6 +434,21 @@ async fn run_cluster(args: ClusterArgs) -> Result<(), BenchError> {
     let markdown = results.markdown();
     println!("\n{markdown}");
     write_report(&out, "cluster", &markdown, &results)
+}
+
+async fn run_fleet(args: FleetArgs) -> Result<(), BenchError> {
+    let out = out_dir(args.out.clone())?;
+    let binaries = prepare::ensure(false)?;
+    let options = fleet::FleetOptions {
+        nodes: args.nodes.clone(),
+        igs: args.igs,
+        answer_after: Duration::from_millis(args.answer_ms),
+        compare: args.compare.clone(),
+    };
+    let reports = fleet::run(&binaries, &options).await?;
+    let markdown = fleet::markdown(&reports);
+    println!("\n{markdown}");
+    write_report(&out, "fleet", &markdown, &reports)
 }
 
 /// A count flag that refuses 0 when the arguments are parsed.
