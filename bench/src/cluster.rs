@@ -537,17 +537,29 @@ fn is_ready(ig: &InstanceGeneration) -> bool {
 }
 
 fn instance_generation(name: &str, build: &testapp::Build) -> serde_json::Value {
+    let mut ig = ig_manifest(NAMESPACE, name, POOL_LABEL, build_spec(build));
+    ig["spec"]["health"] = json!({"path": "/", "timeoutSeconds": 10});
+    ig["spec"]["stop"] = json!({"timeoutSeconds": 5});
+    ig
+}
+
+/// An InstanceGeneration of `build` selecting the Nodes labelled
+/// `pool=a`, run as nobody, with no settle window.
+pub(crate) fn ig_manifest(
+    namespace: &str,
+    name: &str,
+    pool: &str,
+    build: serde_json::Value,
+) -> serde_json::Value {
     json!({
         "apiVersion": "genswap.dev/v1alpha1",
         "kind": "InstanceGeneration",
-        "metadata": {"name": name, "namespace": NAMESPACE},
+        "metadata": {"name": name, "namespace": namespace},
         "spec": {
-            "nodeSelector": {POOL_LABEL: "a"},
-            "build": build_spec(build),
+            "nodeSelector": {pool: "a"},
+            "build": build,
             "process": {"user": 65534, "group": 65534},
-            "health": {"path": "/", "timeoutSeconds": 10},
             "settle": {"seconds": 0},
-            "stop": {"timeoutSeconds": 5},
         },
     })
 }

@@ -31,8 +31,8 @@ use test_cluster::chart::ChartRelease;
 
 use crate::audit::{self, Tally};
 use crate::cluster::{
-    Logged, ReadyWatch, Write, counter, free_port, plane_pid, plane_with_crds, process_cpu_ms,
-    scrape, signed_ms, spawn_logged, write_all,
+    Logged, ReadyWatch, Write, counter, free_port, ig_manifest, plane_pid, plane_with_crds,
+    process_cpu_ms, scrape, signed_ms, spawn_logged, write_all,
 };
 use crate::{BenchError, Binaries};
 
@@ -134,6 +134,9 @@ pub async fn run(
             );
             let mut report = run_one(controller, nodes, options).await?;
             report.controller = label.clone();
+            for phase in &report.phases {
+                print!("  {}", row(&report, phase));
+            }
             reports.push(report);
         }
     }
@@ -354,17 +357,6 @@ async fn run_phase(
             .saturating_sub(counter(&before, "genswap_controller_reconciles_total")),
         dropped_events(&after).saturating_sub(dropped_events(&before)),
     );
-    println!(
-        "    controller RSS peak {} rest {}; API server RSS {}; etcd db {:.1} MiB; largest IG {} B, attempt {} B; {} attempts at rest, at most {} per (IG, node)",
-        mib(phase.controller_peak_kib),
-        mib(phase.controller_rest_kib),
-        mib(phase.api_server_rest_kib),
-        phase.etcd_db_bytes as f64 / 1048576.0,
-        phase.largest_ig_bytes,
-        phase.largest_attempt_bytes,
-        phase.attempts_at_rest,
-        phase.most_per_ig_node,
-    );
     Ok(phase)
 }
 
@@ -579,18 +571,9 @@ fn done_status(attempt: &SwapAttempt, generation: i64, started: Timestamp) -> se
 }
 
 fn instance_generation(name: &str, nodes: usize, build: &str) -> serde_json::Value {
-    json!({
-        "apiVersion": "genswap.dev/v1alpha1",
-        "kind": "InstanceGeneration",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {
-            "nodeSelector": {POOL_LABEL: "a"},
-            "build": build_spec(build),
-            "process": {"user": 65534, "group": 65534},
-            "rollout": {"maxParallel": nodes},
-            "settle": {"seconds": 0},
-        },
-    })
+    let mut ig = ig_manifest(NAMESPACE, name, POOL_LABEL, build_spec(build));
+    ig["spec"]["rollout"] = json!({"maxParallel": nodes});
+    ig
 }
 
 fn build_spec(id: &str) -> serde_json::Value {
@@ -606,27 +589,32 @@ pub fn markdown(reports: &[FleetReport]) -> String {
     );
     for report in reports {
         for phase in &report.phases {
-            out.push_str(&format!(
-                "| {} | {} × {} | {} | {:.1} s | {} ({}; {}) | {:.2} | {} / {} | {} | {:.1} MiB | {} / {} B | {} ({}) |\n",
-                report.controller,
-                report.nodes,
-                report.igs,
-                phase.name,
-                phase.all_ready_ms / 1000.0,
-                phase.attempts_created,
-                phase.issued_twice,
-                phase.creates_refused.values().sum::<usize>(),
-                phase.controller_per_attempt(),
-                mib(phase.controller_peak_kib),
-                mib(phase.controller_rest_kib),
-                mib(phase.api_server_rest_kib),
-                phase.etcd_db_bytes as f64 / 1048576.0,
-                phase.largest_ig_bytes,
-                phase.largest_attempt_bytes,
-                phase.attempts_at_rest,
-                phase.most_per_ig_node,
-            ));
+            out.push_str(&row(report, phase));
         }
     }
     out
+}
+
+/// One phase as a row of [`markdown`]'s table.
+fn row(report: &FleetReport, phase: &FleetPhase) -> String {
+    format!(
+        "| {} | {} × {} | {} | {:.1} s | {} ({}; {}) | {:.2} | {} / {} | {} | {:.1} MiB | {} / {} B | {} ({}) |\n",
+        report.controller,
+        report.nodes,
+        report.igs,
+        phase.name,
+        phase.all_ready_ms / 1000.0,
+        phase.attempts_created,
+        phase.issued_twice,
+        phase.creates_refused.values().sum::<usize>(),
+        phase.controller_per_attempt(),
+        mib(phase.controller_peak_kib),
+        mib(phase.controller_rest_kib),
+        mib(phase.api_server_rest_kib),
+        phase.etcd_db_bytes as f64 / 1048576.0,
+        phase.largest_ig_bytes,
+        phase.largest_attempt_bytes,
+        phase.attempts_at_rest,
+        phase.most_per_ig_node,
+    )
 }
