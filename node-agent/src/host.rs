@@ -559,10 +559,7 @@ fn locate_helper_beside(
                 .push(fd);
             Ok(HelperProgram {
                 path,
-                name: candidate.file_name().map_or_else(
-                    || crate::logs::HELPER_NAME.to_owned(),
-                    |n| n.to_string_lossy().into_owned(),
-                ),
+                name: HelperProgram::at(&candidate).name,
             })
         }
         Err(source) if explicit.is_some() => Err(HostError::Helper {

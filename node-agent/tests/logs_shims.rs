@@ -22,10 +22,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use cgroup_guard::{TestCgroupTree, eventually};
+use cgroup_guard::{TestCgroupTree, eventually, teardown};
 use node_agent::gate::InstanceKey;
 use node_agent::logs::file::{current_path, dropped_path, files_of, read_dropped};
-use node_agent::logs::{LogSettings, LogSink, SHIM_CGROUP, cri};
+use node_agent::logs::{LogError, LogSettings, LogSink, SHIM_CGROUP, cri};
 use sha2::{Digest, Sha256};
 use swap_host::SwapHost;
 
@@ -736,6 +736,69 @@ async fn the_shim_started_ahead_writes_the_next_generation_and_a_dead_one_is_rep
         shim_pids(&root).is_empty()
     })
     .await;
+}
+
+/// A closed sink (the agent stopping) ends the shim waiting ahead and starts
+/// no other, while a generation's own shim still starts: a cancelled hold
+/// restores the old generation on the way out.
+#[tokio::test]
+async fn a_closed_sink_ends_its_waiting_shim_and_starts_no_other() {
+    let tree = TestCgroupTree::new("logs-close");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sink = LogSink::new(
+        LogSettings::in_dir(dir.path().join("logs"), HELPER),
+        &tree.manager(),
+    )
+    .expect("log sink");
+    let root = tree.path().join("genswap");
+    sink.prepare_spare()
+        .expect("a spare is started")
+        .await
+        .expect("the start's task");
+    let waiting = sink.spare_pid().expect("a shim waits");
+
+    sink.close();
+    assert_eq!(sink.spare_pid(), None);
+    assert!(
+        !shim_pids(&root).contains(&waiting),
+        "the waiting shim is gone when close returns"
+    );
+    assert!(
+        sink.prepare_spare().is_none(),
+        "no spare is started after close"
+    );
+    let output = sink.start(&key(), 1, None).expect("a generation's shim");
+    drop(output);
+    eventually(DEADLINE, "every shim to exit", || {
+        shim_pids(&root).is_empty()
+    })
+    .await;
+}
+
+/// A shim is never started into an agent root that is gone (a stopping
+/// agent's, or one an operator removed): the start fails naming the
+/// shims' cgroup, and the root is not made again behind the agent's back,
+/// where nothing would remove it.
+#[tokio::test]
+async fn a_shim_is_not_started_into_a_removed_agent_root() {
+    let tree = TestCgroupTree::new("logs-gone");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sink = LogSink::new(
+        LogSettings::in_dir(dir.path().join("logs"), HELPER),
+        &tree.manager(),
+    )
+    .expect("log sink")
+    .without_spare();
+    let root = tree.path().join("genswap");
+    teardown(&root).expect("remove the agent's root");
+
+    let error = sink.start(&key(), 1, None).expect_err("no root, no shim");
+    let shims = root.join(SHIM_CGROUP);
+    assert!(
+        matches!(&error, LogError::Cgroup { path, .. } if *path == shims),
+        "{error}"
+    );
+    assert!(!root.exists(), "the agent's root is not made again");
 }
 
 /// Either program serves as the shim: `genswap-helper`, and the agent's own

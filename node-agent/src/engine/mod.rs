@@ -332,6 +332,16 @@ impl Engine {
         &self.logs
     }
 
+    /// Ends the log shim started ahead as the agent stops (see
+    /// [`LogSink::close`]), off the runtime's threads: it may wait for one
+    /// being started.
+    pub async fn close_logs(&self) {
+        let logs = self.logs.clone();
+        if let Err(error) = tokio::task::spawn_blocking(move || logs.close()).await {
+            tracing::warn!(%error, "closing the log sink failed");
+        }
+    }
+
     /// The cgroup subtree the engine runs instances in.
     pub fn cgroups(&self) -> &CgroupManager {
         &self.cgroups

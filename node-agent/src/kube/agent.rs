@@ -274,6 +274,7 @@ impl KubeAgent {
         // No restart begins while the attempts are cancelled and drained.
         drop(supervisor);
         state.shut_down(&mut ended_rx).await;
+        state.shared.engine.close_logs().await;
         readiness.set_owner(false);
         gate.set_owner(false);
         // Released last: the journal is not written after this.

@@ -165,12 +165,12 @@ pub struct GenerationOutput {
 
 /// Starts a log shim per generation.
 ///
-/// A shim takes about 2 ms to start (the agent's binary is large): that
-/// would be on every swap's path between the intent and the exec. So the
-/// sink keeps one shim started ahead, unassigned, and hands it the next
-/// generation: its start happens after the attempt that took the previous
-/// one. An unassigned shim holds no file and exits when the sink goes (or
-/// the agent dies): its control socket reaches end-of-file.
+/// A shim's start (a fork, an exec, its setup) would be on every swap's
+/// path between the intent and the exec. So the sink keeps one shim
+/// started ahead, unassigned, and hands it the next generation: its start
+/// happens after the attempt that took the previous one. An unassigned
+/// shim holds no file and ends with [`LogSink::close`], when the sink goes,
+/// or when the agent dies: its control socket reaches end-of-file.
 #[derive(Clone, Debug)]
 pub struct LogSink {
     settings: LogSettings,
@@ -181,9 +181,17 @@ pub struct LogSink {
 /// Where the shim started ahead waits.
 #[derive(Default)]
 struct SpareSlot {
-    shim: Mutex<Option<UnassignedShim>>,
+    /// Held while a spare is started, so [`LogSink::close`] waits for it.
+    state: Mutex<SpareState>,
     /// A spare is being started: no second one.
     refilling: AtomicBool,
+}
+
+#[derive(Default)]
+struct SpareState {
+    shim: Option<UnassignedShim>,
+    /// No spare is started any more: the agent is stopping.
+    closed: bool,
 }
 
 impl std::fmt::Debug for SpareSlot {
@@ -252,8 +260,24 @@ impl LogSink {
     /// The pid of the shim started ahead, when one waits.
     pub fn spare_pid(&self) -> Option<u32> {
         let slot = self.spare.as_ref()?;
-        let shim = slot.shim.lock().unwrap_or_else(PoisonError::into_inner);
-        shim.as_ref().map(UnassignedShim::pid)
+        let state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.shim.as_ref().map(UnassignedShim::pid)
+    }
+
+    /// Ends the shim started ahead and starts no other; waits for one being
+    /// started. Called as the agent stops: a spare started after that would
+    /// be born into a cgroup tree that is being removed.
+    pub fn close(&self) {
+        let Some(slot) = &self.spare else {
+            return;
+        };
+        let spare = {
+            let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
+            state.closed = true;
+            state.shim.take()
+        };
+        // Dropped unassigned: killed and reaped.
+        drop(spare);
     }
 
     pub fn settings(&self) -> &LogSettings {
@@ -341,49 +365,55 @@ impl LogSink {
 
     fn take_spare(&self) -> Option<UnassignedShim> {
         let slot = self.spare.as_ref()?;
-        slot.shim
+        slot.state
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .shim
             .take()
     }
 
     /// Starts a shim ahead of the next generation on a blocking thread,
     /// unless one waits or is being started (or no runtime is at hand).
     /// The engine calls it as each attempt ends, so the start happens
-    /// between attempts, not on the next swap's path.
-    pub fn prepare_spare(&self) {
-        let Some(slot) = &self.spare else {
-            return;
-        };
+    /// between attempts, not on the next swap's path. Returns the start's
+    /// task when one began.
+    pub fn prepare_spare(&self) -> Option<tokio::task::JoinHandle<()>> {
+        let slot = self.spare.as_ref()?;
         if slot.refilling.swap(true, Ordering::AcqRel) {
-            return;
+            return None;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        let closed = slot
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .closed;
+        let runtime = tokio::runtime::Handle::try_current()
+            .ok()
+            .filter(|_| !closed);
+        let Some(runtime) = runtime else {
             slot.refilling.store(false, Ordering::Release);
-            return;
+            return None;
         };
         let sink = self.clone();
-        runtime.spawn_blocking(move || {
+        Some(runtime.spawn_blocking(move || {
             let Some(slot) = &sink.spare else {
                 return;
             };
-            let waiting = slot
-                .shim
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .is_some();
-            if !waiting {
-                match sink.launch_shim() {
-                    Ok(shim) => {
-                        *slot.shim.lock().unwrap_or_else(PoisonError::into_inner) = Some(shim);
-                    }
-                    Err(error) => {
-                        tracing::warn!(error = %error, "no log shim could be started ahead; the next generation's starts when it is needed");
+            {
+                // Held across the start: a swap that wants the spare meanwhile
+                // waits the rest of this start rather than paying a whole one.
+                let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
+                if !state.closed && state.shim.is_none() {
+                    match sink.launch_shim() {
+                        Ok(shim) => state.shim = Some(shim),
+                        Err(error) => {
+                            tracing::warn!(error = %error, "no log shim could be started ahead; the next generation's starts when it is needed");
+                        }
                     }
                 }
             }
             slot.refilling.store(false, Ordering::Release);
-        });
+        }))
     }
 
     /// Starts a shim in the shims' cgroup, holding the read ends of a fresh
@@ -438,10 +468,17 @@ impl LogSink {
         ];
         let image = ExecImage::named(exe, Some(&self.settings.helper.name), &args, &[], None)
             .map_err(start_err)?;
-        fs::create_dir_all(&self.shim_cgroup).map_err(|source| LogError::Cgroup {
-            path: self.shim_cgroup.clone(),
-            source,
-        })?;
+        // The shims' cgroup again if something removed it, but never the
+        // agent's root above it: that is gone only when the agent stops.
+        match fs::create_dir(&self.shim_cgroup) {
+            Err(source) if source.kind() != io::ErrorKind::AlreadyExists => {
+                return Err(LogError::Cgroup {
+                    path: self.shim_cgroup.clone(),
+                    source,
+                });
+            }
+            _ => {}
+        }
         // Born in the shims' cgroup: a move there afterwards would wait for
         // the kernel's cgroup lock (see crate::launch).
         let launch = Launch {

@@ -184,7 +184,9 @@ pub async fn run_with(
 ) -> Result<(), StandaloneError> {
     let runner = runner::Runner::start(engine.clone(), gate.clone(), state_dir, config).await?;
     let _supervisor = engine.start_supervisor(gate, runner.supervisor_events());
-    runner.run(shutdown).await
+    let result = runner.run(shutdown).await;
+    engine.close_logs().await;
+    result
 }
 
 #[cfg(test)]
