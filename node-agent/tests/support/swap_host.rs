@@ -50,6 +50,13 @@ pub struct SwapHost {
     dir: tempfile::TempDir,
 }
 
+impl Drop for SwapHost {
+    fn drop(&mut self) {
+        // Before the tree goes: no log shim is started ahead into it after.
+        self.engine.logs().close();
+    }
+}
+
 /// How a [`SwapHost`] differs from a plain one.
 pub struct HostOptions {
     /// Its run dir on a tmpfs of its own, as a node's `/run` is (the temp
