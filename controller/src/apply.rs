@@ -108,6 +108,19 @@ impl ApplyError {
             ApplyError::Delete { .. } => "delete",
         }
     }
+
+    /// A create that failed without a refusal: no answer came, or the
+    /// server failed (a 5xx, a timeout on its side), so the object may have
+    /// been stored. A 4xx (429, 403, 422) says it was not.
+    pub fn creation_unknown(&self) -> bool {
+        match self {
+            ApplyError::Create { source, .. } => match source {
+                kube::Error::Api(status) => status.code >= 500,
+                _ => true,
+            },
+            _ => false,
+        }
+    }
 }
 
 /// Whether the plan's status goes out now.
@@ -234,7 +247,14 @@ pub async fn apply_plan(
                     "attempt issued"
                 );
             }
-            Err(error) => failures.push(error),
+            Err(error) => {
+                // No answer, or a server error: it may exist all the same,
+                // and a plan that cannot see it would issue the node again.
+                if error.creation_unknown() {
+                    ctx.note_created(ig, &attempt.name_any());
+                }
+                failures.push(error);
+            }
         }
     }
     for attempt in &plan.delete {
@@ -262,10 +282,19 @@ pub async fn apply_plan(
             } => Some(PlanEvent {
                 warning: true,
                 reason: REASON_CREATE_FAILED.to_string(),
-                message: format!(
-                    "SwapAttempt {attempt} (schedRev {sched_rev}) was not created: {source}; \
-                     the revision is burned and the next reconcile issues a higher one"
-                ),
+                message: if failure.creation_unknown() {
+                    format!(
+                        "SwapAttempt {attempt} (schedRev {sched_rev}) may not have been created: \
+                         {source}; the next plan waits until the attempt cache shows it, or \
+                         for {}s, then issues a higher revision if it is not there",
+                        crate::expectations::PATIENCE.as_secs()
+                    )
+                } else {
+                    format!(
+                        "SwapAttempt {attempt} (schedRev {sched_rev}) was not created: {source}; \
+                         the revision is burned and the next reconcile issues a higher one"
+                    )
+                },
             }),
             _ => None,
         })

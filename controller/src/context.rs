@@ -232,10 +232,21 @@ impl Context {
         fresh
     }
 
-    /// Forgets what this replica knows of `ig`'s writes.
+    /// Forgets what this replica knows of `ig`'s writes: it is being
+    /// deleted.
     pub(crate) fn forget(&self, ig: &InstanceGeneration) {
+        self.expectations.forget(&key_of(ig));
+        self.step_down(ig);
+    }
+
+    /// Forgets what only a leader may use of `ig` (its reservation in hand,
+    /// its put-off status and Events), and keeps the expectations of its own
+    /// writes but those the caches now show: a create in flight as the Lease
+    /// was lost lands all the same, and a plan as leader again must not miss
+    /// it.
+    pub(crate) fn step_down(&self, ig: &InstanceGeneration) {
         let key = key_of(ig);
-        self.expectations.forget(&key);
+        let _ = self.caught_up(ig);
         self.reservations
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

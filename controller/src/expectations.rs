@@ -120,9 +120,12 @@ impl Expectations {
         }
     }
 
-    /// Forgets everything recorded for `ig`: it is being deleted, or this
-    /// replica no longer leads and will plan from the API server's state
-    /// when it leads again.
+    /// Forgets everything recorded for `ig`: it is being deleted. A replica
+    /// that stops leading keeps what it recorded: its creates exist whoever
+    /// leads, and if it leads again soon (a Lease renewal that failed under
+    /// load), its attempt cache may still be behind them. Its follower
+    /// reconciles call [`Expectations::caught_up`], which drops what the
+    /// cache shows and what the patience ended.
     pub fn forget(&self, ig: &IgKey) {
         self.pending
             .lock()

@@ -5,7 +5,7 @@
 //! replica that loses the Lease stops writing at the next request it would
 //! have sent, not at the next reconcile.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
@@ -24,7 +24,19 @@ use genswap_runtime::watch_backoff::reconnecting;
 #[derive(Clone, Debug)]
 pub struct Leadership {
     state: Arc<watch::Sender<bool>>,
+    term: Arc<Mutex<Term>>,
     metrics: Arc<Metrics>,
+}
+
+/// One stretch of holding the Lease, and whether this replica has learned
+/// what its caches may lack from the one before ([`crate::term`]).
+#[derive(Debug, Default)]
+struct Term {
+    number: u64,
+    seeded: bool,
+    /// Terms must be seeded before planning: off unless the controller runs
+    /// the seeding task ([`Leadership::require_seeding`]).
+    required: bool,
 }
 
 impl Leadership {
@@ -33,6 +45,7 @@ impl Leadership {
         metrics.set_leader(false);
         Self {
             state: Arc::new(watch::Sender::new(false)),
+            term: Arc::default(),
             metrics,
         }
     }
@@ -42,13 +55,53 @@ impl Leadership {
         *self.state.borrow()
     }
 
-    /// Records a change of leadership (the lease task calls this).
+    /// Records a change of leadership (the lease task calls this). Becoming
+    /// the leader starts a term that is not seeded yet; it is marked so
+    /// before any reconcile can see this replica lead.
     pub fn set(&self, leader: bool) {
+        if leader && !self.is_leader() {
+            let mut term = self.term();
+            term.number += 1;
+            term.seeded = false;
+        }
         let was = self.state.send_replace(leader);
         self.metrics.set_leader(leader);
         if was != leader {
             info!(leader, "leadership changed");
         }
+    }
+
+    /// From now on each term must be seeded ([`Leadership::mark_seeded`])
+    /// before this replica plans, the current one included.
+    pub fn require_seeding(&self) {
+        let mut term = self.term();
+        term.required = true;
+        term.seeded = false;
+    }
+
+    /// The current term's number: it grows each time this replica becomes
+    /// the leader.
+    pub fn term_number(&self) -> u64 {
+        self.term().number
+    }
+
+    /// Whether planning may begin in this term: it is seeded, or seeding is
+    /// not required.
+    pub fn term_seeded(&self) -> bool {
+        let term = self.term();
+        term.seeded || !term.required
+    }
+
+    /// Marks term `number` seeded, unless a newer term began meanwhile.
+    pub fn mark_seeded(&self, number: u64) {
+        let mut term = self.term();
+        if term.number == number {
+            term.seeded = true;
+        }
+    }
+
+    fn term(&self) -> std::sync::MutexGuard<'_, Term> {
+        self.term.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Resolves once this replica leads (`true`) or follows (`false`), at

@@ -8,7 +8,8 @@
 //! - [`observe`] and [`attempt_index`]: the reads (watch caches, no
 //!   requests; an IG's attempts by owner, not by a scan), planned from only
 //!   once [`cache_sync`] says the caches have listed and [`expectations`]
-//!   says they show this replica's own writes;
+//!   says they show this replica's own writes (and, at the start of a
+//!   term of leadership, what [`term`] listed from the API server);
 //! - `genswap_core::scheduler`: the plan (pure);
 //! - [`apply`]: the writes, in the order that keeps revisions unique, and
 //!   [`events`], which sends a reconcile's Events after it, an object's
@@ -41,3 +42,4 @@ pub mod observe;
 pub mod reconciler;
 pub mod run;
 pub mod shutdown;
+pub mod term;

@@ -53,6 +53,9 @@ pub enum Deferral {
     OwnStatusUnseen,
     /// The attempt cache lacks an attempt this replica created.
     OwnCreateUnseen,
+    /// This replica has just become the leader and has not yet listed the
+    /// attempts its cache may lack ([`crate::term`]).
+    TermNotSeeded,
 }
 
 impl Deferral {
@@ -62,6 +65,7 @@ impl Deferral {
             Deferral::CachesSyncing => "caches_syncing",
             Deferral::OwnStatusUnseen => "own_status_unseen",
             Deferral::OwnCreateUnseen => "own_create_unseen",
+            Deferral::TermNotSeeded => "term_not_seeded",
         }
     }
 }

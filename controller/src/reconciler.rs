@@ -74,7 +74,7 @@ pub async fn reconcile(
     };
     if !ctx.leadership.is_leader() {
         debug!(ig = %ig.name_any(), "follower; not planning");
-        ctx.forget(ig);
+        ctx.step_down(ig);
         return Ok(Action::await_change());
     }
     if ig.meta().deletion_timestamp.is_some() {
@@ -128,6 +128,12 @@ async fn wait_for_caches(ig: &InstanceGeneration, ctx: &Context) -> Option<Actio
         ctx.metrics.plan_deferred(Deferral::CachesSyncing);
         return Some(Action::requeue(CATCH_UP_RETRY));
     }
+    if !ctx.leadership.term_seeded() {
+        // The term's list re-plans nothing by itself: this IG looks again.
+        debug!(ig = %ig.name_any(), "new term: the attempts are still being listed; waiting");
+        ctx.metrics.plan_deferred(Deferral::TermNotSeeded);
+        return Some(Action::requeue(CATCH_UP_RETRY));
+    }
     match ctx.caught_up(ig) {
         CaughtUp::Yes => None,
         CaughtUp::StatusUnseen => {
@@ -147,7 +153,7 @@ async fn wait_for_caches(ig: &InstanceGeneration, ctx: &Context) -> Option<Actio
             warn!(
                 ig = %ig.name_any(),
                 ?missing,
-                "attempts this replica created never reached its cache; planning without them"
+                "attempts this replica created, or listed at the start of its term, never reached its cache; planning without them"
             );
             None
         }

@@ -160,6 +160,15 @@ pub async fn run_controller(
         .with_progress_hold(settings.progress_hold),
     );
 
+    // Before the first reconcile can see this replica lead.
+    leadership.require_seeding();
+    let seeding = tokio::spawn(crate::term::seed_each_term(
+        ctx.client.clone(),
+        settings.namespace.clone(),
+        leadership.clone(),
+        ctx.clone(),
+    ));
+
     info!(
         namespace = settings.namespace.as_deref().unwrap_or("<all>"),
         "controller starting"
@@ -182,6 +191,9 @@ pub async fn run_controller(
             }
         })
         .await;
+    // The seeding task's context goes with it.
+    seeding.abort();
+    let _ = seeding.await;
     // The Context, and with it the last queue handle, went with the
     // Controller: what is still folding is written now, while this replica
     // still holds the Lease.

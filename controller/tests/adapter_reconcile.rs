@@ -395,6 +395,95 @@ async fn a_failed_create_after_the_reservation_is_reported_and_retried() {
         &h.metrics,
         "genswap_controller_attempts_issued_total{cause=\"install\",mode=\"overlap\"} 1"
     ));
+    // A 500 may have stored it: until the cache shows web-n1-5 (and the
+    // created web-n2-6), no plan could see that n1 has its attempt.
+    let action = reconcile(watched(ig_at("101", status(6))), h.ctx.clone())
+        .await
+        .expect("waiting for the cache is not an error");
+    assert_eq!(action, Action::requeue(CATCH_UP_RETRY));
+    assert!(metric_line(
+        &h.metrics,
+        "genswap_controller_plans_deferred_total{reason=\"own_create_unseen\"} 1"
+    ));
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+fn ig_at(version: &str, status: InstanceGenerationStatus) -> InstanceGeneration {
+    ig(version, Some(status))
+}
+
+#[tokio::test]
+async fn a_refused_create_is_not_waited_for() {
+    let plan = Plan {
+        create: vec![attempt("n1", 5), attempt("n2", 6)],
+        status: status(6),
+        ..Plan::default()
+    };
+    let settled = Plan {
+        status: status(6),
+        ..Plan::default()
+    };
+    let (planner, planned) = counting_planner(vec![plan.clone(), settled]);
+    let (mut h, verifier) = harness(planner, true);
+    let scenario = verifier.run(Scenario::CreateFails {
+        ig: ig_at("100", status(4)),
+        plan,
+        code: StatusCode::TOO_MANY_REQUESTS,
+    });
+    reconcile(watched(ig_at("100", status(4))), h.ctx.clone())
+        .await
+        .expect_err("a refused create fails the reconcile");
+    // A 429 stored nothing: once the cache shows the create that succeeded,
+    // the next plan runs and may issue n1 again.
+    h.add_attempt(attempt("n2", 6));
+    let action = reconcile(watched(ig_at("101", status(6))), h.ctx.clone())
+        .await
+        .expect("reconcile succeeds");
+    assert_eq!(action, Action::requeue(RESYNC_PERIOD));
+    assert_eq!(calls(&planned), 2, "planned again at once");
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+/// The duplicate issue 49 saw: a Lease renewal fails during a burst, the
+/// replica steps down and leads again seconds later, with its attempt cache
+/// still behind its own creates. What it created as leader is still waited
+/// for.
+#[tokio::test]
+async fn a_replica_that_leads_again_waits_for_the_creates_of_its_last_term() {
+    let settled = Plan {
+        status: status(5),
+        ..Plan::default()
+    };
+    let (planner, planned) = counting_planner(vec![issuing_plan(), settled]);
+    let (mut h, verifier) = harness(planner, true);
+    let scenario = verifier.run(Scenario::Apply {
+        ig: ig_at("100", status(4)),
+        plan: issuing_plan(),
+    });
+    reconcile(watched(ig_at("100", status(4))), h.ctx.clone())
+        .await
+        .expect("the first reconcile issues web-n1-5");
+
+    h.leadership.set(false);
+    let action = reconcile(watched(ig_at("101", status(5))), h.ctx.clone())
+        .await
+        .expect("a follower's reconcile succeeds");
+    assert_eq!(action, Action::await_change());
+    h.leadership.set(true);
+    let action = reconcile(watched(ig_at("101", status(5))), h.ctx.clone())
+        .await
+        .expect("waiting for the cache is not an error");
+    assert_eq!(action, Action::requeue(CATCH_UP_RETRY));
+    assert_eq!(calls(&planned), 1, "not planned from the stale cache");
+
+    h.add_attempt(attempt("n1", 5));
+    let action = reconcile(watched(ig_at("101", status(5))), h.ctx.clone())
+        .await
+        .expect("reconcile succeeds");
+    assert_eq!(action, Action::requeue(RESYNC_PERIOD));
+    assert_eq!(calls(&planned), 2, "planned once the cache caught up");
     drop(h.ctx);
     finish(scenario).await;
 }
@@ -549,6 +638,86 @@ async fn the_planner_sees_the_objects_own_attempts_and_every_node() {
         "own attempts, by node"
     );
     assert_eq!(seen.1, vec!["n1", "n2"], "every node, by name");
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+/// A new term lists the attempts (metadata only, paged) before it plans:
+/// one its cache lacks is waited for, as its own creates are; one the cache
+/// shows, and one no IG owns, are not.
+#[tokio::test]
+async fn a_new_term_waits_for_the_attempts_its_cache_lacks() {
+    let settled = Plan {
+        status: status(6),
+        ..Plan::default()
+    };
+    let (planner, planned) = counting_planner(vec![settled]);
+    let (mut h, verifier) = harness(planner, true);
+    h.add_attempt(attempt("n1", 5));
+    let mut orphan = attempt("n3", 7);
+    orphan.metadata.owner_references = None;
+    let scenario = verifier.run(Scenario::ListAttempts {
+        pages: vec![vec![attempt("n1", 5)], vec![attempt("n2", 6), orphan]],
+    });
+    let api: kube::Api<genswap_crds::SwapAttempt> =
+        kube::Api::namespaced(h.ctx.client.clone(), NAMESPACE);
+    let unseen = genswap_controller::term::seed(&api, &h.ctx, std::time::Instant::now())
+        .await
+        .expect("the list");
+    assert_eq!(unseen, 1, "only web-n2-6 is missing from the cache");
+    drop(api);
+
+    let action = reconcile(watched(ig_at("100", status(6))), h.ctx.clone())
+        .await
+        .expect("waiting for the cache is not an error");
+    assert_eq!(action, Action::requeue(CATCH_UP_RETRY));
+    assert_eq!(calls(&planned), 0);
+    h.add_attempt(attempt("n2", 6));
+    let action = reconcile(watched(ig_at("100", status(6))), h.ctx.clone())
+        .await
+        .expect("reconcile succeeds");
+    assert_eq!(action, Action::requeue(RESYNC_PERIOD));
+    assert_eq!(calls(&planned), 1);
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+/// Until its term is seeded a new leader plans nothing; a seed of an older
+/// term does not count for a newer one.
+#[tokio::test]
+async fn a_leader_plans_only_once_its_term_is_seeded() {
+    let settled = Plan {
+        status: status(5),
+        ..Plan::default()
+    };
+    let (planner, planned) = counting_planner(vec![settled]);
+    let (h, verifier) = harness(planner, false);
+    let scenario = verifier.run(Scenario::RadioSilence);
+    h.leadership.require_seeding();
+    h.leadership.set(true);
+    let first = h.leadership.term_number();
+    let action = reconcile(watched(ig_at("100", status(5))), h.ctx.clone())
+        .await
+        .expect("waiting is not an error");
+    assert_eq!(action, Action::requeue(CATCH_UP_RETRY));
+    assert!(metric_line(
+        &h.metrics,
+        "genswap_controller_plans_deferred_total{reason=\"term_not_seeded\"} 1"
+    ));
+
+    h.leadership.set(false);
+    h.leadership.set(true);
+    h.leadership.mark_seeded(first);
+    assert!(
+        !h.leadership.term_seeded(),
+        "the old term's seed is not this one's"
+    );
+    h.leadership.mark_seeded(h.leadership.term_number());
+    let action = reconcile(watched(ig_at("100", status(5))), h.ctx.clone())
+        .await
+        .expect("reconcile succeeds");
+    assert_eq!(action, Action::requeue(RESYNC_PERIOD));
+    assert_eq!(calls(&planned), 1);
     drop(h.ctx);
     finish(scenario).await;
 }

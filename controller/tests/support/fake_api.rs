@@ -27,7 +27,7 @@ pub struct State {
     pub event_reasons: Vec<String>,
     /// schedRev of every create received, accepted or not, in order.
     pub create_requests: Vec<i64>,
-    /// How many of the next creates to fail with 500.
+    /// How many of the next creates to refuse with 429.
     pub fail_next_creates: usize,
     /// Status writes refused for a stale resourceVersion.
     pub conflicts: usize,
@@ -191,9 +191,16 @@ impl State {
         self.create_requests.push(attempt.spec.sched_rev);
         if self.fail_next_creates > 0 {
             self.fail_next_creates -= 1;
+            // A refusal, so nothing was stored: a 5xx would leave that
+            // unknown, and the controller would wait for its cache instead
+            // (adapter_reconcile.rs).
             return respond(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                &status_failure(500, "InternalError", "etcdserver: request timed out"),
+                StatusCode::TOO_MANY_REQUESTS,
+                &status_failure(
+                    429,
+                    "TooManyRequests",
+                    "the server has received too many requests and has asked us to try again later",
+                ),
             );
         }
         let name = attempt.metadata.name.clone().unwrap_or_default();

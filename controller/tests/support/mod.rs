@@ -244,6 +244,9 @@ pub enum Scenario {
     EventsOnly { events: Vec<PlanEvent> },
     /// Not a single request.
     RadioSilence,
+    /// A metadata-only list of the attempts, answered in these pages, each
+    /// but the last with a continue token the next request must carry.
+    ListAttempts { pages: Vec<Vec<SwapAttempt>> },
     /// The reservation and every create accepted; the first Event's POST is
     /// then held unanswered until `released` fires, and answered after.
     EventHeld {
@@ -270,6 +273,14 @@ impl ApiServerVerifier {
                     }
                     for event in &plan.events {
                         v = v.event(event).await;
+                    }
+                    v
+                }
+                Scenario::ListAttempts { pages } => {
+                    let mut v = self;
+                    let last = pages.len().saturating_sub(1);
+                    for (index, page) in pages.iter().enumerate() {
+                        v = v.attempt_list_page(index, page, index < last).await;
                     }
                     v
                 }
@@ -436,6 +447,68 @@ impl ApiServerVerifier {
                 ),
             )),
         }
+        self
+    }
+
+    async fn attempt_list_page(mut self, index: usize, page: &[SwapAttempt], more: bool) -> Self {
+        let (request, send) = self.next().await;
+        assert_eq!(request.method(), Method::GET);
+        assert_eq!(
+            request.uri().path(),
+            format!("/apis/genswap.dev/v1alpha1/namespaces/{NAMESPACE}/swapattempts")
+        );
+        let accept = request
+            .headers()
+            .get(http::header::ACCEPT)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        assert!(
+            accept.contains("as=PartialObjectMetadataList"),
+            "metadata only: {accept}"
+        );
+        let query = query_pairs(&request);
+        assert!(
+            query.contains(&("labelSelector".into(), "genswap.dev%2Finstance".into())),
+            "{query:?}"
+        );
+        assert!(query.contains(&("limit".into(), "500".into())), "{query:?}");
+        let token = query
+            .iter()
+            .find(|(k, _)| k == "continue")
+            .map(|(_, v)| v.clone());
+        assert_eq!(
+            token,
+            (index > 0).then(|| format!("page-{index}")),
+            "page {index} carries the token of the one before"
+        );
+        assert!(
+            !query.iter().any(|(k, _)| k == "resourceVersion"),
+            "a quorum read: {query:?}"
+        );
+        let items: Vec<serde_json::Value> = page
+            .iter()
+            .map(|attempt| {
+                json!({
+                    "apiVersion": "meta.k8s.io/v1",
+                    "kind": "PartialObjectMetadata",
+                    "metadata": attempt.metadata,
+                })
+            })
+            .collect();
+        let mut metadata = json!({"resourceVersion": "900"});
+        if more {
+            metadata["continue"] = json!(format!("page-{}", index + 1));
+        }
+        send.send_response(json_response(
+            StatusCode::OK,
+            &json!({
+                "apiVersion": "meta.k8s.io/v1",
+                "kind": "PartialObjectMetadataList",
+                "metadata": metadata,
+                "items": items,
+            }),
+        ));
         self
     }
 
