@@ -125,7 +125,7 @@ pub async fn run(
     if let Some(other) = &options.compare {
         controllers.push((other.display().to_string(), other.clone()));
     }
-    controllers.push(("this build".to_string(), binaries.controller.clone()));
+    controllers.push((THIS_BUILD.to_string(), binaries.controller.clone()));
     for &nodes in &options.nodes {
         for (label, controller) in &controllers {
             println!(
@@ -142,6 +142,30 @@ pub async fn run(
     }
     Ok(reports)
 }
+
+/// What this build issued twice, if it did: the fleet bench fails on it.
+pub fn issued_twice_by_this_build(reports: &[FleetReport]) -> Option<String> {
+    let found: Vec<String> = reports
+        .iter()
+        .filter(|report| report.controller == THIS_BUILD)
+        .flat_map(|report| {
+            report
+                .phases
+                .iter()
+                .filter(|phase| phase.issued_twice > 0)
+                .map(move |phase| {
+                    format!(
+                        "{} nodes, {}: {} attempts for a node that had one for the same build",
+                        report.nodes, phase.name, phase.issued_twice
+                    )
+                })
+        })
+        .collect();
+    (!found.is_empty()).then(|| found.join("; "))
+}
+
+/// How the run names the controller built from this tree.
+const THIS_BUILD: &str = "this build";
 
 async fn run_one(
     controller: &std::path::Path,

@@ -78,6 +78,9 @@ pub enum BenchError {
     /// No cgroup v2 hierarchy.
     #[error("needs a writable cgroup v2 hierarchy (root, Linux): {0}")]
     Cgroup(String),
+    /// A controller issued a node a second attempt for one desired state.
+    #[error("issued twice: {0}")]
+    IssuedTwice(String),
 }
 
 /// The programs a run starts.
@@ -448,7 +451,13 @@ async fn run_fleet(args: FleetArgs) -> Result<(), BenchError> {
     let reports = fleet::run(&binaries, &options).await?;
     let markdown = fleet::markdown(&reports);
     println!("\n{markdown}");
-    write_report(&out, "fleet", &markdown, &reports)
+    write_report(&out, "fleet", &markdown, &reports)?;
+    // The figures are written first: a duplicate is a finding, and the
+    // run that shows it must be kept. A compared build is not held to it.
+    match fleet::issued_twice_by_this_build(&reports) {
+        Some(failure) => Err(BenchError::IssuedTwice(failure)),
+        None => Ok(()),
+    }
 }
 
 /// A count flag that refuses 0 when the arguments are parsed.
