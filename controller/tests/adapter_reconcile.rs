@@ -15,7 +15,7 @@ use genswap_controller::reconciler::{
     CATCH_UP_RETRY, RESYNC_PERIOD, backoff_delay, error_policy, reconcile,
 };
 use genswap_core::scheduler::Plan;
-use genswap_crds::{InstanceGeneration, InstanceGenerationStatus};
+use genswap_crds::{InstanceGeneration, InstanceGenerationStatus, SwapAttempt};
 use http::StatusCode;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use kube::core::DeserializeGuard;
@@ -140,6 +140,32 @@ fn calls(counter: &Arc<Mutex<usize>>) -> usize {
     *counter.lock().expect("counter lock")
 }
 
+/// A reconcile of `ig` waits for the attempt cache without consulting the
+/// planner; once `shown` lands in the cache, the next one plans.
+async fn waits_until_the_cache_shows(
+    h: &mut Harness,
+    ig: InstanceGeneration,
+    shown: SwapAttempt,
+    planned: &Arc<Mutex<usize>>,
+) {
+    let before = calls(planned);
+    let action = reconcile(watched(ig.clone()), h.ctx.clone())
+        .await
+        .expect("waiting for the cache is not an error");
+    assert_eq!(action, Action::requeue(CATCH_UP_RETRY));
+    assert_eq!(calls(planned), before, "the planner was not consulted");
+    h.add_attempt(shown);
+    let action = reconcile(watched(ig), h.ctx.clone())
+        .await
+        .expect("reconcile succeeds");
+    assert_eq!(action, Action::requeue(RESYNC_PERIOD));
+    assert_eq!(
+        calls(planned),
+        before + 1,
+        "planned once the cache caught up"
+    );
+}
+
 #[tokio::test]
 async fn a_cache_without_our_own_create_is_not_planned_from() {
     let settled = Plan {
@@ -158,24 +184,13 @@ async fn a_cache_without_our_own_create_is_not_planned_from() {
 
     // The watch brought our status write back before our create: the IG
     // says schedRev 5, the attempt cache has nothing. Planning now would
-    // give n1 a second attempt for the same desired state.
-    let action = reconcile(watched(ig("101", Some(status(5)))), h.ctx.clone())
-        .await
-        .expect("waiting for the cache is not an error");
-    assert_eq!(action, Action::requeue(CATCH_UP_RETRY));
-    assert_eq!(calls(&planned), 1, "the planner was not consulted");
+    // give n1 a second attempt for the same desired state; the create's
+    // watch event lands, and planning resumes.
+    waits_until_the_cache_shows(&mut h, ig_at("101", status(5)), attempt("n1", 5), &planned).await;
     assert!(metric_line(
         &h.metrics,
         "genswap_controller_plans_deferred_total{reason=\"own_create_unseen\"} 1"
     ));
-
-    // The create's watch event lands: planning resumes, and sees it.
-    h.add_attempt(attempt("n1", 5));
-    let action = reconcile(watched(ig("101", Some(status(5)))), h.ctx.clone())
-        .await
-        .expect("reconcile succeeds");
-    assert_eq!(action, Action::requeue(RESYNC_PERIOD));
-    assert_eq!(calls(&planned), 2, "planned once the cache caught up");
     drop(h.ctx);
     finish(scenario).await;
 }
@@ -472,18 +487,7 @@ async fn a_replica_that_leads_again_waits_for_the_creates_of_its_last_term() {
         .expect("a follower's reconcile succeeds");
     assert_eq!(action, Action::await_change());
     h.leadership.set(true);
-    let action = reconcile(watched(ig_at("101", status(5))), h.ctx.clone())
-        .await
-        .expect("waiting for the cache is not an error");
-    assert_eq!(action, Action::requeue(CATCH_UP_RETRY));
-    assert_eq!(calls(&planned), 1, "not planned from the stale cache");
-
-    h.add_attempt(attempt("n1", 5));
-    let action = reconcile(watched(ig_at("101", status(5))), h.ctx.clone())
-        .await
-        .expect("reconcile succeeds");
-    assert_eq!(action, Action::requeue(RESYNC_PERIOD));
-    assert_eq!(calls(&planned), 2, "planned once the cache caught up");
+    waits_until_the_cache_shows(&mut h, ig_at("101", status(5)), attempt("n1", 5), &planned).await;
     drop(h.ctx);
     finish(scenario).await;
 }
@@ -659,25 +663,13 @@ async fn a_new_term_waits_for_the_attempts_its_cache_lacks() {
     let scenario = verifier.run(Scenario::ListAttempts {
         pages: vec![vec![attempt("n1", 5)], vec![attempt("n2", 6), orphan]],
     });
-    let api: kube::Api<genswap_crds::SwapAttempt> =
-        kube::Api::namespaced(h.ctx.client.clone(), NAMESPACE);
+    let api: kube::Api<SwapAttempt> = kube::Api::namespaced(h.ctx.client.clone(), NAMESPACE);
     let unseen = genswap_controller::term::seed(&api, &h.ctx, std::time::Instant::now())
         .await
         .expect("the list");
     assert_eq!(unseen, 1, "only web-n2-6 is missing from the cache");
     drop(api);
-
-    let action = reconcile(watched(ig_at("100", status(6))), h.ctx.clone())
-        .await
-        .expect("waiting for the cache is not an error");
-    assert_eq!(action, Action::requeue(CATCH_UP_RETRY));
-    assert_eq!(calls(&planned), 0);
-    h.add_attempt(attempt("n2", 6));
-    let action = reconcile(watched(ig_at("100", status(6))), h.ctx.clone())
-        .await
-        .expect("reconcile succeeds");
-    assert_eq!(action, Action::requeue(RESYNC_PERIOD));
-    assert_eq!(calls(&planned), 1);
+    waits_until_the_cache_shows(&mut h, ig_at("100", status(6)), attempt("n2", 6), &planned).await;
     drop(h.ctx);
     finish(scenario).await;
 }

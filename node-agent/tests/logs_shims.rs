@@ -689,15 +689,13 @@ async fn the_shim_started_ahead_writes_the_next_generation_and_a_dead_one_is_rep
 
     let first = sink.start(&key(), 1, None).expect("generation 1's shim");
     let spare = async || {
-        // The engine asks for one once a generation runs.
-        sink.prepare_spare();
-        let mut pid = None;
-        eventually(DEADLINE, "a shim started ahead", || {
-            pid = sink.spare_pid();
-            pid.is_some()
-        })
-        .await;
-        pid.expect("a spare's pid")
+        // The engine asks for one once a generation runs. Awaited, the
+        // start's task has let go of its handle on the sink too.
+        sink.prepare_spare()
+            .expect("a spare is started")
+            .await
+            .expect("the start's task");
+        sink.spare_pid().expect("a spare's pid")
     };
     let ahead = spare().await;
     let second = sink.start(&key(), 2, None).expect("generation 2's shim");
@@ -781,14 +779,9 @@ async fn a_closed_sink_ends_its_waiting_shim_and_starts_no_other() {
 /// where nothing would remove it.
 #[tokio::test]
 async fn a_shim_is_not_started_into_a_removed_agent_root() {
-    let tree = TestCgroupTree::new("logs-gone");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let sink = LogSink::new(
-        LogSettings::in_dir(dir.path().join("logs"), HELPER),
-        &tree.manager(),
-    )
-    .expect("log sink")
-    .without_spare();
+    let (tree, sink, _dir) = sink("logs-gone", |dir| {
+        LogSettings::in_dir(dir.join("logs"), HELPER)
+    });
     let root = tree.path().join("genswap");
     teardown(&root).expect("remove the agent's root");
 
