@@ -95,6 +95,12 @@ pub struct FleetPhase {
     /// rest after it, KiB.
     pub controller_peak_kib: u64,
     pub controller_rest_kib: u64,
+    /// The controller's heap at rest as glibc counts it: in use, and freed
+    /// but held by its arenas (KiB); absent for a build without the gauges.
+    #[serde(default)]
+    pub heap_in_use_kib: Option<u64>,
+    #[serde(default)]
+    pub heap_held_free_kib: Option<u64>,
     pub api_server_rest_kib: u64,
     pub etcd_db_bytes: u64,
     /// The largest InstanceGeneration and SwapAttempt as JSON, bytes.
@@ -362,6 +368,9 @@ async fn run_phase(
         etcd_cpu_ms: cpu_after[2] - cpu_before[2],
         controller_peak_kib,
         controller_rest_kib: rss_kib(fleet.controller_pid),
+        heap_in_use_kib: gauge(&after, "genswap_controller_heap_in_use_bytes").map(|b| b / 1024),
+        heap_held_free_kib: gauge(&after, "genswap_controller_heap_held_free_bytes")
+            .map(|b| b / 1024),
         api_server_rest_kib: rss_kib(fleet.api_server),
         etcd_db_bytes: etcd_db_bytes(fleet.plane),
         largest_ig_bytes,
@@ -370,6 +379,14 @@ async fn run_phase(
         most_per_ig_node: per_pair.values().copied().max().unwrap_or(0),
         controller,
     };
+    println!(
+        "    controller at rest: RSS {}, heap in use {}, held free {}; {} attempts cached",
+        mib(phase.controller_rest_kib),
+        phase.heap_in_use_kib.map_or_else(|| "—".into(), mib),
+        phase.heap_held_free_kib.map_or_else(|| "—".into(), mib),
+        gauge(&after, "genswap_controller_attempts_cached")
+            .map_or_else(|| "—".into(), |n| n.to_string()),
+    );
     println!(
         "    {} attempts created, creates refused by status {:?} ({} issued twice); controller {:.2} requests per attempt ({}); {} reconciles, {} Events dropped",
         phase.attempts_created,
@@ -382,6 +399,14 @@ async fn run_phase(
         dropped_events(&after).saturating_sub(dropped_events(&before)),
     );
     Ok(phase)
+}
+
+/// A gauge's value, when the scrape has it.
+fn gauge(metrics: &str, name: &str) -> Option<u64> {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+        .map(|v| v as u64)
 }
 
 fn dropped_events(metrics: &str) -> u64 {
@@ -609,7 +634,7 @@ fn build_spec(id: &str) -> serde_json::Value {
 /// The report's table.
 pub fn markdown(reports: &[FleetReport]) -> String {
     let mut out = String::from(
-        "| controller | nodes × IGs | phase | last write → all Ready | attempts (issued twice; creates refused) | controller requests / attempt | controller RSS peak / rest | API server RSS | etcd db | largest IG / attempt | attempts at rest (most per IG, node) |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+        "| controller | nodes × IGs | phase | last write → all Ready | attempts (issued twice; creates refused) | controller requests / attempt | controller RSS peak / rest | heap in use / held free at rest | API server RSS | etcd db | largest IG / attempt | attempts at rest (most per IG, node) |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     for report in reports {
         for phase in &report.phases {
@@ -622,7 +647,7 @@ pub fn markdown(reports: &[FleetReport]) -> String {
 /// One phase as a row of [`markdown`]'s table.
 fn row(report: &FleetReport, phase: &FleetPhase) -> String {
     format!(
-        "| {} | {} × {} | {} | {:.1} s | {} ({}; {}) | {:.2} | {} / {} | {} | {:.1} MiB | {} / {} B | {} ({}) |\n",
+        "| {} | {} × {} | {} | {:.1} s | {} ({}; {}) | {:.2} | {} / {} | {} / {} | {} | {:.1} MiB | {} / {} B | {} ({}) |\n",
         report.controller,
         report.nodes,
         report.igs,
@@ -634,6 +659,8 @@ fn row(report: &FleetReport, phase: &FleetPhase) -> String {
         phase.controller_per_attempt(),
         mib(phase.controller_peak_kib),
         mib(phase.controller_rest_kib),
+        phase.heap_in_use_kib.map_or_else(|| "—".into(), mib),
+        phase.heap_held_free_kib.map_or_else(|| "—".into(), mib),
         mib(phase.api_server_rest_kib),
         phase.etcd_db_bytes as f64 / 1048576.0,
         phase.largest_ig_bytes,

@@ -82,6 +82,9 @@ pub struct Metrics {
     status_writes_put_off: Counter,
     reconcile_duration: Histogram,
     leader: Gauge,
+    attempts_cached: Gauge,
+    heap_in_use: Gauge,
+    heap_held_free: Gauge,
 }
 
 impl Default for Metrics {
@@ -103,6 +106,9 @@ impl Metrics {
         // 1 ms .. ~16 s: a reconcile is a few API calls at most.
         let reconcile_duration = Histogram::new(exponential_buckets(0.001, 2.0, 15));
         let leader = Gauge::default();
+        let attempts_cached = Gauge::default();
+        let heap_in_use = Gauge::default();
+        let heap_held_free = Gauge::default();
         registry.register(
             "reconciles",
             "Reconciles of InstanceGenerations started",
@@ -144,6 +150,23 @@ impl Metrics {
             "1 while this replica holds the leader Lease and may write, else 0",
             leader.clone(),
         );
+        registry.register(
+            "attempts_cached",
+            "SwapAttempts in this replica's cache",
+            attempts_cached.clone(),
+        );
+        registry.register_with_unit(
+            "heap_in_use",
+            "Heap handed out and not freed, as glibc counts it (absent elsewhere)",
+            Unit::Bytes,
+            heap_in_use.clone(),
+        );
+        registry.register_with_unit(
+            "heap_held_free",
+            "Heap freed but kept by glibc's arenas: RSS the data no longer needs",
+            Unit::Bytes,
+            heap_held_free.clone(),
+        );
         Self {
             registry,
             reconciles,
@@ -154,11 +177,18 @@ impl Metrics {
             status_writes_put_off,
             reconcile_duration,
             leader,
+            attempts_cached,
+            heap_in_use,
+            heap_held_free,
         }
     }
 
-    /// The registry in the OpenMetrics text format.
+    /// The registry in the OpenMetrics text format, the heap read now.
     pub fn encode(&self) -> Result<String, std::fmt::Error> {
+        if let Some(heap) = genswap_runtime::heap::usage() {
+            self.heap_in_use.set(saturating_i64(heap.in_use));
+            self.heap_held_free.set(saturating_i64(heap.held_free));
+        }
         let mut text = String::new();
         encode(&mut text, &self.registry)?;
         Ok(text)
@@ -221,6 +251,15 @@ impl Metrics {
     pub fn set_leader(&self, leader: bool) {
         self.leader.set(i64::from(leader));
     }
+
+    /// Sets how many attempts the cache holds.
+    pub fn set_attempts_cached(&self, count: usize) {
+        self.attempts_cached.set(saturating_i64(count as u64));
+    }
+}
+
+fn saturating_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
 }
 
 impl Exposition for Metrics {
@@ -256,6 +295,7 @@ mod tests {
         metrics.plan_deferred(Deferral::OwnCreateUnseen);
         metrics.status_write_put_off();
         metrics.set_leader(true);
+        metrics.set_attempts_cached(3);
         let text = metrics.encode().expect("registry encodes");
         for line in [
             "genswap_controller_reconciles_total 1",
@@ -266,11 +306,19 @@ mod tests {
             "genswap_controller_status_writes_put_off_total 1",
             "genswap_controller_reconcile_duration_seconds_count 1",
             "genswap_controller_leader 1",
+            "genswap_controller_attempts_cached 3",
         ] {
             assert!(
                 text.lines().any(|l| l == line),
                 "missing {line:?} in\n{text}"
             );
         }
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("genswap_controller_heap_in_use_bytes ")
+                    && !l.ends_with(" 0")),
+            "no heap figure in\n{text}"
+        );
     }
 }

@@ -2,7 +2,9 @@
 //! attempts come from [`crate::attempt_index`]). No requests; the
 //! reflectors keep the caches current.
 
-use genswap_crds::InstanceGeneration;
+use genswap_crds::{
+    Artifact, BuildSpec, InstanceGeneration, SocketSpec, SwapAttempt, SwapAttemptSpec,
+};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::core::DeserializeGuard;
@@ -38,12 +40,202 @@ pub fn trim_node(node: &mut Node) {
     node.status = None;
 }
 
+/// Drops what the controller never reads before an attempt enters the
+/// cache, which holds every attempt of every IG for the replica's life:
+/// managed fields (most of a small object's JSON once two writers touched
+/// it), the copy of the IG's settings the agent alone acts on, and the
+/// agent's step timings and conditions. Kept: what the scheduler, the
+/// index, the inboxes and the expectations read — names, owners, labels,
+/// the revision and desired tuple, what the mode is derived from, and the
+/// outcome with the `serving` block.
+pub fn trim_attempt(attempt: &mut SwapAttempt) {
+    let metadata = std::mem::take(&mut attempt.metadata);
+    attempt.metadata = ObjectMeta {
+        name: metadata.name,
+        namespace: metadata.namespace,
+        uid: metadata.uid,
+        resource_version: metadata.resource_version,
+        labels: metadata.labels,
+        owner_references: metadata.owner_references,
+        creation_timestamp: metadata.creation_timestamp,
+        deletion_timestamp: metadata.deletion_timestamp,
+        ..ObjectMeta::default()
+    };
+    let spec = &mut attempt.spec;
+    *spec = SwapAttemptSpec {
+        instance: std::mem::take(&mut spec.instance),
+        node_name: std::mem::take(&mut spec.node_name),
+        sched_rev: spec.sched_rev,
+        cause: spec.cause,
+        kind: spec.kind,
+        build: BuildSpec {
+            id: std::mem::take(&mut spec.build.id),
+            sha256: std::mem::take(&mut spec.build.sha256),
+            artifact: Artifact::default(),
+            entrypoint: None,
+        },
+        mode: spec.mode,
+        demand: spec.demand,
+        config_rev: std::mem::take(&mut spec.config_rev),
+        restart_id: std::mem::take(&mut spec.restart_id),
+        canary: spec.canary,
+        restart_policy: spec.restart_policy,
+        socket: SocketSpec {
+            layout: spec.socket.layout,
+        },
+        process: Default::default(),
+        health: Default::default(),
+        liveness: None,
+        lifecycle: None,
+        settle: Default::default(),
+        stop: Default::default(),
+        resources: Default::default(),
+        listeners: Default::default(),
+        sidecars: Default::default(),
+    };
+    if let Some(status) = attempt.status.as_mut() {
+        status.steps = Vec::new();
+        status.conditions = Vec::new();
+        status.started_at = None;
+        status.listener_handover = None;
+    }
+}
+
+/// An InstanceGeneration as the caches keep it: its managed fields are
+/// never read, and its status writes are server-side applies that name no
+/// managed fields.
+pub fn trim_instance_generation(ig: &mut InstanceGeneration) {
+    ig.metadata.managed_fields = None;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{ContainerImage, NodeStatus};
     use kube::ResourceExt;
     use std::collections::BTreeMap;
+
+    use genswap_core::scheduler::plan;
+    use genswap_crds::{
+        LastExit, Outcome, ServingState, ServingStatus, StepTiming, SwapAttemptStatus,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, Time};
+    use k8s_openapi::jiff::Timestamp;
+
+    fn at(second: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + second).expect("a valid instant")
+    }
+
+    fn fleet_node(name: &str) -> Node {
+        Node {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                labels: Some(BTreeMap::from([("pool".into(), "a".into())])),
+                ..ObjectMeta::default()
+            },
+            ..Node::default()
+        }
+    }
+
+    /// An IG with every setting an attempt copies, so trimming has
+    /// something to drop.
+    fn rich_ig(build: &str) -> InstanceGeneration {
+        let mut ig: InstanceGeneration = serde_json::from_value(serde_json::json!({
+            "apiVersion": "genswap.dev/v1alpha1",
+            "kind": "InstanceGeneration",
+            "metadata": { "name": "web", "namespace": "apps", "uid": "u-1", "generation": 1 },
+            "spec": {
+                "build": { "id": build, "artifact": { "path": format!("/opt/{build}") },
+                           "sha256": "a".repeat(64) },
+                "nodeSelector": { "pool": "a" },
+                "rollout": { "canaryNodes": 0, "maxParallel": 10 },
+                "restartPolicy": "OnFailure",
+                "process": { "args": ["--port", "8080"], "env": [{ "name": "A", "value": "b" }] },
+                "listeners": [{ "name": "http", "tcp": "127.0.0.1:8080" }],
+                "liveness": { "http": { "path": "/live" } },
+                "sidecars": [{ "name": "log", "path": "/opt/log/run" }],
+            },
+        }))
+        .expect("the fixture IG deserializes");
+        ig.metadata.managed_fields = Some(vec![ManagedFieldsEntry::default()]);
+        ig
+    }
+
+    fn finish(attempt: &mut SwapAttempt, outcome: Outcome, serving: Option<ServingStatus>) {
+        attempt.status = Some(SwapAttemptStatus {
+            outcome: Some(outcome),
+            generation: Some(attempt.spec.sched_rev),
+            executed: Some(outcome != Outcome::Abandoned),
+            reason: Some(format!("{outcome:?}")),
+            started_at: Some(Time(at(1))),
+            finished_at: Some(Time(at(2))),
+            steps: vec![StepTiming {
+                step: "spawn".into(),
+                result: "ok".into(),
+                millis: 3,
+            }],
+            serving,
+            ..SwapAttemptStatus::default()
+        });
+        attempt.metadata.managed_fields = Some(vec![ManagedFieldsEntry::default()]);
+    }
+
+    #[test]
+    fn trimming_an_attempt_changes_no_plan() {
+        let nodes: Vec<Node> = (0..5).map(|i| fleet_node(&format!("n{i}"))).collect();
+        let mut ig = rich_ig("b1");
+        let first = plan(&ig, &[] as &[SwapAttempt], &nodes, at(0));
+        let mut attempts = first.create;
+        assert_eq!(attempts.len(), 5, "every node gets an attempt");
+        ig.status = Some(first.status);
+        let exited = ServingStatus {
+            state: ServingState::BackOff,
+            generation: 1,
+            restarts: 2,
+            last_exit: Some(LastExit {
+                generation: 1,
+                exit_code: Some(1),
+                signal: None,
+                oom_killed: false,
+                at: Time(at(3)),
+                liveness_failed: None,
+            }),
+            restart_at: Some(Time(at(9))),
+            message: Some("backing off".into()),
+            listeners: Vec::new(),
+            sidecars: Vec::new(),
+        };
+        finish(&mut attempts[0], Outcome::Done, Some(exited));
+        finish(&mut attempts[1], Outcome::Failed, None);
+        finish(&mut attempts[2], Outcome::Abandoned, None);
+        finish(&mut attempts[3], Outcome::Down, None);
+        // attempts[4] is still in flight.
+
+        let mut trimmed = attempts.clone();
+        trimmed.iter_mut().for_each(trim_attempt);
+        assert!(trimmed.iter().all(|a| a.metadata.managed_fields.is_none()
+            && a.spec.listeners.is_empty()
+            && a.spec.liveness.is_none()
+            && a.status.as_ref().is_none_or(|s| s.steps.is_empty())));
+        let mut trimmed_ig = ig.clone();
+        trim_instance_generation(&mut trimmed_ig);
+        assert!(trimmed_ig.metadata.managed_fields.is_none());
+
+        let as_stored = plan(&ig, &attempts, &nodes, at(10));
+        let from_cache = plan(&trimmed_ig, &trimmed, &nodes, at(10));
+        assert_eq!(from_cache, as_stored);
+        assert!(!as_stored.events.is_empty(), "the outcomes were read");
+
+        // And a new build's attempts are built from the IG, not the cache.
+        ig.spec = rich_ig("b2").spec;
+        ig.status = Some(as_stored.status.clone());
+        trimmed_ig.spec = ig.spec.clone();
+        trimmed_ig.status = ig.status.clone();
+        let as_stored = plan(&ig, &attempts, &nodes, at(20));
+        let from_cache = plan(&trimmed_ig, &trimmed, &nodes, at(20));
+        assert!(!as_stored.create.is_empty(), "b2 is issued");
+        assert_eq!(from_cache, as_stored);
+    }
 
     #[test]
     fn trimming_keeps_name_and_labels_only() {

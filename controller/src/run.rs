@@ -38,7 +38,7 @@ use crate::leader::Leadership;
 use crate::metrics::Metrics;
 use crate::node_index::{NodeLabelIndex, affected};
 use crate::observe::WatchedIg;
-use crate::observe::trim_node;
+use crate::observe::{trim_attempt, trim_instance_generation, trim_node};
 use crate::reconciler::{error_policy, reconcile};
 use genswap_core::scheduler::LABEL_INSTANCE;
 use genswap_runtime::http::Readiness;
@@ -86,7 +86,13 @@ pub async fn run_controller(
     let caches = CacheSync::new();
 
     let (ig_store, ig_writer) = reflector::store();
-    let ig_events = reconnecting(watcher(igs, watcher::Config::default())).reflect(ig_writer);
+    let ig_events = reconnecting(watcher(igs, watcher::Config::default()))
+        .modify(|guard: &mut WatchedIg| {
+            if let Ok(ig) = guard.0.as_mut() {
+                trim_instance_generation(ig);
+            }
+        })
+        .reflect(ig_writer);
     let ig_events = without_errors(
         "InstanceGeneration",
         caches
@@ -100,13 +106,20 @@ pub async fn run_controller(
     let indexed = attempt_index.clone();
     let inbox_index = InboxIndex::new();
     let inboxed = inbox_index.clone();
+    let cache_metrics = metrics.clone();
     let attempt_events = reconnecting(watcher(
         attempts,
         watcher::Config::default().labels(LABEL_INSTANCE),
     ))
+    .modify(|guard: &mut DeserializeGuard<SwapAttempt>| {
+        if let Ok(attempt) = guard.0.as_mut() {
+            trim_attempt(attempt);
+        }
+    })
     .inspect_ok(move |event| {
         indexed.observe(event);
         inboxed.observe(event);
+        cache_metrics.set_attempts_cached(indexed.len());
     });
     let attempt_events = without_errors(
         "SwapAttempt",
