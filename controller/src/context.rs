@@ -112,6 +112,13 @@ impl Context {
         self
     }
 
+    /// Replaces how long a create may stay unseen before the API server is
+    /// asked whether it holds it ([`crate::expectations::PATIENCE`]).
+    pub fn with_patience(mut self, patience: Duration) -> Self {
+        self.expectations = Expectations::with_patience(patience);
+        self
+    }
+
     /// Replaces the planner.
     pub fn with_planner(mut self, planner: Planner) -> Self {
         self.planner = planner;

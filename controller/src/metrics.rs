@@ -56,6 +56,9 @@ pub enum Deferral {
     /// This replica has just become the leader and has not yet listed the
     /// attempts its cache may lack ([`crate::term`]).
     TermNotSeeded,
+    /// An attempt this replica expected was still missing from its cache
+    /// after the patience, and the API server holds it (or could not say).
+    CacheBehindServer,
 }
 
 impl Deferral {
@@ -66,6 +69,7 @@ impl Deferral {
             Deferral::OwnStatusUnseen => "own_status_unseen",
             Deferral::OwnCreateUnseen => "own_create_unseen",
             Deferral::TermNotSeeded => "term_not_seeded",
+            Deferral::CacheBehindServer => "cache_behind_server",
         }
     }
 }

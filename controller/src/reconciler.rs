@@ -4,12 +4,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use genswap_crds::InstanceGeneration;
+use genswap_crds::{InstanceGeneration, SwapAttempt};
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::core::error_boundary::InvalidObject;
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
-use kube::{Resource, ResourceExt};
+use kube::{Api, Resource, ResourceExt};
 use thiserror::Error;
 use tracing::{debug, info, warn};
 
@@ -149,13 +149,50 @@ async fn wait_for_caches(ig: &InstanceGeneration, ctx: &Context) -> Option<Actio
             ctx.metrics.plan_deferred(Deferral::OwnCreateUnseen);
             Some(Action::requeue(CATCH_UP_RETRY))
         }
-        CaughtUp::GaveUp { missing } => {
+        CaughtUp::GaveUp { missing } => confirm_missing(ig, ctx, &missing).await,
+    }
+}
+
+/// Asks the API server about attempts the cache has not shown for a whole
+/// patience: those it holds are waited for again (the watch is behind, and
+/// a plan now would issue their nodes twice); planning goes on only when it
+/// holds none of them.
+async fn confirm_missing(
+    ig: &InstanceGeneration,
+    ctx: &Context,
+    missing: &[String],
+) -> Option<Action> {
+    let name = ig.name_any();
+    let api: Api<SwapAttempt> =
+        Api::namespaced(ctx.client.clone(), &ig.namespace().unwrap_or_default());
+    match crate::term::stored_among(&api, &name, missing).await {
+        Ok(stored) if stored.is_empty() => {
             warn!(
-                ig = %ig.name_any(),
+                ig = %name,
                 ?missing,
-                "attempts this replica created, or listed at the start of its term, never reached its cache; planning without them"
+                "attempts this replica created, or listed at the start of its term, never reached its cache and the API server holds none of them; planning without them"
             );
             None
+        }
+        Ok(stored) => {
+            warn!(
+                ig = %name,
+                ?stored,
+                "the API server holds attempts this replica's cache has not shown for a whole patience; waiting for the watch"
+            );
+            for attempt in &stored {
+                ctx.note_created(ig, attempt);
+            }
+            ctx.metrics.plan_deferred(Deferral::CacheBehindServer);
+            Some(Action::requeue(CATCH_UP_RETRY))
+        }
+        Err(error) => {
+            warn!(ig = %name, %error, ?missing, "cannot tell whether attempts the cache never showed exist; not planning");
+            for attempt in missing {
+                ctx.note_created(ig, attempt);
+            }
+            ctx.metrics.plan_deferred(Deferral::CacheBehindServer);
+            Some(Action::requeue(CATCH_UP_RETRY))
         }
     }
 }

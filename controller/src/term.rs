@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use genswap_core::scheduler::LABEL_INSTANCE;
+use genswap_core::scheduler::{LABEL_INSTANCE, label_value};
 use genswap_crds::{InstanceGeneration, SwapAttempt};
 use kube::api::{ListParams, PartialObjectMeta};
 use kube::{Api, Client, Resource};
@@ -98,6 +98,35 @@ pub async fn seed(api: &Api<SwapAttempt>, ctx: &Context, now: Instant) -> Result
         match page.metadata.continue_.filter(|token| !token.is_empty()) {
             Some(token) => params = params.continue_token(&token),
             None => return Ok(unseen),
+        }
+    }
+}
+
+/// Which of `names`, attempts of the InstanceGeneration `ig_name`, the API
+/// server holds: a quorum list of that IG's attempts' names, metadata only,
+/// paged. Asked when the cache has not shown an expected attempt for a
+/// whole patience, so that a watch running minutes behind under load is
+/// waited for instead of planned around.
+pub async fn stored_among(
+    api: &Api<SwapAttempt>,
+    ig_name: &str,
+    names: &[String],
+) -> Result<Vec<String>, kube::Error> {
+    let selector = format!("{LABEL_INSTANCE}={}", label_value(ig_name));
+    let mut params = ListParams::default().labels(&selector).limit(PAGE);
+    let mut stored = Vec::new();
+    loop {
+        let page = api.list_metadata(&params).await?;
+        stored.extend(
+            page.items
+                .iter()
+                .filter_map(|item| item.metadata.name.as_ref())
+                .filter(|name| names.contains(name))
+                .cloned(),
+        );
+        match page.metadata.continue_.filter(|token| !token.is_empty()) {
+            Some(token) => params = params.continue_token(&token),
+            None => return Ok(stored),
         }
     }
 }

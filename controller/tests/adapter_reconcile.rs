@@ -674,6 +674,71 @@ async fn a_new_term_waits_for_the_attempts_its_cache_lacks() {
     finish(scenario).await;
 }
 
+/// An attempt the cache has not shown for a whole patience is asked about:
+/// the API server holds it, so the watch is behind and the IG waits again
+/// instead of planning its node a second attempt.
+#[tokio::test]
+async fn an_unseen_attempt_the_api_server_holds_is_waited_for_past_the_patience() {
+    let settled = Plan {
+        status: status(5),
+        ..Plan::default()
+    };
+    let (planner, planned) = counting_planner(vec![settled]);
+    let (mut h, verifier) =
+        harness_with_patience(planner, true, CacheSync::all_marked(), Duration::ZERO);
+    let scenario = verifier.run(Scenario::ListAttemptsOfWeb {
+        pages: vec![vec![attempt("n2", 4)], vec![attempt("n1", 5)]],
+    });
+    let web = (NAMESPACE.to_string(), IG_NAME.to_string());
+    h.ctx
+        .expectations
+        .created(&web, "web-n1-5", std::time::Instant::now());
+    let action = reconcile(watched(ig_at("101", status(5))), h.ctx.clone())
+        .await
+        .expect("waiting is not an error");
+    assert_eq!(action, Action::requeue(CATCH_UP_RETRY));
+    assert_eq!(calls(&planned), 0, "the planner was not consulted");
+    assert!(metric_line(
+        &h.metrics,
+        "genswap_controller_plans_deferred_total{reason=\"cache_behind_server\"} 1"
+    ));
+    h.add_attempt(attempt("n1", 5));
+    let action = reconcile(watched(ig_at("101", status(5))), h.ctx.clone())
+        .await
+        .expect("reconcile succeeds");
+    assert_eq!(action, Action::requeue(RESYNC_PERIOD));
+    assert_eq!(calls(&planned), 1, "planned once the cache caught up");
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+/// An unseen attempt the API server does not hold either (a create that
+/// was never stored) is given up on, so the IG is planned.
+#[tokio::test]
+async fn an_unseen_attempt_the_api_server_lacks_is_given_up_on() {
+    let settled = Plan {
+        status: status(5),
+        ..Plan::default()
+    };
+    let (planner, planned) = counting_planner(vec![settled]);
+    let (h, verifier) =
+        harness_with_patience(planner, true, CacheSync::all_marked(), Duration::ZERO);
+    let scenario = verifier.run(Scenario::ListAttemptsOfWeb {
+        pages: vec![vec![attempt("n2", 4)]],
+    });
+    let web = (NAMESPACE.to_string(), IG_NAME.to_string());
+    h.ctx
+        .expectations
+        .created(&web, "web-n1-5", std::time::Instant::now());
+    let action = reconcile(watched(ig_at("101", status(5))), h.ctx.clone())
+        .await
+        .expect("reconcile succeeds");
+    assert_eq!(action, Action::requeue(RESYNC_PERIOD));
+    assert_eq!(calls(&planned), 1, "planned without the attempt");
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
 /// Until its term is seeded a new leader plans nothing; a seed of an older
 /// term does not count for a newer one.
 #[tokio::test]

@@ -161,6 +161,21 @@ pub fn harness_with_caches(
     leader: bool,
     caches: CacheSync,
 ) -> (Harness, ApiServerVerifier) {
+    harness_with_patience(
+        planner,
+        leader,
+        caches,
+        genswap_controller::expectations::PATIENCE,
+    )
+}
+
+/// [`harness_with_caches`] whose expectations lapse after `patience`.
+pub fn harness_with_patience(
+    planner: Planner,
+    leader: bool,
+    caches: CacheSync,
+    patience: Duration,
+) -> (Harness, ApiServerVerifier) {
     let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, NAMESPACE);
     let metrics = Arc::new(Metrics::new());
@@ -187,7 +202,8 @@ pub fn harness_with_caches(
         caches,
     )
     .with_planner(planner)
-    .with_clock(Arc::new(fixed_now));
+    .with_clock(Arc::new(fixed_now))
+    .with_patience(patience);
     let harness = Harness {
         ctx: Arc::new(ctx),
         metrics,
@@ -247,6 +263,8 @@ pub enum Scenario {
     /// A metadata-only list of the attempts, answered in these pages, each
     /// but the last with a continue token the next request must carry.
     ListAttempts { pages: Vec<Vec<SwapAttempt>> },
+    /// The same list of one IG's attempts (label `genswap.dev/instance=web`).
+    ListAttemptsOfWeb { pages: Vec<Vec<SwapAttempt>> },
     /// The reservation and every create accepted; the first Event's POST is
     /// then held unanswered until `released` fires, and answered after.
     EventHeld {
@@ -280,7 +298,24 @@ impl ApiServerVerifier {
                     let mut v = self;
                     let last = pages.len().saturating_sub(1);
                     for (index, page) in pages.iter().enumerate() {
-                        v = v.attempt_list_page(index, page, index < last).await;
+                        v = v
+                            .attempt_list_page("genswap.dev%2Finstance", index, page, index < last)
+                            .await;
+                    }
+                    v
+                }
+                Scenario::ListAttemptsOfWeb { pages } => {
+                    let mut v = self;
+                    let last = pages.len().saturating_sub(1);
+                    for (index, page) in pages.iter().enumerate() {
+                        v = v
+                            .attempt_list_page(
+                                "genswap.dev%2Finstance%3Dweb",
+                                index,
+                                page,
+                                index < last,
+                            )
+                            .await;
                     }
                     v
                 }
@@ -450,7 +485,13 @@ impl ApiServerVerifier {
         self
     }
 
-    async fn attempt_list_page(mut self, index: usize, page: &[SwapAttempt], more: bool) -> Self {
+    async fn attempt_list_page(
+        mut self,
+        selector: &str,
+        index: usize,
+        page: &[SwapAttempt],
+        more: bool,
+    ) -> Self {
         let (request, send) = self.next().await;
         assert_eq!(request.method(), Method::GET);
         assert_eq!(
@@ -469,7 +510,7 @@ impl ApiServerVerifier {
         );
         let query = query_pairs(&request);
         assert!(
-            query.contains(&("labelSelector".into(), "genswap.dev%2Finstance".into())),
+            query.contains(&("labelSelector".into(), selector.into())),
             "{query:?}"
         );
         assert!(query.contains(&("limit".into(), "500".into())), "{query:?}");
