@@ -229,12 +229,14 @@ pub async fn apply_plan(
     let created = futures::future::join_all(
         plan.create
             .iter()
-            .map(|attempt| create_attempt(&attempts, attempt, &ctx.field_manager)),
+            .map(|attempt| paced_create(ctx, &attempts, attempt)),
     )
     .await;
+    let mut unsent = 0;
     for (attempt, result) in plan.create.iter().zip(created) {
         match result {
-            Ok(()) => {
+            Ok(Sent::No) => unsent += 1,
+            Ok(Sent::Yes) => {
                 ctx.note_created(ig, &attempt.name_any());
                 done.created += 1;
                 ctx.metrics
@@ -256,6 +258,12 @@ pub async fn apply_plan(
                 failures.push(error);
             }
         }
+    }
+    if unsent > 0 {
+        // Leadership went while they waited for a permit: never sent, their
+        // revisions are unused, and the next leader plans from the server.
+        debug!(ig = %name, unsent, "stepped down with creates still queued");
+        return Ok(stepped_down(Write::Create, done));
     }
     for attempt in &plan.delete {
         if !ctx.leadership.is_leader() {
@@ -426,6 +434,29 @@ async fn write_status(
             source,
         }),
     }
+}
+
+/// Whether a create went out.
+enum Sent {
+    Yes,
+    /// Leadership was lost while it waited for its permit.
+    No,
+}
+
+/// Sends a create once one of the shared permits is free
+/// ([`crate::context::CREATES_AT_ONCE`]), if this replica still leads.
+async fn paced_create(
+    ctx: &Context,
+    api: &Api<SwapAttempt>,
+    attempt: &SwapAttempt,
+) -> Result<Sent, ApplyError> {
+    // The semaphore is never closed; without a permit the create goes all the same.
+    let _permit = ctx.create_permits.acquire().await.ok();
+    if !ctx.leadership.is_leader() {
+        return Ok(Sent::No);
+    }
+    create_attempt(api, attempt, &ctx.field_manager).await?;
+    Ok(Sent::Yes)
 }
 
 async fn create_attempt(

@@ -15,6 +15,7 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, ResourceExt};
+use tokio::sync::Semaphore;
 
 use crate::attempt_index::AttemptIndex;
 use crate::cache_sync::CacheSync;
@@ -44,6 +45,14 @@ pub type Clock = Arc<dyn Fn() -> Timestamp + Send + Sync>;
 /// late, in one write; conditions never wait.
 pub const PROGRESS_HOLD: Duration = Duration::from_secs(10);
 
+/// SwapAttempt creates in flight at once, across every reconcile. A
+/// release of many IGs plans thousands of creates together; sent all at
+/// once they met the API server's in-flight limit, and the fleet bench saw
+/// four refused (429) for every one stored, each burning its revision and
+/// costing a re-plan. Kubernetes' own controllers pace their creates too
+/// (client-go's QPS, the ReplicaSet controller's slow-start batches).
+pub const CREATES_AT_ONCE: usize = 32;
+
 /// Everything a reconcile needs, shared by all of them.
 pub struct Context {
     pub client: Client,
@@ -72,6 +81,8 @@ pub struct Context {
     /// The Events recorded for each IG since its last status write.
     recorded: Mutex<HashMap<IgKey, HashSet<(String, String)>>>,
     progress_hold: Duration,
+    /// Permits for SwapAttempt creates in flight, shared by every reconcile.
+    pub(crate) create_permits: Arc<Semaphore>,
 }
 
 impl Context {
@@ -102,6 +113,7 @@ impl Context {
             held: Mutex::new(HashMap::new()),
             recorded: Mutex::new(HashMap::new()),
             progress_hold: PROGRESS_HOLD,
+            create_permits: Arc::new(Semaphore::new(CREATES_AT_ONCE)),
         }
     }
 

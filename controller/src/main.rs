@@ -81,6 +81,13 @@ async fn run(args: Args) -> Result<(), MainError> {
         http_stopped.wait(),
     ));
 
+    // A release of many IGs is a burst of thousands of requests; without
+    // this the RSS stays at its peak (docs/BENCHMARKS.md, "Fleet").
+    tokio::spawn(genswap_runtime::heap::release_after_bursts(
+        HEAP_CHECK_EVERY,
+        HEAP_SLACK,
+    ));
+
     let (stop_lease, lease_stopped) = shutdown::channel();
     let lease = tokio::spawn(leader::hold_lease(
         lease_client,
@@ -130,6 +137,11 @@ async fn run(args: Args) -> Result<(), MainError> {
     }
     Ok(())
 }
+
+/// How often the heap is checked for what a burst left free.
+const HEAP_CHECK_EVERY: Duration = Duration::from_secs(10);
+/// RSS above the heap in use that is tolerated before it is released.
+const HEAP_SLACK: u64 = 64 << 20;
 
 fn client(config: kube::Config) -> Result<Client, MainError> {
     Client::try_from(config).map_err(MainError::Client)
