@@ -27,17 +27,24 @@ pub fn nodes(store: &Store<Node>) -> Vec<Node> {
 /// conditions), managed fields and annotations are most of a Node's bytes,
 /// and every reconcile copies the cached Nodes.
 pub fn trim_node(node: &mut Node) {
-    let metadata = std::mem::take(&mut node.metadata);
-    node.metadata = ObjectMeta {
+    node.metadata = identity(std::mem::take(&mut node.metadata));
+    node.status = None;
+}
+
+/// What of an object's metadata the controller reads: who it is, who owns
+/// it, its labels and its lifecycle. Managed fields and annotations go.
+fn identity(metadata: ObjectMeta) -> ObjectMeta {
+    ObjectMeta {
         name: metadata.name,
+        namespace: metadata.namespace,
         uid: metadata.uid,
         resource_version: metadata.resource_version,
         labels: metadata.labels,
+        owner_references: metadata.owner_references,
         creation_timestamp: metadata.creation_timestamp,
         deletion_timestamp: metadata.deletion_timestamp,
         ..ObjectMeta::default()
-    };
-    node.status = None;
+    }
 }
 
 /// Drops what the controller never reads before an attempt enters the
@@ -49,18 +56,7 @@ pub fn trim_node(node: &mut Node) {
 /// the revision and desired tuple, what the mode is derived from, and the
 /// outcome with the `serving` block.
 pub fn trim_attempt(attempt: &mut SwapAttempt) {
-    let metadata = std::mem::take(&mut attempt.metadata);
-    attempt.metadata = ObjectMeta {
-        name: metadata.name,
-        namespace: metadata.namespace,
-        uid: metadata.uid,
-        resource_version: metadata.resource_version,
-        labels: metadata.labels,
-        owner_references: metadata.owner_references,
-        creation_timestamp: metadata.creation_timestamp,
-        deletion_timestamp: metadata.deletion_timestamp,
-        ..ObjectMeta::default()
-    };
+    attempt.metadata = identity(std::mem::take(&mut attempt.metadata));
     let spec = &mut attempt.spec;
     *spec = SwapAttemptSpec {
         instance: std::mem::take(&mut spec.instance),

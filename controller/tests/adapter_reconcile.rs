@@ -674,25 +674,34 @@ async fn a_new_term_waits_for_the_attempts_its_cache_lacks() {
     finish(scenario).await;
 }
 
-/// An attempt the cache has not shown for a whole patience is asked about:
-/// the API server holds it, so the watch is behind and the IG waits again
-/// instead of planning its node a second attempt.
-#[tokio::test]
-async fn an_unseen_attempt_the_api_server_holds_is_waited_for_past_the_patience() {
+/// A leader whose cache has not shown `web-n1-5` for its whole (zero)
+/// patience, whose API server lists the IG's attempts in `pages`; its
+/// planner settles at schedRev 5.
+fn with_a_lapsed_expectation(
+    pages: Vec<Vec<SwapAttempt>>,
+) -> (Harness, Arc<Mutex<usize>>, tokio::task::JoinHandle<()>) {
     let settled = Plan {
         status: status(5),
         ..Plan::default()
     };
     let (planner, planned) = counting_planner(vec![settled]);
-    let (mut h, verifier) =
+    let (h, verifier) =
         harness_with_patience(planner, true, CacheSync::all_marked(), Duration::ZERO);
-    let scenario = verifier.run(Scenario::ListAttemptsOfWeb {
-        pages: vec![vec![attempt("n2", 4)], vec![attempt("n1", 5)]],
-    });
+    let scenario = verifier.run(Scenario::ListAttemptsOfWeb { pages });
     let web = (NAMESPACE.to_string(), IG_NAME.to_string());
     h.ctx
         .expectations
         .created(&web, "web-n1-5", std::time::Instant::now());
+    (h, planned, scenario)
+}
+
+/// An attempt the cache has not shown for a whole patience is asked about:
+/// the API server holds it, so the watch is behind and the IG waits again
+/// instead of planning its node a second attempt.
+#[tokio::test]
+async fn an_unseen_attempt_the_api_server_holds_is_waited_for_past_the_patience() {
+    let (mut h, planned, scenario) =
+        with_a_lapsed_expectation(vec![vec![attempt("n2", 4)], vec![attempt("n1", 5)]]);
     let action = reconcile(watched(ig_at("101", status(5))), h.ctx.clone())
         .await
         .expect("waiting is not an error");
@@ -716,20 +725,7 @@ async fn an_unseen_attempt_the_api_server_holds_is_waited_for_past_the_patience(
 /// was never stored) is given up on, so the IG is planned.
 #[tokio::test]
 async fn an_unseen_attempt_the_api_server_lacks_is_given_up_on() {
-    let settled = Plan {
-        status: status(5),
-        ..Plan::default()
-    };
-    let (planner, planned) = counting_planner(vec![settled]);
-    let (h, verifier) =
-        harness_with_patience(planner, true, CacheSync::all_marked(), Duration::ZERO);
-    let scenario = verifier.run(Scenario::ListAttemptsOfWeb {
-        pages: vec![vec![attempt("n2", 4)]],
-    });
-    let web = (NAMESPACE.to_string(), IG_NAME.to_string());
-    h.ctx
-        .expectations
-        .created(&web, "web-n1-5", std::time::Instant::now());
+    let (h, planned, scenario) = with_a_lapsed_expectation(vec![vec![attempt("n2", 4)]]);
     let action = reconcile(watched(ig_at("101", status(5))), h.ctx.clone())
         .await
         .expect("reconcile succeeds");
