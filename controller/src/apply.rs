@@ -1,6 +1,10 @@
 //! The write side of a reconcile: applies a [`Plan`] to the API server in the
 //! order that keeps a revision from ever being issued twice.
 //!
+//! 0. the node records that changed, each by a merge patch of one
+//!    annotation on the node's carrying attempt: an outcome is recorded
+//!    there before its Event goes out, and a record that fails to land is
+//!    derived again by the next plan (its Event may then come twice);
 //! 1. status, by server-side apply on `/status` carrying the object's
 //!    resourceVersion: the write is the reservation of `status.schedRev`, and
 //!    a 409 means another writer got there first, so nothing is created. A
@@ -19,7 +23,7 @@
 
 use std::collections::HashSet;
 
-use genswap_crds::{InstanceGeneration, InstanceGenerationStatus, Mode, Outcome, SwapAttempt};
+use genswap_crds::{ANNOTATION_RECORD, InstanceGeneration, InstanceGenerationStatus, SwapAttempt};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Resource, ResourceExt};
 use serde_json::{Value, json};
@@ -28,7 +32,7 @@ use tracing::{debug, info, warn};
 
 use crate::context::Context;
 use crate::events::Queued;
-use genswap_core::scheduler::{OwnReservation, Plan, PlanEvent};
+use genswap_core::scheduler::{OwnReservation, Plan, PlanEvent, RecordWrite};
 
 /// Reason of the Warning recorded when an attempt could not be created.
 pub const REASON_CREATE_FAILED: &str = "AttemptCreateFailed";
@@ -83,6 +87,12 @@ pub enum ApplyError {
         #[source]
         source: kube::Error,
     },
+    #[error("writing the node record onto SwapAttempt {attempt} failed")]
+    Record {
+        attempt: String,
+        #[source]
+        source: kube::Error,
+    },
     #[error("deleting SwapAttempt {attempt} failed")]
     Delete {
         attempt: String,
@@ -105,6 +115,7 @@ impl ApplyError {
             ApplyError::ReservationConflict { .. } => "conflict",
             ApplyError::StatusWrite { .. } => "status_write",
             ApplyError::Create { .. } => "create",
+            ApplyError::Record { .. } => "record",
             ApplyError::Delete { .. } => "delete",
         }
     }
@@ -135,6 +146,7 @@ pub enum StatusWrite {
 /// The write that was next when leadership was lost.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Write {
+    Record,
     Status,
     Create,
     Delete,
@@ -153,6 +165,7 @@ pub enum Applied {
 /// Counts of the writes that succeeded.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Summary {
+    pub records: usize,
     pub status_written: bool,
     pub created: usize,
     pub deleted: usize,
@@ -187,6 +200,34 @@ pub async fn apply_plan(
     }
 
     let mut done = Summary::default();
+    let mut failures = Vec::new();
+    let attempts: Api<SwapAttempt> = Api::namespaced(ctx.client.clone(), &namespace);
+    if !plan.records.is_empty() && !ctx.leadership.is_leader() {
+        return Ok(stepped_down(Write::Record, done));
+    }
+    let written = futures::future::join_all(
+        plan.records
+            .iter()
+            .map(|write| paced_record(ctx, &attempts, write)),
+    )
+    .await;
+    let mut unsent = 0;
+    for (write, result) in plan.records.iter().zip(written) {
+        match result {
+            Ok(Some(annotation)) => {
+                ctx.note_record(ig, &write.attempt, annotation);
+                done.records += 1;
+                if let Some((outcome, mode)) = write.new_outcome {
+                    ctx.metrics.outcome_recorded(outcome, mode);
+                }
+            }
+            Ok(None) => unsent += 1,
+            Err(error) => failures.push(error),
+        }
+    }
+    if unsent > 0 {
+        return Ok(stepped_down(Write::Record, done));
+    }
     let status_changed = match previous {
         Some(previous) => previous != &plan.status,
         None => plan.status != InstanceGenerationStatus::default(),
@@ -199,15 +240,10 @@ pub async fn apply_plan(
         }
         write_status(ctx, ig, &name, &namespace, &plan.status).await?;
         done.status_written = true;
-        for (outcome, mode) in newly_recorded_outcomes(previous, &plan.status) {
-            ctx.metrics.outcome_recorded(outcome, mode);
-        }
     } else {
         debug!(%name, "status unchanged; no write");
     }
 
-    let mut failures = Vec::new();
-    let attempts: Api<SwapAttempt> = Api::namespaced(ctx.client.clone(), &namespace);
     // The plan's creates go out together: each is its own reserved
     // revision, so none waits on another's round trip.
     if !plan.create.is_empty() && !ctx.leadership.is_leader() {
@@ -443,6 +479,46 @@ enum Sent {
     No,
 }
 
+/// Writes a node record once one of the shared permits is free (the
+/// creates' permits: both are writes of attempts), if this replica still
+/// leads. Returns the annotation written, `None` if it was not sent; an
+/// attempt gone meanwhile is no failure (its node's record goes onto a
+/// newer attempt).
+async fn paced_record(
+    ctx: &Context,
+    api: &Api<SwapAttempt>,
+    write: &RecordWrite,
+) -> Result<Option<String>, ApplyError> {
+    let _permit = ctx.create_permits.acquire().await.ok();
+    if !ctx.leadership.is_leader() {
+        return Ok(None);
+    }
+    let annotation = write.record.to_annotation();
+    let body = record_patch(&annotation);
+    let params = PatchParams {
+        field_manager: Some(ctx.field_manager.clone()),
+        ..PatchParams::default()
+    };
+    // Metadata only: the answer is the attempt's metadata, not all of it.
+    match api
+        .patch_metadata(&write.attempt, &params, &Patch::Merge(&body))
+        .await
+    {
+        Ok(_) => Ok(Some(annotation)),
+        Err(kube::Error::Api(status)) if status.is_not_found() => Ok(Some(annotation)),
+        Err(source) => Err(ApplyError::Record {
+            attempt: write.attempt.clone(),
+            source,
+        }),
+    }
+}
+
+/// The merge patch that sets an attempt's record annotation and touches
+/// nothing else (the agent owns its status; labels and owner stay).
+pub fn record_patch(annotation: &str) -> Value {
+    json!({ "metadata": { "annotations": { ANNOTATION_RECORD: annotation } } })
+}
+
 /// Sends a create once one of the shared permits is free
 /// ([`crate::context::CREATES_AT_ONCE`]), if this replica still leads.
 async fn paced_create(
@@ -482,79 +558,17 @@ async fn create_attempt(
     }
 }
 
-/// The (outcome, mode) of every node whose last finished attempt in `next`
-/// is not the one `previous` recorded. Counted after the status write
-/// succeeds, so an outcome is counted once, by the replica that recorded it.
-pub fn newly_recorded_outcomes(
-    previous: Option<&InstanceGenerationStatus>,
-    next: &InstanceGenerationStatus,
-) -> Vec<(Outcome, Mode)> {
-    next.nodes
-        .iter()
-        .filter_map(|node| {
-            let last = node.last_attempt.as_ref()?;
-            let before = previous
-                .and_then(|p| p.nodes.iter().find(|n| n.name == node.name))
-                .and_then(|n| n.last_attempt.as_ref());
-            let same =
-                before.is_some_and(|b| b.sched_rev == last.sched_rev && b.outcome == last.outcome);
-            (!same).then_some((last.outcome, last.mode))
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use genswap_crds::{Cause, LastAttempt, NodeGeneration};
-
-    fn node(name: &str, last: Option<(i64, Outcome)>) -> NodeGeneration {
-        NodeGeneration {
-            name: name.into(),
-            generation: None,
-            build: None,
-            sha256: None,
-            config_rev: None,
-            restart_id: None,
-            since: None,
-            serving: None,
-            restarts: None,
-            last_exit: None,
-            last_attempt: last.map(|(sched_rev, outcome)| LastAttempt {
-                sched_rev,
-                cause: Cause::Release,
-                mode: Mode::Overlap,
-                outcome,
-                reason: String::new(),
-                executed: true,
-                drain_ms: None,
-            }),
-            sidecars: Vec::new(),
-        }
-    }
 
     #[test]
-    fn counts_only_outcomes_not_recorded_before() {
-        let previous = InstanceGenerationStatus {
-            nodes: vec![node("a", Some((1, Outcome::Done))), node("b", None)],
-            ..Default::default()
-        };
-        let next = InstanceGenerationStatus {
-            nodes: vec![
-                node("a", Some((1, Outcome::Done))),
-                node("b", Some((2, Outcome::Failed))),
-                node("c", Some((3, Outcome::Done))),
-            ],
-            ..Default::default()
-        };
+    fn the_record_patch_sets_one_annotation_and_nothing_else() {
+        let body = record_patch("{\"node\":{\"name\":\"n1\"}}");
         assert_eq!(
-            newly_recorded_outcomes(Some(&previous), &next),
-            vec![
-                (Outcome::Failed, Mode::Overlap),
-                (Outcome::Done, Mode::Overlap)
-            ]
+            body,
+            json!({"metadata": {"annotations": {"genswap.dev/record": "{\"node\":{\"name\":\"n1\"}}"}}})
         );
-        assert!(newly_recorded_outcomes(Some(&next), &next).is_empty());
     }
 
     #[test]

@@ -19,7 +19,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, PoisonError, RwLock};
 
-use genswap_crds::{InstanceGeneration, SwapAttempt};
+use genswap_crds::{ANNOTATION_RECORD, InstanceGeneration, SwapAttempt};
 use kube::core::DeserializeGuard;
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
@@ -109,6 +109,23 @@ impl AttemptIndex {
             .live
             .owners_of
             .contains_key(&(namespace.to_string(), name.to_string()))
+    }
+
+    /// The record annotation on cached attempt `name` in `namespace`:
+    /// `None` when the attempt is not cached.
+    pub fn record_on(&self, namespace: &str, name: &str) -> Option<Option<String>> {
+        let state = self.0.read().unwrap_or_else(PoisonError::into_inner);
+        let key = (namespace.to_string(), name.to_string());
+        let owner = state.live.owners_of.get(&key)?.first()?;
+        let attempt = state.live.by_owner.get(owner)?.get(name)?;
+        Some(
+            attempt
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(ANNOTATION_RECORD))
+                .cloned(),
+        )
     }
 
     /// How many attempts are cached, for tests and metrics.

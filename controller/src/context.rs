@@ -164,16 +164,30 @@ impl Context {
             .created(&key_of(ig), attempt, Instant::now());
     }
 
+    /// Records that our patch wrote `record` onto `attempt` of `ig`.
+    pub(crate) fn note_record(&self, ig: &InstanceGeneration, attempt: &str, record: String) {
+        self.expectations
+            .record_written(&key_of(ig), attempt, record, Instant::now());
+    }
+
     /// Whether the caches show every write this replica made for `ig`.
     pub(crate) fn caught_up(&self, ig: &InstanceGeneration) -> CaughtUp {
         let namespace = ig.namespace().unwrap_or_default();
         let cached = |name: &str| self.attempts.contains(&namespace, name);
-        self.expectations.caught_up(
-            &key_of(ig),
-            ig.resource_version().as_deref(),
-            cached,
-            Instant::now(),
-        )
+        let now = Instant::now();
+        let key = key_of(ig);
+        let creates =
+            self.expectations
+                .caught_up(&key, ig.resource_version().as_deref(), cached, now);
+        if creates != CaughtUp::Yes {
+            return creates;
+        }
+        let shows = |attempt: &str, record: &str| match self.attempts.record_on(&namespace, attempt)
+        {
+            None => true,
+            Some(cached) => cached.as_deref() == Some(record),
+        };
+        self.expectations.records_caught_up(&key, shows, now)
     }
 
     /// How revisions are handed out for `ig`: ahead, and from what this

@@ -12,6 +12,10 @@
 //! attempt recorded for it — the expectations of Kubernetes' own ReplicaSet
 //! controller, for the same reason.
 //!
+//! The same holds for the node records a plan writes onto attempts
+//! (`genswap.dev/record`): a plan made before the cache shows one would
+//! read the node's older record and announce its outcome a second time.
+//!
 //! An expectation that the cache never meets (the attempt was deleted before
 //! the watch delivered it, or the watch is stuck) lapses after a patience, so
 //! one lost event cannot stop an InstanceGeneration for good.
@@ -39,6 +43,8 @@ pub enum CaughtUp {
     CreatesUnseen { missing: Vec<String> },
     /// These never showed up within [`PATIENCE`]; they are forgotten.
     GaveUp { missing: Vec<String> },
+    /// These attempts do not show the record written onto them yet.
+    RecordsUnseen { missing: Vec<String> },
 }
 
 #[derive(Debug, Default)]
@@ -48,6 +54,10 @@ struct Pending {
     attempts: HashSet<String>,
     /// When the oldest of the attempts was created.
     since: Option<Instant>,
+    /// Attempt name → the record annotation written onto it.
+    records: HashMap<String, String>,
+    /// When the oldest of the records was written.
+    records_since: Option<Instant>,
 }
 
 /// Outstanding writes per InstanceGeneration.
@@ -85,6 +95,48 @@ impl Expectations {
         entry.attempts.insert(attempt.to_string());
     }
 
+    /// Records that `record` was written onto `attempt` of `ig` at `now`.
+    pub fn record_written(&self, ig: &IgKey, attempt: &str, record: String, now: Instant) {
+        let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        let entry = pending.entry(ig.clone()).or_default();
+        entry.records_since.get_or_insert(now);
+        entry.records.insert(attempt.to_string(), record);
+    }
+
+    /// Checks the records written for `ig` against the attempt cache:
+    /// `shows(attempt, record)` says whether the cache shows that record on
+    /// that attempt (or no longer holds the attempt). Forgets what it shows,
+    /// and every record once the oldest is older than the patience: a plan
+    /// from an older record announces an outcome twice, no worse.
+    pub fn records_caught_up(
+        &self,
+        ig: &IgKey,
+        shows: impl Fn(&str, &str) -> bool,
+        now: Instant,
+    ) -> CaughtUp {
+        let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(entry) = pending.get_mut(ig) else {
+            return CaughtUp::Yes;
+        };
+        entry
+            .records
+            .retain(|attempt, record| !shows(attempt, record));
+        let lapsed = entry
+            .records_since
+            .is_some_and(|since| now.saturating_duration_since(since) >= self.patience);
+        if entry.records.is_empty() || lapsed {
+            entry.records.clear();
+            entry.records_since = None;
+            if entry.replaced.is_none() && entry.attempts.is_empty() {
+                pending.remove(ig);
+            }
+            return CaughtUp::Yes;
+        }
+        let mut missing: Vec<String> = entry.records.keys().cloned().collect();
+        missing.sort();
+        CaughtUp::RecordsUnseen { missing }
+    }
+
     /// Checks the writes recorded for `ig` against the caches: the cached
     /// object's `version`, and `cached` saying whether an attempt of that
     /// name is in the attempt cache. Forgets what they show, and the creates
@@ -106,14 +158,21 @@ impl Expectations {
         entry.replaced = None;
         entry.attempts.retain(|attempt| !cached(attempt));
         if entry.attempts.is_empty() {
-            pending.remove(ig);
+            entry.since = None;
+            if entry.records.is_empty() {
+                pending.remove(ig);
+            }
             return CaughtUp::Yes;
         }
         let mut missing: Vec<String> = entry.attempts.iter().cloned().collect();
         missing.sort();
         let since = entry.since.unwrap_or(now);
         if now.saturating_duration_since(since) >= self.patience {
-            pending.remove(ig);
+            entry.attempts.clear();
+            entry.since = None;
+            if entry.records.is_empty() {
+                pending.remove(ig);
+            }
             CaughtUp::GaveUp { missing }
         } else {
             CaughtUp::CreatesUnseen { missing }
@@ -226,6 +285,44 @@ mod tests {
             expectations.caught_up(&web(), Some("100"), |_| true, now),
             CaughtUp::Yes,
             "once the cache moved on, the old version is not held against it"
+        );
+    }
+
+    #[test]
+    fn waits_until_the_cache_shows_each_record_written() {
+        let expectations = Expectations::with_patience(Duration::from_secs(5));
+        let start = Instant::now();
+        expectations.record_written(&web(), "web-n1-4", "r2".into(), start);
+        expectations.record_written(&web(), "web-n2-5", "r3".into(), start);
+        // The cache shows n1's older record, and n2's new one.
+        let cache = |attempt: &str, record: &str| match attempt {
+            "web-n1-4" => record == "r1",
+            _ => record == "r3",
+        };
+        assert_eq!(
+            expectations.records_caught_up(&web(), cache, start),
+            CaughtUp::RecordsUnseen {
+                missing: vec!["web-n1-4".into()]
+            }
+        );
+        assert_eq!(
+            expectations.caught_up(&web(), None, |_| true, start),
+            CaughtUp::Yes,
+            "creates and records are separate expectations"
+        );
+        assert_eq!(
+            expectations.records_caught_up(&web(), |_, record| record == "r2", start),
+            CaughtUp::Yes
+        );
+        // A record the cache never shows lapses with the patience.
+        expectations.record_written(&web(), "web-n1-6", "r4".into(), start);
+        assert!(matches!(
+            expectations.records_caught_up(&web(), |_, _| false, start + Duration::from_secs(4)),
+            CaughtUp::RecordsUnseen { .. }
+        ));
+        assert_eq!(
+            expectations.records_caught_up(&web(), |_, _| false, start + Duration::from_secs(5)),
+            CaughtUp::Yes
         );
     }
 

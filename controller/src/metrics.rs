@@ -53,6 +53,8 @@ pub enum Deferral {
     OwnStatusUnseen,
     /// The attempt cache lacks an attempt this replica created.
     OwnCreateUnseen,
+    /// The attempt cache does not show a node record this replica wrote.
+    OwnRecordUnseen,
     /// This replica has just become the leader and has not yet listed the
     /// attempts its cache may lack ([`crate::term`]).
     TermNotSeeded,
@@ -68,6 +70,7 @@ impl Deferral {
             Deferral::CachesSyncing => "caches_syncing",
             Deferral::OwnStatusUnseen => "own_status_unseen",
             Deferral::OwnCreateUnseen => "own_create_unseen",
+            Deferral::OwnRecordUnseen => "own_record_unseen",
             Deferral::TermNotSeeded => "term_not_seeded",
             Deferral::CacheBehindServer => "cache_behind_server",
         }
@@ -130,7 +133,7 @@ impl Metrics {
         );
         registry.register(
             "outcomes",
-            "Attempt outcomes newly recorded in an InstanceGeneration's status, by outcome and mode",
+            "Attempt outcomes newly recorded in a node's record, by outcome and mode",
             outcomes.clone(),
         );
         registry.register(

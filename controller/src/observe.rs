@@ -3,7 +3,8 @@
 //! reflectors keep the caches current.
 
 use genswap_crds::{
-    Artifact, BuildSpec, InstanceGeneration, SocketSpec, SwapAttempt, SwapAttemptSpec,
+    ANNOTATION_RECORD, Artifact, BuildSpec, InstanceGeneration, SocketSpec, SwapAttempt,
+    SwapAttemptSpec,
 };
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -53,10 +54,16 @@ fn identity(metadata: ObjectMeta) -> ObjectMeta {
 /// it), the copy of the IG's settings the agent alone acts on, and the
 /// agent's step timings and conditions. Kept: what the scheduler, the
 /// index, the inboxes and the expectations read — names, owners, labels,
-/// the revision and desired tuple, what the mode is derived from, and the
-/// outcome with the `serving` block.
+/// the node record, the revision and desired tuple, what the mode is
+/// derived from, and the outcome with the `serving` block.
 pub fn trim_attempt(attempt: &mut SwapAttempt) {
+    let record = attempt
+        .metadata
+        .annotations
+        .as_mut()
+        .and_then(|annotations| annotations.remove_entry(ANNOTATION_RECORD));
     attempt.metadata = identity(std::mem::take(&mut attempt.metadata));
+    attempt.metadata.annotations = record.map(|entry| [entry].into());
     let spec = &mut attempt.spec;
     *spec = SwapAttemptSpec {
         instance: std::mem::take(&mut spec.instance),
@@ -221,6 +228,31 @@ mod tests {
         let from_cache = plan(&trimmed_ig, &trimmed, &nodes, at(10));
         assert_eq!(from_cache, as_stored);
         assert!(!as_stored.events.is_empty(), "the outcomes were read");
+
+        // The records the plan wrote stay through the trim; other
+        // annotations go.
+        assert!(!as_stored.records.is_empty(), "the outcomes are recorded");
+        for write in &as_stored.records {
+            let carrier = attempts
+                .iter_mut()
+                .find(|a| a.metadata.name.as_deref() == Some(write.attempt.as_str()))
+                .expect("a record goes onto an attempt of the plan");
+            carrier.metadata.annotations = Some(
+                [
+                    (ANNOTATION_RECORD.to_string(), write.record.to_annotation()),
+                    ("example.com/note".to_string(), "x".repeat(1000)),
+                ]
+                .into(),
+            );
+        }
+        let mut trimmed = attempts.clone();
+        trimmed.iter_mut().for_each(trim_attempt);
+        assert!(trimmed.iter().all(|a| {
+            a.metadata
+                .annotations
+                .as_ref()
+                .is_none_or(|kept| kept.keys().eq([ANNOTATION_RECORD]))
+        }));
 
         // And a new build's attempts are built from the IG, not the cache.
         ig.spec = rich_ig("b2").spec;

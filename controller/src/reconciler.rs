@@ -149,6 +149,13 @@ async fn wait_for_caches(ig: &InstanceGeneration, ctx: &Context) -> Option<Actio
             ctx.metrics.plan_deferred(Deferral::OwnCreateUnseen);
             Some(Action::requeue(CATCH_UP_RETRY))
         }
+        CaughtUp::RecordsUnseen { missing } => {
+            // A plan now would read those nodes' older records and announce
+            // their outcomes again; the watch event of each patch wakes it.
+            debug!(ig = %ig.name_any(), ?missing, "attempt cache behind our own record writes; waiting for it");
+            ctx.metrics.plan_deferred(Deferral::OwnRecordUnseen);
+            Some(Action::requeue(CATCH_UP_RETRY))
+        }
         CaughtUp::GaveUp { missing } => confirm_missing(ig, ctx, &missing).await,
     }
 }

@@ -14,8 +14,11 @@ use genswap_controller::metrics::Metrics;
 use genswap_controller::reconciler::{
     CATCH_UP_RETRY, RESYNC_PERIOD, backoff_delay, error_policy, reconcile,
 };
-use genswap_core::scheduler::Plan;
-use genswap_crds::{InstanceGeneration, InstanceGenerationStatus, SwapAttempt};
+use genswap_core::scheduler::{Plan, RecordWrite};
+use genswap_crds::{
+    ANNOTATION_RECORD, InstanceGeneration, InstanceGenerationStatus, Mode, NodeGeneration,
+    NodeRecord, Outcome, SwapAttempt,
+};
 use http::StatusCode;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use kube::core::DeserializeGuard;
@@ -190,6 +193,65 @@ async fn a_cache_without_our_own_create_is_not_planned_from() {
     assert!(metric_line(
         &h.metrics,
         "genswap_controller_plans_deferred_total{reason=\"own_create_unseen\"} 1"
+    ));
+    drop(h.ctx);
+    finish(scenario).await;
+}
+
+/// n1's attempt 5 ended `done`: its record goes onto it, before the status.
+fn recording_plan() -> Plan {
+    let mut node = NodeGeneration::fresh("n1");
+    node.build = Some("b1".into());
+    Plan {
+        records: vec![RecordWrite {
+            attempt: "web-n1-5".into(),
+            record: NodeRecord {
+                node,
+                held_down: Vec::new(),
+            },
+            new_outcome: Some((Outcome::Done, Mode::Overlap)),
+        }],
+        status: status(5),
+        events: vec![event(false, "SwapDone", "node n1: rev 5 done")],
+        ..Plan::default()
+    }
+}
+
+#[tokio::test]
+async fn a_record_is_written_before_the_status_and_waited_for_before_the_next_plan() {
+    let settled = Plan {
+        status: status(5),
+        ..Plan::default()
+    };
+    let (planner, planned) = counting_planner(vec![recording_plan(), settled]);
+    let (mut h, verifier) = harness(planner, true);
+    h.add_attempt(attempt("n1", 5));
+    let scenario = verifier.run(Scenario::Apply {
+        ig: ig("100", Some(status(4))),
+        plan: recording_plan(),
+    });
+    reconcile(watched(ig("100", Some(status(4)))), h.ctx.clone())
+        .await
+        .expect("the first reconcile records n1's outcome");
+    assert!(metric_line(
+        &h.metrics,
+        "genswap_controller_outcomes_total{outcome=\"done\",mode=\"overlap\"} 1"
+    ));
+
+    // The status came back, the record not yet: a plan now would read n1's
+    // older record and announce its outcome again.
+    let mut recorded = attempt("n1", 5);
+    recorded.metadata.annotations = Some(
+        [(
+            ANNOTATION_RECORD.to_string(),
+            recording_plan().records[0].record.to_annotation(),
+        )]
+        .into(),
+    );
+    waits_until_the_cache_shows(&mut h, ig_at("101", status(5)), recorded, &planned).await;
+    assert!(metric_line(
+        &h.metrics,
+        "genswap_controller_plans_deferred_total{reason=\"own_record_unseen\"} 1"
     ));
     drop(h.ctx);
     finish(scenario).await;

@@ -196,6 +196,7 @@ fn run_mixed(seed: u64, steps: usize, ahead: bool) {
         let plan = world.reconcile();
         check_no_held_build_started(&world, &plan, seed, step);
     }
+    check_one_attempt_per_node_at_rest(&mut world, seed);
     assert!(
         world.issued.windows(2).all(|w| w[0] < w[1]),
         "seed {seed}: revisions out of order: {:?}",
@@ -212,6 +213,24 @@ fn run_mixed(seed: u64, steps: usize, ahead: bool) {
             "seed {seed}: the run should issue from reservations in hand ({}) and put progress off ({})",
             world.issued_in_hand,
             world.put_off
+        );
+    }
+}
+
+/// Once everything in flight ends `done` and the plans go quiet, a node
+/// keeps one attempt (the one carrying its record), or a trailing run of
+/// abandoned ones while their backoff runs.
+fn check_one_attempt_per_node_at_rest(world: &mut World, seed: u64) {
+    world.advance(3600);
+    world.roll_out();
+    let mut per_node: std::collections::BTreeMap<&str, usize> = Default::default();
+    for attempt in &world.attempts {
+        *per_node.entry(attempt.spec.node_name.as_str()).or_default() += 1;
+    }
+    for (node, count) in per_node {
+        assert_eq!(
+            count, 1,
+            "seed {seed}: node {node} keeps {count} attempts at rest"
         );
     }
 }

@@ -9,7 +9,7 @@ mod scheduler_support;
 use std::time::Duration;
 
 use genswap_core::scheduler::{LABEL_INSTANCE, LABEL_NODE, plan};
-use genswap_crds::{Cause, InstanceGenerationStatus, Mode, Outcome, SocketLayout};
+use genswap_crds::{Cause, InstanceGenerationStatus, Mode, NodeRecord, Outcome, SocketLayout};
 use scheduler_support::*;
 
 /// Three nodes, defaults: canaryNodes 1, maxParallel 1, haltOnFailure.
@@ -1043,7 +1043,7 @@ fn good_build_is_the_newest_build_done_on_every_node() {
 }
 
 #[test]
-fn only_the_newest_attempts_per_node_are_kept() {
+fn at_rest_a_node_keeps_only_the_attempt_that_carries_its_record() {
     let mut world = World::new(ig(spec("b1")), nodes(&["a"]));
     world.roll_out();
     for config in ["c1", "c2", "c3", "c4"] {
@@ -1056,7 +1056,10 @@ fn only_the_newest_attempts_per_node_are_kept() {
         .filter_map(|a| a.metadata.name.clone())
         .collect();
     names.sort();
-    assert_eq!(names, ["web-a-3", "web-a-4", "web-a-5"]);
+    assert_eq!(names, ["web-a-5"]);
+    let record = NodeRecord::on(&world.attempts[0], "a").expect("web-a-5 carries a's record");
+    assert_eq!(record.node.config_rev.as_deref(), Some("c4"));
+    assert_eq!(record.node.last_attempt.map(|l| l.sched_rev), Some(5));
 }
 
 #[test]
@@ -1094,4 +1097,175 @@ fn a_revision_above_the_status_is_never_reused() {
     let plan = world.reconcile();
     assert_eq!(created(&plan), ["b rev10 install"]);
     assert_eq!(plan.status.sched_rev, 10);
+}
+
+// ---------------------------------------------------------------------------
+// Node records and the bounded status
+// ---------------------------------------------------------------------------
+
+/// The record on `node`'s one attempt, and how many attempts it has.
+fn record_of(world: &World, node: &str) -> (NodeRecord, usize) {
+    let attempts: Vec<_> = world
+        .attempts
+        .iter()
+        .filter(|a| a.spec.node_name == node)
+        .collect();
+    let record = attempts
+        .iter()
+        .rev()
+        .find_map(|a| NodeRecord::on(a, node))
+        .unwrap_or_else(|| panic!("no attempt on {node} carries its record"));
+    (record, attempts.len())
+}
+
+/// 150 nodes, halt off: the first 120 fail with `reason`, the rest serve.
+fn fleet_failing_with(reason: &str) -> (World, Vec<String>) {
+    let names: Vec<String> = (0..150).map(|i| format!("n{i:03}")).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let mut s = spec("b1");
+    s.rollout.canary_nodes = 0;
+    s.rollout.max_parallel = 150;
+    s.rollout.halt_on_failure = false;
+    let mut world = World::new(ig(s), nodes(&refs));
+    assert_eq!(world.reconcile().create.len(), 150);
+    for name in &names[..120] {
+        world.finish(name, failed(reason));
+    }
+    for name in &names[120..] {
+        world.finish(name, done());
+    }
+    world.reconcile();
+    world.reconcile();
+    (world, names)
+}
+
+#[test]
+fn the_status_lists_at_most_a_hundred_nodes_and_counts_them_all() {
+    let (world, names) = fleet_failing_with("unhealthy");
+    let status = world.status();
+    let counts = status.counts.clone().expect("counts");
+    assert_eq!(
+        (
+            counts.selected,
+            counts.ready,
+            counts.updated,
+            counts.stalled
+        ),
+        (150, 30, 30, 120)
+    );
+    assert_eq!((counts.held_down, counts.attention), (120, 120));
+    assert_eq!(status.nodes.len(), 100);
+    assert!(
+        status.nodes.iter().all(|n| n
+            .attention
+            .as_deref()
+            .is_some_and(|why| why.contains("build b1 failed here: unhealthy"))),
+        "the nodes that need attention come first, with why"
+    );
+    assert_eq!(status.held_down.len(), 100);
+
+    // Every node's own memory is on its one attempt.
+    for name in &names[..120] {
+        let (record, attempts) = record_of(&world, name);
+        assert_eq!(attempts, 1);
+        assert_eq!(record.held_down.len(), 1, "{name} carries its hold");
+        let last = record.node.last_attempt.expect("the failure is recorded");
+        assert_eq!(last.outcome, Outcome::Failed);
+    }
+    let (record, _) = record_of(&world, &names[149]);
+    assert_eq!(record.node.build.as_deref(), Some("b1"));
+    assert!(record.held_down.is_empty());
+}
+
+#[test]
+fn long_reasons_are_cut_and_the_lists_kept_within_their_bytes() {
+    let (world, _) = fleet_failing_with(&format!("unhealthy: {}", "x".repeat(2000)));
+    let status = world.status();
+    let bytes = serde_json::to_vec(&status)
+        .expect("a status serializes")
+        .len();
+    assert!(bytes < 64 * 1024, "the status is {bytes} bytes");
+    assert!(!status.nodes.is_empty() && status.nodes.len() < 100);
+    assert!(!status.held_down.is_empty() && status.held_down.len() < 100);
+    assert!(
+        status.nodes.iter().all(|n| n
+            .last_attempt
+            .as_ref()
+            .is_some_and(|l| l.reason.len() < 300)),
+        "a listed reason is cut"
+    );
+    assert_eq!(
+        status.counts.expect("counts").held_down,
+        120,
+        "the count is whole"
+    );
+}
+
+#[test]
+fn a_failure_after_a_done_leaves_the_done_attempt_carrying_the_hold() {
+    let mut world = World::new(ig(spec("b1")), nodes(&["a"]));
+    world.roll_out();
+    world.edit(|s| s.build = spec("b2").build);
+    assert_eq!(created(&world.reconcile()), ["a rev2 release canary"]);
+    world.finish("a", failed("unhealthy"));
+    let plan = world.reconcile();
+    assert_eq!(event_reasons(&plan), ["!SwapFailed"]);
+    assert_eq!(plan.records.len(), 1);
+    assert_eq!(
+        plan.records[0].attempt, "web-a-1",
+        "the generation that serves"
+    );
+    let plan = world.reconcile();
+    assert_eq!(plan.delete, ["web-a-2"], "its outcome is recorded");
+    assert!(plan.events.is_empty(), "announced once");
+
+    let (record, attempts) = record_of(&world, "a");
+    assert_eq!(attempts, 1);
+    assert_eq!(record.node.build.as_deref(), Some("b1"));
+    assert_eq!(record.held_down.len(), 1);
+    assert_eq!(held(&world.status()), ["b2/overlap@a"]);
+
+    world.edit(|s| s.retry = "1".into());
+    assert_eq!(created(&world.reconcile()), ["a rev3 retry canary"]);
+    world.finish("a", done());
+    world.roll_out();
+    let (record, attempts) = record_of(&world, "a");
+    assert_eq!((attempts, record.node.build.as_deref()), (1, Some("b2")));
+    assert!(record.held_down.is_empty() && world.status().held_down.is_empty());
+}
+
+#[test]
+fn attempts_without_records_are_read_from_the_status_written_before_records() {
+    let mut world = World::new(ig(spec("b1")), nodes(&["a", "b"]));
+    world.roll_out();
+    world.edit(|s| s.config_rev = "c2".into());
+    world.reconcile();
+    world.finish("a", done());
+    world.reconcile();
+    world.finish("b", done());
+    // As a controller from before records left them: entries in the
+    // status, none on the attempts, and b's outcome not recorded yet.
+    for attempt in &mut world.attempts {
+        attempt.metadata.annotations = None;
+    }
+    assert_eq!(world.attempts.len(), 4);
+
+    let plan = world.reconcile();
+    let announced: Vec<&str> = plan.events.iter().map(|e| e.message.as_str()).collect();
+    assert_eq!(
+        announced,
+        ["node b: rev 4 done: build b1 serves as generation 2 (overlap, config)"],
+        "only what the status had not recorded"
+    );
+    assert!(
+        plan.delete.is_empty(),
+        "nothing goes before its record is seen"
+    );
+    assert_eq!(plan.records.len(), 2);
+    world.roll_out();
+    assert_eq!(world.attempts.len(), 2);
+    assert_eq!(
+        record_of(&world, "b").0.node.config_rev.as_deref(),
+        Some("c2")
+    );
 }

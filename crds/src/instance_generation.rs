@@ -181,10 +181,23 @@ pub struct InstanceGenerationStatus {
     /// a node holds is in its attempt's `status.serving.listeners`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub listeners: Option<String>,
+    /// How many selected nodes are where, whatever the fleet's size:
+    /// `nodes` and `heldDown` list at most 100 entries each.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counts: Option<NodeCounts>,
+    /// At most 100 nodes (fewer when their entries are long): those that
+    /// need attention first, with `attention` saying why, then the rest by
+    /// name. Every node's record is on its newest finished SwapAttempt
+    /// (annotation `genswap.dev/record`); `kubectl genswap get` reads it
+    /// there.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 100))]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
     pub nodes: Vec<NodeGeneration>,
+    /// At most 100 entries of the failure book, those of nodes without a
+    /// record first; `counts.heldDown` says how many there are.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 100))]
     pub held_down: Vec<HeldDown>,
     /// The `spec.retry` token the controller last acted on. A different token
     /// in the spec arms one attempt of a held-down build; absent until the
@@ -219,11 +232,77 @@ pub struct DesiredState {
     pub mode: Mode,
 }
 
+/// How many entries `status.nodes` and `status.heldDown` list at most: an
+/// InstanceGeneration's status stays a few dozen KiB whatever the fleet.
+pub const NODES_LISTED: usize = 100;
+
+/// The annotation on a node's newest finished SwapAttempt that carries the
+/// controller's record of that node ([`NodeRecord`], JSON).
+pub const ANNOTATION_RECORD: &str = "genswap.dev/record";
+
+/// Counts of the selected nodes, as a DaemonSet reports them.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeCounts {
+    /// Nodes the selector picks.
+    pub selected: i64,
+    /// Nodes that run the desired state (ready, or down between attempts).
+    pub updated: i64,
+    /// Nodes that serve the desired state and answer.
+    pub ready: i64,
+    /// Nodes with an attempt in flight.
+    pub in_flight: i64,
+    /// Nodes waiting for the canaries, `maxParallel`, a backoff or a pause.
+    pub waiting: i64,
+    /// Nodes the failure book stops until a human acts.
+    pub stalled: i64,
+    /// Entries in the failure book, listed or not.
+    pub held_down: i64,
+    /// Nodes that need attention, listed or not.
+    pub attention: i64,
+}
+
+/// What the controller remembers of one node, kept on the node's newest
+/// finished SwapAttempt (annotation [`ANNOTATION_RECORD`]) rather than in
+/// the InstanceGeneration's status, so the status does not grow with the
+/// fleet and older attempts can go.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeRecord {
+    pub node: NodeGeneration,
+    /// This node's entries of the failure book.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub held_down: Vec<HeldDown>,
+}
+
+impl NodeRecord {
+    /// The annotation's value.
+    pub fn to_annotation(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// The record `attempt` carries for `node`. One that does not parse is
+    /// no record: the controller's next write replaces it.
+    pub fn on(attempt: &crate::SwapAttempt, node: &str) -> Option<Self> {
+        let raw = attempt
+            .metadata
+            .annotations
+            .as_ref()?
+            .get(ANNOTATION_RECORD)?;
+        serde_json::from_str::<Self>(raw)
+            .ok()
+            .filter(|record| record.node.name == node)
+    }
+}
+
 /// What one node runs.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct NodeGeneration {
     pub name: String,
+    /// Why this node needs attention (in `status.nodes` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention: Option<String>,
     /// The serving generation N; absent before the first `done`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub generation: Option<i64>,
@@ -256,6 +335,27 @@ pub struct NodeGeneration {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 4))]
     pub sidecars: Vec<SidecarStatus>,
+}
+
+impl NodeGeneration {
+    /// A node the controller knows nothing of yet.
+    pub fn fresh(name: &str) -> Self {
+        Self {
+            name: name.to_string(),
+            attention: None,
+            generation: None,
+            build: None,
+            sha256: None,
+            config_rev: None,
+            restart_id: None,
+            since: None,
+            serving: None,
+            restarts: None,
+            last_exit: None,
+            last_attempt: None,
+            sidecars: Vec::new(),
+        }
+    }
 }
 
 /// The newest finished attempt on a node.

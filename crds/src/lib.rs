@@ -23,8 +23,9 @@ pub mod swap_attempt;
 
 pub use conditions::{ConditionType, set_condition};
 pub use instance_generation::{
-    DesiredState, HeldDown, HistoryArtifact, HistoryEntry, InstanceGeneration,
-    InstanceGenerationSpec, InstanceGenerationStatus, LastAttempt, NodeGeneration, RolloutSpec,
+    ANNOTATION_RECORD, DesiredState, HeldDown, HistoryArtifact, HistoryEntry, InstanceGeneration,
+    InstanceGenerationSpec, InstanceGenerationStatus, LastAttempt, NODES_LISTED, NodeCounts,
+    NodeGeneration, NodeRecord, RolloutSpec,
 };
 pub use probes::*;
 pub use sandbox::{

@@ -70,6 +70,12 @@ async fn a_manifest_is_installed_and_a_new_build_overlaps_without_failing_a_requ
     assert_eq!(doc.status.good_build.as_deref(), Some("build-2"));
     let attempt = doc.attempt(last.sched_rev).expect("the release attempt");
     assert_eq!(attempt.status.effective_mode, Some(Mode::Overlap));
+    let kept: Vec<&str> = doc.attempts.iter().map(|a| a.name.as_str()).collect();
+    assert_eq!(
+        kept,
+        [attempt.name.as_str()],
+        "at rest the node keeps one attempt, the one carrying its record"
+    );
     assert!(
         !attempt.status.steps.is_empty(),
         "step timings are reported"

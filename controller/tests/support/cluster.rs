@@ -246,6 +246,20 @@ impl Cluster {
         } else if method == Method::POST && path == attempts {
             self.put(Kind::Attempt, body.clone(), false);
             respond(StatusCode::CREATED, &body)
+        } else if method == Method::PATCH && path.starts_with(&attempts) {
+            // The node record: a merge patch of the annotations alone.
+            let name = path.rsplit('/').next().unwrap_or_default();
+            let Some(mut object) = self.get(Kind::Attempt, name) else {
+                return failure(404, "NotFound");
+            };
+            let Some(annotations) = body["metadata"]["annotations"].as_object() else {
+                panic!("an attempt patch other than its annotations: {body}");
+            };
+            for (key, value) in annotations {
+                object["metadata"]["annotations"][key] = value.clone();
+            }
+            self.put(Kind::Attempt, object, false);
+            respond(StatusCode::OK, &self.get(Kind::Attempt, name))
         } else if method == Method::DELETE && path.starts_with(&attempts) {
             let name = path.rsplit('/').next().unwrap_or_default();
             if let Some(object) = self.get(Kind::Attempt, name) {

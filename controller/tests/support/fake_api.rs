@@ -33,6 +33,8 @@ pub struct State {
     pub conflicts: usize,
     /// Status writes accepted.
     pub status_writes: usize,
+    /// Node records written onto attempts.
+    pub record_writes: usize,
     next_resource_version: u64,
 }
 
@@ -51,6 +53,7 @@ impl FakeCluster {
             fail_next_creates: 0,
             conflicts: 0,
             status_writes: 0,
+            record_writes: 0,
             next_resource_version: 2,
         })))
     }
@@ -137,6 +140,8 @@ impl FakeCluster {
                 state.apply_status(&body)
             } else if method == Method::POST && path == attempts {
                 state.create_attempt(body)
+            } else if method == Method::PATCH && path.starts_with(&attempts) {
+                state.patch_record(path.rsplit('/').next().unwrap_or_default(), &body)
             } else if method == Method::DELETE && path.starts_with(&attempts) {
                 let name = path.rsplit('/').next().unwrap_or_default();
                 match state.attempts.remove(name) {
@@ -183,6 +188,26 @@ impl State {
         self.ig.metadata.resource_version = Some(self.next_resource_version.to_string());
         self.next_resource_version += 1;
         respond(StatusCode::OK, &self.ig)
+    }
+
+    /// The node record: a merge patch of the annotations alone.
+    fn patch_record(&mut self, name: &str, body: &Value) -> Response<Body> {
+        let Some(attempt) = self.attempts.get_mut(name) else {
+            return respond(
+                StatusCode::NOT_FOUND,
+                &status_failure(404, "NotFound", name),
+            );
+        };
+        let patched: BTreeMap<String, String> =
+            serde_json::from_value(body["metadata"]["annotations"].clone())
+                .expect("an attempt patch sets annotations and nothing else");
+        attempt
+            .metadata
+            .annotations
+            .get_or_insert_default()
+            .extend(patched);
+        self.record_writes += 1;
+        respond(StatusCode::OK, &*attempt)
     }
 
     fn create_attempt(&mut self, body: Value) -> Response<Body> {

@@ -20,7 +20,7 @@ use genswap_controller::events::EventQueue;
 use genswap_controller::leader::Leadership;
 use genswap_controller::metrics::Metrics;
 use genswap_controller::observe::WatchedIg;
-use genswap_core::scheduler::{Plan, PlanEvent};
+use genswap_core::scheduler::{Plan, PlanEvent, RecordWrite};
 use genswap_crds::{InstanceGeneration, InstanceGenerationStatus, SwapAttempt};
 use http::{Method, Request, Response, StatusCode};
 use k8s_openapi::api::core::v1::Node;
@@ -282,7 +282,11 @@ impl ApiServerVerifier {
         tokio::spawn(async move {
             let verifier = match scenario {
                 Scenario::Apply { ig, plan } => {
-                    let mut v = self.status_apply(&ig, &plan.status, Answer::Accept).await;
+                    let mut v = self;
+                    for write in &plan.records {
+                        v = v.record_patch(write).await;
+                    }
+                    let mut v = v.status_apply(&ig, &plan.status, Answer::Accept).await;
                     for attempt in &plan.create {
                         v = v.attempt_create(attempt, StatusCode::CREATED).await;
                     }
@@ -584,6 +588,33 @@ impl ApiServerVerifier {
                 &status_failure(code.as_u16(), "InternalError", "etcd is having a bad day"),
             ));
         }
+        self
+    }
+
+    async fn record_patch(mut self, write: &RecordWrite) -> Self {
+        let (request, send) = self.next().await;
+        assert_eq!(request.method(), Method::PATCH, "a record is patched on");
+        assert_eq!(
+            request.uri().path(),
+            format!(
+                "/apis/genswap.dev/v1alpha1/namespaces/{NAMESPACE}/swapattempts/{}",
+                write.attempt
+            )
+        );
+        assert_eq!(
+            request
+                .headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok()),
+            Some("application/merge-patch+json")
+        );
+        let body = body_json(request).await;
+        assert_eq!(
+            body,
+            json!({"metadata": {"annotations": {"genswap.dev/record": write.record.to_annotation()}}}),
+            "the patch sets the record and nothing else"
+        );
+        send.send_response(json_response(StatusCode::OK, &body));
         self
     }
 

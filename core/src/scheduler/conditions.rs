@@ -4,10 +4,10 @@
 use genswap_crds::{ConditionType, DesiredState, set_condition};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
-use super::Context;
 use super::failure_book::FailureBook;
 use super::rollout::Progress;
 use super::supervision::Down;
+use super::{Context, cut};
 
 /// The reasons the scheduler writes on its conditions.
 pub mod reasons {
@@ -47,6 +47,10 @@ pub mod reasons {
 
 /// At most this many names in one message.
 const NAMES_SHOWN: usize = 8;
+
+/// At most this many bytes of one message (the reasons in it are the
+/// agents' free text).
+pub(super) const MESSAGE_BYTES: usize = 1024;
 
 pub(super) fn write(
     conditions: &mut Vec<Condition>,
@@ -161,7 +165,7 @@ pub(super) fn write(
         ConditionType::Ready,
         all_ready,
         ready_reason,
-        &ready_message,
+        &cut(&ready_message, MESSAGE_BYTES),
         generation,
         now,
     );
@@ -200,7 +204,7 @@ pub(super) fn write(
         ConditionType::Reconciling,
         reconciling,
         reconciling_reason,
-        &reconciling_message,
+        &cut(&reconciling_message, MESSAGE_BYTES),
         generation,
         now,
     );
@@ -229,7 +233,7 @@ pub(super) fn write(
         ConditionType::Stalled,
         stall_reason.is_some(),
         stalled_reason,
-        &stalled_message,
+        &cut(&stalled_message, MESSAGE_BYTES),
         generation,
         now,
     );

@@ -25,6 +25,10 @@ impl FailureBook {
         Self { entries }
     }
 
+    pub(super) fn entries(&self) -> &[HeldDown] {
+        &self.entries
+    }
+
     pub(super) fn into_entries(self) -> Vec<HeldDown> {
         self.entries
     }

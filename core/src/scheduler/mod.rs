@@ -4,13 +4,14 @@
 //! One call of [`plan`] does, in order:
 //! 1. select the nodes (labels ⊇ `spec.nodeSelector`), sorted by name: that
 //!    order is the rollout order and the order revisions are handed out in;
-//! 2. read every outcome the status has not recorded yet into the node
+//! 2. read every outcome a node's record has not recorded yet into the node
 //!    entries and the failure book ([`outcomes`]), with one Event each;
 //! 3. notice a change of `spec.retry` and arm the held-down desired build;
 //! 4. decide which nodes get an attempt now ([`rollout`]): drift, cause,
 //!    canary cohort, `maxParallel`, supersession, holds, abandoned backoff;
 //! 5. build those attempts with fresh revisions, pick old attempts to delete,
-//!    and compute the status and its conditions ([`conditions`]).
+//!    write the node records that changed ([`records`]), and compute the
+//!    status and its conditions ([`conditions`], [`listing`]).
 //!
 //! # Decisions a reader may look for
 //! - A node *serves* the desired state when its build, sha256, configRev and
@@ -26,8 +27,12 @@
 //! - Abandoned attempts are re-issued after `5s · 2^(n-1)` (capped at 5 min)
 //!   for `n` consecutive abandoned attempts of the desired state on the node.
 //!   `n` is counted from the attempts themselves, so a node's trailing run of
-//!   abandoned attempts is kept (up to [`ABANDONED_RUN_KEPT`]) beyond
-//!   [`KEEP_ATTEMPTS_PER_NODE`].
+//!   abandoned attempts is kept (up to [`ABANDONED_RUN_KEPT`]).
+//! - What the controller remembers of a node (what it serves, the newest
+//!   outcome recorded, its entries of the failure book) is the node's
+//!   record, an annotation on its newest finished attempt ([`records`]).
+//!   The status holds counts and at most [`genswap_crds::NODES_LISTED`] entries
+//!   ([`listing`]); at rest a node keeps one attempt.
 //! - A selector that matches no node is `Ready=False NoMatchingNodes` but not
 //!   `Stalled`: a pool scaled to zero is a normal state and a node joining
 //!   resumes the rollout without anyone acting.
@@ -38,9 +43,11 @@
 mod conditions;
 mod failure_book;
 mod history;
+mod listing;
 mod naming;
 mod outcomes;
 mod pacing;
+mod records;
 mod revisions;
 mod rollout;
 mod supervision;
@@ -50,7 +57,7 @@ use std::time::Duration;
 
 use genswap_crds::{
     DesiredState, InstanceGeneration, InstanceGenerationSpec, InstanceGenerationStatus, Mode,
-    NodeGeneration, SwapAttempt,
+    NodeGeneration, NodeRecord, Outcome, SwapAttempt,
 };
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -67,12 +74,10 @@ pub use rollout::{abandoned_backoff, effective_mode, selects};
 
 use failure_book::FailureBook;
 
-/// How many finished attempts per node are kept; older ones are deleted.
-pub const KEEP_ATTEMPTS_PER_NODE: usize = 3;
-
-/// How many consecutive abandoned attempts per node are kept at most (beyond
-/// [`KEEP_ATTEMPTS_PER_NODE`]): their count is the backoff exponent, and 7
-/// reaches the 5-minute cap.
+/// How many consecutive abandoned attempts per node are kept at most: their
+/// count is the backoff exponent, and 7 reaches the 5-minute cap. Otherwise
+/// a node keeps only the attempt that carries its record
+/// ([`genswap_crds::ANNOTATION_RECORD`]) and those in flight.
 pub const ABANDONED_RUN_KEPT: usize = 7;
 
 /// What the controller must write for one InstanceGeneration.
@@ -87,9 +92,13 @@ pub struct Plan {
     /// Attempts to create, complete objects (name, labels, ownerReference,
     /// spec), each with a revision above the status's previous `schedRev`.
     pub create: Vec<SwapAttempt>,
-    /// Names of attempts to delete (older than the newest few per node, or on
-    /// nodes no longer selected).
+    /// Names of attempts to delete: finished ones whose outcome a node's
+    /// record already holds, or on nodes no longer selected.
     pub delete: Vec<String>,
+    /// Node records to write, each onto the node's newest finished attempt
+    /// (annotation [`genswap_crds::ANNOTATION_RECORD`]): before the status, so an outcome
+    /// is recorded before its Event goes out.
+    pub records: Vec<RecordWrite>,
     /// The status to write. `status.sched_rev` is the newest revision
     /// reserved: every revision in `create`, and with [`Revisions::ahead`]
     /// one for each node still waiting its turn.
@@ -103,6 +112,18 @@ pub struct Plan {
     pub events: Vec<PlanEvent>,
     /// When to look again even if nothing changes (abandoned-attempt backoff).
     pub requeue_after: Option<Duration>,
+}
+
+/// A node record to write onto an attempt.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RecordWrite {
+    /// The attempt that carries it: the node's newest `done` or `down`
+    /// attempt (the one whose generation serves, or whose failure left
+    /// nothing serving), else its newest finished one.
+    pub attempt: String,
+    pub record: NodeRecord,
+    /// The outcome this write records for the first time, for metrics.
+    pub new_outcome: Option<(Outcome, Mode)>,
 }
 
 /// An Event the plan asks for.
@@ -149,7 +170,10 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
         std::mem::take(&mut status.nodes),
     );
 
-    let mut book = FailureBook::new(std::mem::take(&mut status.held_down));
+    let mut book = FailureBook::new(records::book_entries(
+        &slots,
+        std::mem::take(&mut status.held_down),
+    ));
     for slot in &mut slots {
         outcomes::observe(slot, &mut book, &ctx, &mut events);
         slot.down = supervision::observe(slot, &mut events);
@@ -201,12 +225,12 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
 
     let mut delete = strays;
     for slot in &slots {
-        delete.extend(rollout::expired(slot.attempts));
+        delete.extend(rollout::expired(slot));
     }
 
-    let node_entries: Vec<NodeGeneration> = slots.into_iter().map(|s| s.entry).collect();
-    status.good_build = good_build(&node_entries).or(status.good_build);
     let progress = &decisions.progress;
+    let (records, carried) = records::writes(&slots, book.entries());
+    status.good_build = good_build(&slots).or(status.good_build);
     if progress.selected > 0 && progress.ready == progress.selected {
         history::record(&mut status.history, ctx.spec, &ctx.now);
     }
@@ -216,13 +240,14 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
     status.observed_generation = ctx.generation;
     status.desired = Some(ctx.desired.clone());
     conditions::write(&mut status.conditions, &ctx, progress, &book);
-    status.nodes = node_entries;
-    status.held_down = book.into_entries();
+    let listing = listing::List::new(&slots, progress, book.into_entries(), &carried);
+    listing.write(&mut status);
     let status_may_wait = pacing::status_may_wait(previous, &status, progress.in_flight, &events);
 
     Plan {
         create,
         delete,
+        records,
         status,
         status_may_wait,
         events,
@@ -263,11 +288,15 @@ impl<'a> Context<'a> {
 }
 
 /// One selected node: its place in the rollout, its attempts (oldest first)
-/// and the status entry being rewritten.
+/// and its record being rewritten.
 struct NodeSlot<'a> {
     name: &'a str,
     canary: bool,
     attempts: &'a [&'a SwapAttempt],
+    /// The record as read, and the attempt that carries it.
+    recorded: Option<(&'a SwapAttempt, NodeRecord)>,
+    /// The newest outcome recorded before this plan (revision, outcome).
+    last_before: Option<(i64, Outcome)>,
     entry: NodeGeneration,
     /// Runs the desired state but is down between attempts.
     down: Option<supervision::Down>,
@@ -293,10 +322,13 @@ fn sort_attempts<'a, A: Borrow<SwapAttempt>>(
     (ours, newest_rev)
 }
 
-/// Pairs each selected node with its attempts and its previous status entry
-/// by walking the three name-sorted lists together (no per-node lookups: a
-/// plan for a thousand nodes stays linear). Returns the slots and the names
-/// of attempts on nodes no longer selected.
+/// Pairs each selected node with its attempts and its record by walking the
+/// three name-sorted lists together (no per-node lookups: a plan for a
+/// thousand nodes stays linear). A node's record is the one on its newest
+/// attempt that carries one; a node without one falls back to its entry in
+/// `status.nodes` (what a status written before records held, or a node
+/// whose attempts are gone). Returns the slots and the names of attempts
+/// on nodes no longer selected.
 fn gather<'a>(
     ctx: &Context<'_>,
     selected: &[&'a str],
@@ -320,29 +352,29 @@ fn gather<'a>(
         while let Some(group) = groups.next_if(|g| g[0].spec.node_name.as_str() < name) {
             strays.extend(group);
         }
-        let entry = entries
-            .next_if(|e| e.name == name)
-            .unwrap_or_else(|| NodeGeneration {
-                name: name.to_string(),
-                generation: None,
-                build: None,
-                sha256: None,
-                config_rev: None,
-                restart_id: None,
-                since: None,
-                serving: None,
-                restarts: None,
-                last_exit: None,
-                last_attempt: None,
-                sidecars: Vec::new(),
-            });
-        let attempts = groups
+        let listed = entries.next_if(|e| e.name == name);
+        let attempts: &[&SwapAttempt] = groups
             .next_if(|g| g[0].spec.node_name == name)
             .unwrap_or_default();
+        let recorded = attempts
+            .iter()
+            .rev()
+            .find_map(|&attempt| NodeRecord::on(attempt, name).map(|record| (attempt, record)));
+        let mut entry = match &recorded {
+            Some((_, record)) => record.node.clone(),
+            None => listed.unwrap_or_else(|| NodeGeneration::fresh(name)),
+        };
+        entry.attention = None;
+        let last_before = entry
+            .last_attempt
+            .as_ref()
+            .map(|last| (last.sched_rev, last.outcome));
         slots.push(NodeSlot {
             name,
             canary: index < canaries,
             attempts,
+            recorded,
+            last_before,
             entry,
             down: None,
         });
@@ -356,10 +388,24 @@ fn gather<'a>(
 }
 
 /// The build every selected node serves, when they all serve the same one.
-fn good_build(entries: &[NodeGeneration]) -> Option<String> {
-    let first = entries.first()?.build.as_ref()?;
-    entries
+fn good_build(slots: &[NodeSlot<'_>]) -> Option<String> {
+    let first = slots.first()?.entry.build.as_ref()?;
+    slots
         .iter()
-        .all(|e| e.build.as_ref() == Some(first))
+        .all(|s| s.entry.build.as_ref() == Some(first))
         .then(|| first.clone())
+}
+
+/// `text` cut to at most `max` bytes (on a character boundary), marked with
+/// an ellipsis when cut: the agents' reasons are free text, and the status
+/// must stay bounded.
+fn cut(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
 }

@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::Node;
 
 use super::failure_book::FailureBook;
 use super::supervision::Down;
-use super::{ABANDONED_RUN_KEPT, Context, KEEP_ATTEMPTS_PER_NODE, NodeSlot};
+use super::{ABANDONED_RUN_KEPT, Context, NodeSlot};
 
 /// The first re-issue of an abandoned attempt waits this long.
 const BACKOFF_BASE: Duration = Duration::from_secs(5);
@@ -459,21 +459,34 @@ fn repeated_refusal(attempts: &[&SwapAttempt], desired: &DesiredState) -> Option
     (count == REFUSALS_TO_STALL && !first.is_empty()).then_some(first)
 }
 
-/// Attempts of a selected node that are no longer needed, oldest first: all
-/// but the newest [`KEEP_ATTEMPTS_PER_NODE`], except that a trailing run of
-/// abandoned attempts (the backoff's memory) is kept up to
-/// [`ABANDONED_RUN_KEPT`].
-pub(super) fn expired(attempts: &[&SwapAttempt]) -> Vec<String> {
+/// Attempts of a selected node that are no longer needed, oldest first,
+/// once the cache shows the node's record: every finished attempt whose
+/// outcome the record holds, and every unfinished one older than the
+/// record's carrier (the agent has moved past it). Kept: the carrier, and
+/// a trailing run of abandoned attempts up to [`ABANDONED_RUN_KEPT`] (the
+/// backoff counts them).
+pub(super) fn expired(slot: &NodeSlot<'_>) -> Vec<String> {
+    let Some((carrier, record)) = &slot.recorded else {
+        return Vec::new();
+    };
+    let attempts = slot.attempts;
+    let mark = record.node.last_attempt.as_ref().map_or(0, |l| l.sched_rev);
     let run = attempts
         .iter()
         .rev()
         .take_while(|a| a.status.as_ref().and_then(|s| s.outcome) == Some(Outcome::Abandoned))
         .count()
         .min(ABANDONED_RUN_KEPT);
-    let keep = KEEP_ATTEMPTS_PER_NODE.max(run);
-    let expired = attempts.len().saturating_sub(keep);
-    attempts[..expired]
+    attempts[..attempts.len() - run]
         .iter()
+        .filter(|a| a.metadata.name != carrier.metadata.name)
+        .filter(|a| {
+            let rev = a.spec.sched_rev;
+            match a.status.as_ref().and_then(|s| s.outcome) {
+                Some(_) => rev <= mark,
+                None => rev < carrier.spec.sched_rev,
+            }
+        })
         .filter_map(|a| a.metadata.name.clone())
         .collect()
 }

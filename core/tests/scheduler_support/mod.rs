@@ -10,8 +10,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use genswap_core::scheduler::{self, OwnReservation, Plan, Revisions};
 use genswap_crds::{
-    Cause, InstanceGeneration, InstanceGenerationSpec, InstanceGenerationStatus, Mode,
-    NodeGeneration, Outcome, ServingStatus, SwapAttempt, SwapAttemptStatus,
+    ANNOTATION_RECORD, Cause, InstanceGeneration, InstanceGenerationSpec, InstanceGenerationStatus,
+    Mode, NodeGeneration, Outcome, ServingStatus, SwapAttempt, SwapAttemptStatus,
 };
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
@@ -86,6 +86,7 @@ pub fn ig(spec: InstanceGenerationSpec) -> InstanceGeneration {
 pub fn serving(node: &str, build: &str, generation: i64) -> NodeGeneration {
     NodeGeneration {
         name: node.into(),
+        attention: None,
         generation: Some(generation),
         build: Some(build.into()),
         sha256: Some(sha(build)),
@@ -214,9 +215,10 @@ impl World {
         )
     }
 
-    /// One reconcile: plan, write status, create, delete.
+    /// One reconcile: plan, write records, status, create, delete.
     pub fn reconcile(&mut self) -> Plan {
         let plan = self.plan();
+        self.write_records(&plan);
         self.write_status(&plan);
         for attempt in &plan.create {
             self.store(attempt.clone());
@@ -229,6 +231,7 @@ impl World {
     /// creates all fail: the revisions are burned.
     pub fn reconcile_dropping_creates(&mut self) -> Plan {
         let plan = self.plan();
+        self.write_records(&plan);
         self.write_status(&plan);
         plan
     }
@@ -275,6 +278,23 @@ impl World {
             });
         } else if let (Some(own), Some(issued)) = (own, newest_created) {
             self.own = Some(OwnReservation { issued, ..own });
+        }
+    }
+
+    /// Each record onto its attempt's annotations, as the adapter's merge
+    /// patch does.
+    fn write_records(&mut self, plan: &Plan) {
+        for write in &plan.records {
+            let attempt = self
+                .attempts
+                .iter_mut()
+                .find(|a| a.metadata.name.as_deref() == Some(write.attempt.as_str()))
+                .expect("a record is written onto an attempt that exists");
+            attempt
+                .metadata
+                .annotations
+                .get_or_insert_default()
+                .insert(ANNOTATION_RECORD.into(), write.record.to_annotation());
         }
     }
 
@@ -396,11 +416,14 @@ impl World {
         }
     }
 
-    /// Reconciles and finishes everything with `done` until nothing is issued.
+    /// Reconciles and finishes everything with `done` until a plan has
+    /// nothing left to write: nothing issued or in flight, every record
+    /// written and every old attempt gone.
     pub fn roll_out(&mut self) {
         for _ in 0..100 {
             let plan = self.reconcile();
-            if plan.create.is_empty() && self.in_flight().is_empty() {
+            let quiet = plan.create.is_empty() && plan.records.is_empty() && plan.delete.is_empty();
+            if quiet && self.in_flight().is_empty() {
                 return;
             }
             self.finish_all_done();

@@ -28,6 +28,18 @@ impl Runner {
                     tracing::info!(instance = %key, reason = %event.reason, "{}", event.message);
                 }
             }
+            for write in &plan.records {
+                let carrier = instance
+                    .attempts
+                    .iter_mut()
+                    .find(|a| a.metadata.name.as_deref() == Some(write.attempt.as_str()));
+                if let Some(attempt) = carrier {
+                    attempt.metadata.annotations.get_or_insert_default().insert(
+                        genswap_crds::ANNOTATION_RECORD.to_string(),
+                        write.record.to_annotation(),
+                    );
+                }
+            }
             instance.ig.status = Some(plan.status);
             let running = instance.running.as_ref().map(|r| r.sched_rev);
             instance.attempts.retain(|attempt| {
@@ -38,7 +50,9 @@ impl Runner {
                         .any(|name| attempt.metadata.name.as_deref() == Some(name.as_str()))
             });
             instance.requeue_at = plan.requeue_after.map(|after| Instant::now() + after);
-            if plan.create.is_empty() {
+            // A record written lets the next plan drop the attempts it
+            // replaces, so plan once more.
+            if plan.create.is_empty() && plan.records.is_empty() {
                 break;
             }
             for attempt in plan.create {
