@@ -1,6 +1,6 @@
 //! The requests each verb makes, and what their failures mean to a human.
 
-use genswap_core::scheduler::{LABEL_INSTANCE, label_value};
+use genswap_core::scheduler::{LABEL_INSTANCE, LABEL_NODE, label_value};
 use genswap_crds::{InstanceGeneration, SwapAttempt};
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, Client};
@@ -16,7 +16,12 @@ pub struct Target {
     pub attempts: Api<SwapAttempt>,
     pub namespace: String,
     pub name: String,
+    /// Only this node's attempts (`get --node`).
+    pub node: Option<String>,
 }
+
+/// Attempts per list request: a fleet's attempts come in pages.
+const PAGE: u32 = 500;
 
 impl Target {
     pub fn new(client: Client, namespace: &str, name: &str) -> Target {
@@ -25,16 +30,27 @@ impl Target {
             attempts: Api::namespaced(client, namespace),
             namespace: namespace.to_string(),
             name: name.to_string(),
+            node: None,
         }
+    }
+
+    /// The same, for one node's attempts only.
+    pub fn on_node(mut self, node: Option<String>) -> Target {
+        self.node = node;
+        self
     }
 
     pub fn object(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
     }
 
-    /// The label selector of this instance's attempts.
+    /// The label selector of this instance's attempts (on the node).
     pub fn attempt_selector(&self) -> String {
-        format!("{LABEL_INSTANCE}={}", label_value(&self.name))
+        let instance = format!("{LABEL_INSTANCE}={}", label_value(&self.name));
+        match &self.node {
+            Some(node) => format!("{instance},{LABEL_NODE}={}", label_value(node)),
+            None => instance,
+        }
     }
 
     pub async fn get(&self) -> Result<InstanceGeneration, PluginError> {
@@ -44,13 +60,24 @@ impl Target {
             .map_err(|e| self.explain(e, "get", "instancegenerations"))
     }
 
+    /// This instance's attempts, [`PAGE`] at a time.
     pub async fn list_attempts(&self) -> Result<Vec<SwapAttempt>, PluginError> {
-        let params = ListParams::default().labels(&self.attempt_selector());
-        self.attempts
-            .list(&params)
-            .await
-            .map(|list| list.items)
-            .map_err(|e| self.explain(e, "list", "swapattempts"))
+        let mut params = ListParams::default()
+            .labels(&self.attempt_selector())
+            .limit(PAGE);
+        let mut attempts = Vec::new();
+        loop {
+            let page = self
+                .attempts
+                .list(&params)
+                .await
+                .map_err(|e| self.explain(e, "list", "swapattempts"))?;
+            attempts.extend(page.items);
+            match page.metadata.continue_.filter(|token| !token.is_empty()) {
+                Some(token) => params = params.continue_token(&token),
+                None => return Ok(attempts),
+            }
+        }
     }
 
     /// Merges `patch` (from [`crate::edits`]) into the object: the fields

@@ -45,6 +45,9 @@ pub enum Command {
         /// Redraw on every change the API server reports.
         #[arg(short, long)]
         watch: bool,
+        /// One node only: its record and attempts.
+        #[arg(long)]
+        node: Option<String>,
         #[arg(short, long, value_enum, default_value_t = Output::Text)]
         output: Output,
     },
@@ -91,20 +94,22 @@ pub async fn run(
         Command::Get {
             name,
             watch: false,
+            node,
             output,
         } => {
-            let target = Target::new(client, namespace, &name);
+            let target = Target::new(client, namespace, &name).on_node(node);
             let ig = target.get().await?;
             let attempts = target.list_attempts().await?;
-            let tree = tree::build(&ig, &attempts, (terminal.now)());
+            let tree = tree::build(&ig, &attempts, target.node.as_deref(), (terminal.now)());
             print_tree(terminal, &tree, output)
         }
         Command::Get {
             name,
             watch: true,
+            node,
             output,
         } => {
-            let target = Target::new(client, namespace, &name);
+            let target = Target::new(client, namespace, &name).on_node(node);
             watch::run(&target, output, terminal, None).await
         }
         Command::Retry { name } => {

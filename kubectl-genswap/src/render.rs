@@ -39,6 +39,19 @@ pub fn text(tree: &Tree, colour: Colour) -> String {
         facts.push(format!("history {}", tree.history.join(", ")));
     }
     let _ = writeln!(out, "  {}", facts.join("  "));
+    if let Some(counts) = &tree.counts {
+        let _ = writeln!(
+            out,
+            "  nodes {} selected  {} updated  {} ready  {} in flight  {} waiting  {} stalled  {} need attention",
+            counts.selected,
+            counts.updated,
+            counts.ready,
+            counts.in_flight,
+            counts.waiting,
+            counts.stalled,
+            counts.attention
+        );
+    }
 
     let width = tree
         .conditions
@@ -100,6 +113,9 @@ fn node_lines(out: &mut String, node: &NodeView, last: bool, paint: &Painter) {
     }
     if let Some(exit) = &node.last_exit {
         let _ = write!(line, "  last exit: {exit}");
+    }
+    if let Some(why) = &node.attention {
+        let _ = write!(line, "  {}", paint.style(AnsiColor::Red, why));
     }
     let _ = writeln!(out, "{line}");
     let indent = if last { "   " } else { "│  " };

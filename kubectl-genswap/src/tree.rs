@@ -1,12 +1,21 @@
 //! What `kubectl genswap get` shows, built from the InstanceGeneration and
 //! its SwapAttempts alone: no client, no clock of its own.
+//!
+//! A node's entry is its record on its attempts (what the controller
+//! remembers of it); a node without one shows as `status.nodes` lists it.
+//! The status lists at most 100 nodes, so on a fleet the attempts are
+//! what shows every node.
 
-use genswap_crds::{InstanceGeneration, NodeGeneration, SwapAttempt, describe_exit};
+use std::collections::BTreeMap;
+
+use genswap_crds::{
+    InstanceGeneration, NodeCounts, NodeGeneration, NodeRecord, SwapAttempt, describe_exit,
+};
 use k8s_openapi::jiff::Timestamp;
 use serde::Serialize;
 
-/// How many attempts per node are shown, newest first (the controller keeps
-/// about as many).
+/// How many attempts per node are shown, newest first (at rest the
+/// controller keeps one).
 pub const ATTEMPTS_SHOWN: usize = 3;
 
 /// One InstanceGeneration and what runs for it.
@@ -26,6 +35,8 @@ pub struct Tree {
     pub good_build: Option<String>,
     /// Builds of `status.history`, newest first.
     pub history: Vec<String>,
+    /// How many selected nodes are where, as the status counts them.
+    pub counts: Option<NodeCounts>,
     pub conditions: Vec<ConditionView>,
     pub nodes: Vec<NodeView>,
 }
@@ -45,6 +56,8 @@ pub struct ConditionView {
 #[serde(rename_all = "camelCase")]
 pub struct NodeView {
     pub name: String,
+    /// Why the node needs a human or is not ready, as the status says.
+    pub attention: Option<String>,
     /// `canary` for the first `rollout.canaryNodes` nodes, else `rest`.
     pub cohort: &'static str,
     pub build: Option<String>,
@@ -92,8 +105,14 @@ pub struct AttemptView {
     pub age: String,
 }
 
-/// The tree of `ig` and `attempts` (any order; others' are ignored) at `now`.
-pub fn build(ig: &InstanceGeneration, attempts: &[SwapAttempt], now: Timestamp) -> Tree {
+/// The tree of `ig` and `attempts` (any order; others' are ignored) at
+/// `now`, of every node or of `only` that one.
+pub fn build(
+    ig: &InstanceGeneration,
+    attempts: &[SwapAttempt],
+    only: Option<&str>,
+    now: Timestamp,
+) -> Tree {
     let spec = &ig.spec;
     let status = ig.status.clone().unwrap_or_default();
     let name = ig.metadata.name.clone().unwrap_or_default();
@@ -103,10 +122,31 @@ pub fn build(ig: &InstanceGeneration, attempts: &[SwapAttempt], now: Timestamp) 
         .filter(|a| a.spec.instance == name)
         .collect();
     ours.sort_by_key(|a| std::cmp::Reverse(a.spec.sched_rev));
-    let nodes = status
+    // Listed entries first, then each node's record (newest attempt first)
+    // over them; the status's `attention` stays.
+    let mut entries: BTreeMap<String, NodeGeneration> = status
         .nodes
         .iter()
+        .map(|entry| (entry.name.clone(), entry.clone()))
+        .collect();
+    let mut recorded = std::collections::BTreeSet::new();
+    for attempt in &ours {
+        let node = &attempt.spec.node_name;
+        if recorded.contains(node) {
+            continue;
+        }
+        if let Some(record) = NodeRecord::on(attempt, node) {
+            let attention = entries.get(node).and_then(|e| e.attention.clone());
+            let mut entry = record.node;
+            entry.attention = attention;
+            entries.insert(node.clone(), entry);
+            recorded.insert(node.clone());
+        }
+    }
+    let nodes = entries
+        .values()
         .enumerate()
+        .filter(|(_, entry)| only.is_none_or(|node| entry.name == node))
         .map(|(index, entry)| node_view(entry, index < canaries, &ours, now))
         .collect();
     Tree {
@@ -119,6 +159,7 @@ pub fn build(ig: &InstanceGeneration, attempts: &[SwapAttempt], now: Timestamp) 
         paused: spec.rollout.paused,
         good_build: status.good_build.clone(),
         history: status.history.iter().map(|h| h.build.clone()).collect(),
+        counts: status.counts.clone(),
         conditions: status
             .conditions
             .iter()
@@ -141,6 +182,7 @@ fn node_view(
 ) -> NodeView {
     NodeView {
         name: entry.name.clone(),
+        attention: entry.attention.clone(),
         cohort: if canary { "canary" } else { "rest" },
         build: entry.build.clone(),
         generation: entry.generation,

@@ -71,7 +71,7 @@ pub async fn run(
             });
         };
         let attempts: Vec<SwapAttempt> = attempts.state().iter().map(|a| (**a).clone()).collect();
-        let tree = tree::build(&ig, &attempts, (terminal.now)());
+        let tree = tree::build(&ig, &attempts, target.node.as_deref(), (terminal.now)());
         if terminal.redraw {
             terminal.out.write_all(b"\x1b[H\x1b[2J")?;
         }

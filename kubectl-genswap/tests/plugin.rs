@@ -146,6 +146,8 @@ struct Script {
     forbid_writes: bool,
     /// Answer the attempts' list with 403.
     forbid_attempts: bool,
+    /// The attempts the list answers with, two to a page.
+    attempts: Vec<Value>,
 }
 
 fn status(code: u16, reason: &str, message: &str) -> Value {
@@ -219,10 +221,31 @@ fn mocked(script: Script) -> (Client, Arc<Mutex<Vec<Seen>>>) {
                         "swapattempts.genswap.dev is forbidden: User \"dev\" cannot list resource \"swapattempts\"",
                     ),
                 ),
-                (&Method::GET, ATTEMPTS_PATH) => (
-                    200,
-                    json!({"apiVersion": "genswap.dev/v1alpha1", "kind": "SwapAttemptList", "metadata": {"resourceVersion": "11"}, "items": attempts()}),
-                ),
+                (&Method::GET, ATTEMPTS_PATH) => {
+                    // Two to a page, as a server paging a fleet's attempts.
+                    let page: usize = query
+                        .split('&')
+                        .find_map(|pair| pair.strip_prefix("continue=page"))
+                        .and_then(|n| n.parse().ok())
+                        .unwrap_or(0);
+                    let items: Vec<Value> = script
+                        .attempts
+                        .iter()
+                        .skip(page * 2)
+                        .take(2)
+                        .cloned()
+                        .collect();
+                    let more = script.attempts.len() > (page + 1) * 2;
+                    let token = if more {
+                        format!("page{}", page + 1)
+                    } else {
+                        String::new()
+                    };
+                    (
+                        200,
+                        json!({"apiVersion": "genswap.dev/v1alpha1", "kind": "SwapAttemptList", "metadata": {"resourceVersion": "11", "continue": token}, "items": items}),
+                    )
+                }
                 (&Method::PATCH, IG_PATH) if script.forbid_writes => (
                     403,
                     status(
@@ -287,6 +310,7 @@ fn serving() -> Script {
         ig: Some(mid_rollout()),
         forbid_writes: false,
         forbid_attempts: false,
+        attempts: attempts(),
     }
 }
 
@@ -294,6 +318,7 @@ fn get(name: &str) -> Command {
     Command::Get {
         name: name.into(),
         watch: false,
+        node: None,
         output: Output::Text,
     }
 }
@@ -323,12 +348,16 @@ async fn get_draws_the_mid_rollout_tree() {
     let golden = include_str!("golden/get_mid_rollout.txt");
     assert_eq!(printed, golden, "the tree changed; got:\n{printed}");
     let uris: Vec<&str> = seen.iter().map(|s| s.uri.as_str()).collect();
+    let list = format!("{ATTEMPTS_PATH}?&labelSelector=genswap.dev%2Finstance%3Dweb&limit=500");
     assert_eq!(
         uris,
         [
             IG_PATH.to_string(),
-            format!("{ATTEMPTS_PATH}?&labelSelector=genswap.dev%2Finstance%3Dweb")
-        ]
+            list.clone(),
+            format!("{list}&continue=page1"),
+            format!("{list}&continue=page2"),
+        ],
+        "the attempts are read page by page"
     );
 }
 
@@ -370,10 +399,61 @@ fn strip_ansi(text: &str) -> String {
 }
 
 #[tokio::test]
+async fn get_node_reads_that_nodes_record_from_its_attempt_in_pages() {
+    // Node d is past the status's listing: its record is on its attempt.
+    let mut script = serving();
+    let mut on_d = attempt(
+        "d",
+        6,
+        "release",
+        "b2",
+        30,
+        Some(
+            json!({"outcome": "failed", "effectiveMode": "overlap", "executed": true, "reason": "unhealthy"}),
+        ),
+    );
+    let record = json!({
+        "node": {"name": "d", "build": "b1", "generation": 3, "serving": true},
+        "heldDown": [{"build": "b2", "mode": "overlap", "node": "d", "reason": "unhealthy", "since": at(30)}],
+    });
+    on_d["metadata"]["annotations"] = json!({"genswap.dev/record": record.to_string()});
+    script.attempts.push(on_d);
+    let command = Command::Get {
+        name: "web".into(),
+        watch: false,
+        node: Some("d".into()),
+        output: Output::Text,
+    };
+    let (printed, seen) = plugin(command, script).await;
+    let printed = printed.expect("get succeeds");
+    assert!(
+        printed.contains("node d  rest  serving b1 as generation 3\n"),
+        "{printed}"
+    );
+    assert!(
+        printed.contains("rev 6  release  overlap  failed"),
+        "{printed}"
+    );
+    assert!(!printed.contains("node a"), "one node only: {printed}");
+    let lists: Vec<&str> = seen
+        .iter()
+        .filter(|s| s.uri.starts_with(ATTEMPTS_PATH))
+        .map(|s| s.uri.as_str())
+        .collect();
+    assert_eq!(lists.len(), 3, "six attempts in pages of two: {lists:?}");
+    assert!(
+        lists.iter().all(|uri| uri.contains("limit=500")
+            && uri.contains("labelSelector=genswap.dev%2Finstance%3Dweb%2Cgenswap.dev%2Fnode%3Dd")),
+        "{lists:?}"
+    );
+}
+
+#[tokio::test]
 async fn get_as_json_carries_the_same_facts() {
     let command = Command::Get {
         name: "web".into(),
         watch: false,
+        node: None,
         output: Output::Json,
     };
     let (printed, _) = plugin(command, serving()).await;
@@ -397,6 +477,7 @@ async fn retry_writes_a_fresh_token_when_the_build_is_held_down() {
         ig: Some(ig),
         forbid_writes: false,
         forbid_attempts: false,
+        attempts: attempts(),
     };
     let (printed, seen) = plugin(Command::Retry { name: "web".into() }, script).await;
     assert_eq!(
@@ -424,6 +505,7 @@ async fn retry_says_there_is_nothing_to_retry_and_writes_nothing() {
         ig: Some(ig),
         forbid_writes: false,
         forbid_attempts: false,
+        attempts: attempts(),
     };
     let (result, _) = plugin(Command::Retry { name: "web".into() }, script).await;
     assert_eq!(
@@ -470,6 +552,7 @@ async fn undo_refuses_when_the_history_has_nothing_to_go_back_to() {
         ig: Some(ig),
         forbid_writes: false,
         forbid_attempts: false,
+        attempts: attempts(),
     };
     let command = Command::Undo {
         name: "web".into(),
@@ -521,6 +604,7 @@ async fn refusals_are_one_line_naming_what_to_do() {
         ig: None,
         forbid_writes: false,
         forbid_attempts: false,
+        attempts: attempts(),
     };
     let (result, _) = plugin(get("web"), missing).await;
     assert_eq!(
@@ -532,6 +616,7 @@ async fn refusals_are_one_line_naming_what_to_do() {
         ig: Some(mid_rollout()),
         forbid_writes: true,
         forbid_attempts: false,
+        attempts: attempts(),
     };
     let (result, _) = plugin(Command::Pause { name: "web".into() }, forbidden).await;
     assert_eq!(
@@ -583,12 +668,13 @@ async fn get_watch_draws_again_on_a_watch_event() {
         second.starts_with("InstanceGeneration prod/web  build b2 (overlap)  paused\n"),
         "the second frame shows the change: {second}"
     );
-    // Two lists and two watches, no polling: no other GET.
+    // Two lists (the attempts' in three pages) and two watches, no
+    // polling: no other GET.
     let lists = seen
         .iter()
         .filter(|s| !s.uri.contains("watch=true"))
         .count();
-    assert_eq!(lists, 2, "{seen:?}");
+    assert_eq!(lists, 4, "{seen:?}");
 }
 
 #[tokio::test]
