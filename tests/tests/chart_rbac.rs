@@ -53,7 +53,7 @@ fn controller_allowed(watch: Option<&str>, finalizers: bool) -> BTreeSet<Right> 
         objects,
         "genswap.dev",
         "swapattempts",
-        &["get", "list", "watch", "create", "delete"],
+        &["get", "list", "watch", "create", "patch", "delete"],
     ));
     allowed.extend(rights(objects, "events.k8s.io", "events", &["create"]));
     allowed.extend(rights(CLUSTER, "", "nodes", &["get", "list", "watch"]));

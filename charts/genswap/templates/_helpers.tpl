@@ -170,7 +170,7 @@ Where the kubelet probes the agent: the agent shares the node's network
 {{- end }}
 - apiGroups: ["genswap.dev"]
   resources: ["swapattempts"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
