@@ -91,10 +91,11 @@ impl List {
 /// Why each node that needs attention does: the first that applies.
 fn attention<'a>(progress: &Progress<'a>, book: &[HeldDown]) -> BTreeMap<&'a str, String> {
     let mut why: BTreeMap<&str, String> = BTreeMap::new();
+    // The newest booking per node (the book is in booking order).
+    let newest: BTreeMap<&str, &HeldDown> = book.iter().map(|e| (e.node.as_str(), e)).collect();
     let own_failure = |node: &str| {
-        book.iter()
-            .rev()
-            .find(|entry| entry.node == node)
+        newest
+            .get(node)
             .map(|entry| format!("build {} failed here: {}", entry.build, entry.reason))
     };
     for &node in &progress.down {
