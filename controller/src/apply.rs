@@ -301,18 +301,27 @@ pub async fn apply_plan(
         debug!(ig = %name, unsent, "stepped down with creates still queued");
         return Ok(stepped_down(Write::Create, done));
     }
-    for attempt in &plan.delete {
-        if !ctx.leadership.is_leader() {
-            return Ok(stepped_down(Write::Delete, done));
+    // Together too, paced as the creates: a release replaces an attempt
+    // on every node, and one at a time they outlasted the rollout.
+    if !plan.delete.is_empty() && !ctx.leadership.is_leader() {
+        return Ok(stepped_down(Write::Delete, done));
+    }
+    let deleted = futures::future::join_all(
+        plan.delete
+            .iter()
+            .map(|attempt| paced_delete(ctx, &attempts, attempt)),
+    )
+    .await;
+    let mut unsent = 0;
+    for result in deleted {
+        match result {
+            Ok(Sent::Yes) => done.deleted += 1,
+            Ok(Sent::No) => unsent += 1,
+            Err(error) => failures.push(error),
         }
-        match attempts.delete(attempt, &DeleteParams::default()).await {
-            Ok(_) => done.deleted += 1,
-            Err(kube::Error::Api(status)) if status.is_not_found() => {}
-            Err(source) => failures.push(ApplyError::Delete {
-                attempt: attempt.clone(),
-                source,
-            }),
-        }
+    }
+    if unsent > 0 {
+        return Ok(stepped_down(Write::Delete, done));
     }
 
     let regarding = ig.object_ref(&());
@@ -517,6 +526,27 @@ async fn paced_record(
 /// nothing else (the agent owns its status; labels and owner stay).
 pub fn record_patch(annotation: &str) -> Value {
     json!({ "metadata": { "annotations": { ANNOTATION_RECORD: annotation } } })
+}
+
+/// Deletes an old attempt once one of the shared permits is free, if this
+/// replica still leads. One already gone counts as deleted.
+async fn paced_delete(
+    ctx: &Context,
+    api: &Api<SwapAttempt>,
+    attempt: &str,
+) -> Result<Sent, ApplyError> {
+    let _permit = ctx.create_permits.acquire().await.ok();
+    if !ctx.leadership.is_leader() {
+        return Ok(Sent::No);
+    }
+    match api.delete(attempt, &DeleteParams::default()).await {
+        Ok(_) => Ok(Sent::Yes),
+        Err(kube::Error::Api(status)) if status.is_not_found() => Ok(Sent::Yes),
+        Err(source) => Err(ApplyError::Delete {
+            attempt: attempt.to_string(),
+            source,
+        }),
+    }
 }
 
 /// Sends a create once one of the shared permits is free

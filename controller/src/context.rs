@@ -50,7 +50,8 @@ pub const PROGRESS_HOLD: Duration = Duration::from_secs(10);
 /// once they met the API server's in-flight limit, and the fleet bench saw
 /// four refused (429) for every one stored, each burning its revision and
 /// costing a re-plan. Kubernetes' own controllers pace their creates too
-/// (client-go's QPS, the ReplicaSet controller's slow-start batches).
+/// (client-go's QPS, the ReplicaSet controller's slow-start batches). The
+/// node records' patches and the deletes of old attempts share the permits.
 pub const CREATES_AT_ONCE: usize = 32;
 
 /// Everything a reconcile needs, shared by all of them.
@@ -81,7 +82,8 @@ pub struct Context {
     /// The Events recorded for each IG since its last status write.
     recorded: Mutex<HashMap<IgKey, HashSet<(String, String)>>>,
     progress_hold: Duration,
-    /// Permits for SwapAttempt creates in flight, shared by every reconcile.
+    /// Permits for SwapAttempt writes (creates, record patches, deletes) in
+    /// flight, shared by every reconcile.
     pub(crate) create_permits: Arc<Semaphore>,
 }
 

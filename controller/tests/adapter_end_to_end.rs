@@ -186,6 +186,11 @@ async fn a_rollout_reserves_ahead_issues_its_later_wave_without_a_status_write_a
     cluster.report("web-n3-3", "done", 1);
     reconcile_once(&mut a, &cluster).await.expect("all done");
     assert_eq!(writes(&cluster), 2);
+    assert_eq!(
+        cluster.with(|s| s.record_writes),
+        3,
+        "each node's outcome is recorded once, on its attempt"
+    );
     let status = cluster.ig().status.expect("a status");
     assert_eq!(status.ready.as_deref(), Some("3/3"));
     assert!(
