@@ -723,10 +723,18 @@ fn deferrals(before: &str, after: &str) -> HashMap<String, u64> {
 pub(crate) async fn plane_with_crds(
     namespace: &str,
 ) -> Result<(ControlPlane, kube::Client), BenchError> {
+    plane_with_crds_from(namespace, &workspace().join("crds")).await
+}
+
+/// [`plane_with_crds`] with the CRDs in `crds` (an older build's, whose
+/// controller writes what its own schema allows).
+pub(crate) async fn plane_with_crds_from(
+    namespace: &str,
+    crds: &std::path::Path,
+) -> Result<(ControlPlane, kube::Client), BenchError> {
     let plane = ControlPlane::own().ok_or_else(|| {
         BenchError::Missing("a control plane to start (../shared/kube/up and its tools)".into())
     })?;
-    let crds = workspace().join("crds");
     plane.kubectl_ok(&["apply", "--server-side", "-f", &crds.to_string_lossy()]);
     plane.kubectl_ok(&[
         "wait",

@@ -31,7 +31,7 @@ use test_cluster::chart::ChartRelease;
 
 use crate::audit::{self, Tally};
 use crate::cluster::{
-    Logged, ReadyWatch, Write, counter, free_port, ig_manifest, plane_pid, plane_with_crds,
+    Logged, ReadyWatch, Write, counter, free_port, ig_manifest, plane_pid, plane_with_crds_from,
     process_cpu_ms, scrape, signed_ms, spawn_logged, write_all,
 };
 use crate::{BenchError, Binaries};
@@ -60,6 +60,8 @@ pub struct FleetOptions {
     /// Another `genswap-controller` run on the same fleet first (an older
     /// build), so before and after come from one run.
     pub compare: Option<PathBuf>,
+    /// The CRDs that build shipped; this tree's when not given.
+    pub compare_crds: Option<PathBuf>,
 }
 
 /// One fleet size's figures.
@@ -128,17 +130,26 @@ pub async fn run(
 ) -> Result<Vec<FleetReport>, BenchError> {
     let mut reports = Vec::new();
     let mut controllers = Vec::new();
+    let own_crds = test_cluster::workspace().join("crds");
     if let Some(other) = &options.compare {
-        controllers.push((other.display().to_string(), other.clone()));
+        let crds = options
+            .compare_crds
+            .clone()
+            .unwrap_or_else(|| own_crds.clone());
+        controllers.push((other.display().to_string(), other.clone(), crds));
     }
-    controllers.push((THIS_BUILD.to_string(), binaries.controller.clone()));
+    controllers.push((
+        THIS_BUILD.to_string(),
+        binaries.controller.clone(),
+        own_crds,
+    ));
     for &nodes in &options.nodes {
-        for (label, controller) in &controllers {
+        for (label, controller, crds) in &controllers {
             println!(
                 "\n{label}: the controller and a fleet of {nodes} Nodes, {} InstanceGenerations ...",
                 options.igs
             );
-            let mut report = run_one(controller, nodes, options).await?;
+            let mut report = run_one(controller, crds, nodes, options).await?;
             report.controller = label.clone();
             for phase in &report.phases {
                 print!("  {}", row(&report, phase));
@@ -175,11 +186,14 @@ const THIS_BUILD: &str = "this build";
 
 async fn run_one(
     controller: &std::path::Path,
+    crds: &std::path::Path,
     nodes: usize,
     options: &FleetOptions,
 ) -> Result<FleetReport, BenchError> {
-    let (plane, client) = plane_with_crds(NAMESPACE).await?;
-    let chart = ChartRelease::install(&plane, "genswap", CHART_NAMESPACE, &[]);
+    let (plane, client) = plane_with_crds_from(NAMESPACE, crds).await?;
+    // For its RBAC; the CRDs are the ones just installed (a compared
+    // build's may differ from the chart's).
+    let chart = ChartRelease::install(&plane, "genswap", CHART_NAMESPACE, &["--skip-crds"]);
     let dir = tempfile::Builder::new()
         .prefix("genswap-fleet-")
         .tempdir()

@@ -176,6 +176,10 @@ struct FleetArgs {
     /// fleet first, for before and after in one run.
     #[arg(long)]
     compare: Option<PathBuf>,
+    /// The CRDs the compared build shipped (its `crds/`): its controller
+    /// writes what its own schema allows. This tree's when not given.
+    #[arg(long, requires = "compare")]
+    compare_crds: Option<PathBuf>,
     /// Where fleet.md and fleet.json go.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -447,6 +451,7 @@ async fn run_fleet(args: FleetArgs) -> Result<(), BenchError> {
         igs: args.igs,
         answer_after: Duration::from_millis(args.answer_ms),
         compare: args.compare.clone(),
+        compare_crds: args.compare_crds.clone(),
     };
     let reports = fleet::run(&binaries, &options).await?;
     let markdown = fleet::markdown(&reports);
