@@ -1202,7 +1202,7 @@ fn long_reasons_are_cut_and_the_lists_kept_within_their_bytes() {
 }
 
 #[test]
-fn a_failure_after_a_done_leaves_the_done_attempt_carrying_the_hold() {
+fn a_failure_after_a_done_leaves_the_done_attempt_carrying_the_hold_and_the_failed_one_beside_it() {
     let mut world = World::new(ig(spec("b1")), nodes(&["a"]));
     world.roll_out();
     world.edit(|s| s.build = spec("b2").build);
@@ -1216,17 +1216,25 @@ fn a_failure_after_a_done_leaves_the_done_attempt_carrying_the_hold() {
         "the generation that serves"
     );
     let plan = world.reconcile();
-    assert_eq!(plan.delete, ["web-a-2"], "its outcome is recorded");
+    assert!(
+        plan.delete.is_empty(),
+        "the failed attempt stays, for the steps and conditions that explain it"
+    );
     assert!(plan.events.is_empty(), "announced once");
 
     let (record, attempts) = record_of(&world, "a");
-    assert_eq!(attempts, 1);
+    assert_eq!(attempts, 2);
     assert_eq!(record.node.build.as_deref(), Some("b1"));
     assert_eq!(record.held_down.len(), 1);
     assert_eq!(held(&world.status()), ["b2/overlap@a"]);
 
     world.edit(|s| s.retry = "1".into());
     assert_eq!(created(&world.reconcile()), ["a rev3 retry canary"]);
+    assert_eq!(
+        world.reconcile().delete,
+        ["web-a-2"],
+        "a newer attempt replaces the failed one"
+    );
     world.finish("a", done());
     world.roll_out();
     let (record, attempts) = record_of(&world, "a");

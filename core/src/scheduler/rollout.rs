@@ -462,8 +462,10 @@ fn repeated_refusal(attempts: &[&SwapAttempt], desired: &DesiredState) -> Option
 /// Attempts of a selected node that are no longer needed, oldest first,
 /// once the cache shows the node's record: every finished attempt whose
 /// outcome the record holds, and every unfinished one older than the
-/// record's carrier (the agent has moved past it). Kept: the carrier, and
-/// a trailing run of abandoned attempts up to [`ABANDONED_RUN_KEPT`] (the
+/// record's carrier (the agent has moved past it). Kept: the carrier; the
+/// newest attempt when it failed, until a newer one is issued (its steps
+/// and conditions explain the failure, which the record only names); and a
+/// trailing run of abandoned attempts up to [`ABANDONED_RUN_KEPT`] (the
 /// backoff counts them).
 pub(super) fn expired(slot: &NodeSlot<'_>) -> Vec<String> {
     let Some((carrier, record)) = &slot.recorded else {
@@ -471,12 +473,16 @@ pub(super) fn expired(slot: &NodeSlot<'_>) -> Vec<String> {
     };
     let attempts = slot.attempts;
     let mark = record.node.last_attempt.as_ref().map_or(0, |l| l.sched_rev);
-    let run = attempts
-        .iter()
-        .rev()
-        .take_while(|a| a.status.as_ref().and_then(|s| s.outcome) == Some(Outcome::Abandoned))
-        .count()
-        .min(ABANDONED_RUN_KEPT);
+    let outcome = |a: &SwapAttempt| a.status.as_ref().and_then(|s| s.outcome);
+    let run = match attempts.last() {
+        Some(newest) if outcome(newest) == Some(Outcome::Failed) => 1,
+        _ => attempts
+            .iter()
+            .rev()
+            .take_while(|a| outcome(a) == Some(Outcome::Abandoned))
+            .count()
+            .min(ABANDONED_RUN_KEPT),
+    };
     attempts[..attempts.len() - run]
         .iter()
         .filter(|a| a.metadata.name != carrier.metadata.name)
