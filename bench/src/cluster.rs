@@ -735,14 +735,7 @@ pub(crate) async fn plane_with_crds_from(
     let plane = ControlPlane::own().ok_or_else(|| {
         BenchError::Missing("a control plane to start (../shared/kube/up and its tools)".into())
     })?;
-    plane.kubectl_ok(&["apply", "--server-side", "-f", &crds.to_string_lossy()]);
-    plane.kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/instancegenerations.genswap.dev",
-        "crd/swapattempts.genswap.dev",
-        "--timeout=60s",
-    ]);
+    plane.install_crds_from(crds);
     let client = plane.client().await;
     let object: Namespace = serde_json::from_value(json!({"metadata": {"name": namespace}}))
         .map_err(|e| BenchError::Agent(format!("a Namespace: {e}")))?;

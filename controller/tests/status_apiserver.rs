@@ -70,15 +70,7 @@ async fn a_five_thousand_node_status_stays_within_64_kib_on_the_api_server() {
     let Some(plane) = ControlPlane::shared() else {
         return;
     };
-    let crds = test_cluster::workspace().join("crds");
-    plane.kubectl_ok(&["apply", "--server-side", "-f", &crds.to_string_lossy()]);
-    plane.kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/instancegenerations.genswap.dev",
-        "crd/swapattempts.genswap.dev",
-        "--timeout=60s",
-    ]);
+    plane.install_crds();
     let namespace = format!("fleet-status-{}", std::process::id());
     plane.kubectl_ok(&["create", "namespace", &namespace]);
     let client = plane.client().await;

@@ -22,21 +22,7 @@ use test_cluster::{ControlPlane, workspace};
 /// Applies `crds/` server-side, as the README's first install step does,
 /// and waits until both are established.
 fn install_crds(plane: &ControlPlane) {
-    let crds = workspace().join("crds");
-    plane.kubectl_ok(&[
-        "apply",
-        "--server-side",
-        "--force-conflicts",
-        "-f",
-        &crds.to_string_lossy(),
-    ]);
-    plane.kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/instancegenerations.genswap.dev",
-        "crd/swapattempts.genswap.dev",
-        "--timeout=60s",
-    ]);
+    plane.install_crds();
 }
 
 async fn installed() -> Option<(&'static ControlPlane, Client)> {

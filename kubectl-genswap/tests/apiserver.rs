@@ -141,14 +141,7 @@ fn plugin(kubeconfig: &Path, namespace: &str, args: &[&str]) -> Output {
 /// The CRDs, installed server-side, and a namespace of the test's own:
 /// its InstanceGenerations.
 async fn installed(plane: &ControlPlane, namespace: &str) -> Api<InstanceGeneration> {
-    let crds = test_cluster::workspace().join("crds");
-    plane.kubectl_ok(&["apply", "--server-side", "-f", &crds.to_string_lossy()]);
-    plane.kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/instancegenerations.genswap.dev",
-        "--timeout=60s",
-    ]);
+    plane.install_crds();
     plane.kubectl_ok(&["create", "namespace", namespace]);
     Api::namespaced(plane.client().await, namespace)
 }

@@ -174,6 +174,30 @@ impl ControlPlane {
         String::from_utf8_lossy(&output.stdout).into_owned()
     }
 
+    /// The CRDs in `dir` applied server-side (taking over fields another
+    /// manager holds) and Established.
+    pub fn install_crds_from(&self, dir: &Path) {
+        self.kubectl_ok(&[
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "-f",
+            &dir.to_string_lossy(),
+        ]);
+        self.kubectl_ok(&[
+            "wait",
+            "--for=condition=Established",
+            "crd/instancegenerations.genswap.dev",
+            "crd/swapattempts.genswap.dev",
+            "--timeout=60s",
+        ]);
+    }
+
+    /// [`ControlPlane::install_crds_from`] this workspace's `crds/`.
+    pub fn install_crds(&self) {
+        self.install_crds_from(&workspace().join("crds"));
+    }
+
     /// Creates the Node `name` with `labels` (and `kubernetes.io/hostname`
     /// set to its name): an object only, no kubelet runs it.
     pub async fn create_node(&self, name: &str, labels: &[(&str, &str)]) -> Node {
