@@ -8,7 +8,8 @@
 //! stays anyway, and a `down` ends its lineage. A node that never had
 //! either carries its record on its newest finished attempt. Once the cache
 //! shows a record, every finished attempt whose outcome it holds goes
-//! ([`super::rollout::expired`]); at rest a node keeps one attempt.
+//! ([`super::rollout::expired`]); at rest a node keeps one attempt, and
+//! beside it its newest when that one failed.
 
 use std::collections::{BTreeMap, BTreeSet};
 
