@@ -17,10 +17,12 @@ fn refused(reason: &str) -> Finish {
 const DIRECTORY: &str = "stage: the artifact path /opt/web/b1 is a directory, not a file";
 
 /// One node; `refusals` attempts of b1 refused for `DIRECTORY`, each
-/// re-issued after its backoff.
+/// re-issued after its backoff, and planned again while the re-issue is in
+/// flight (as the adapters do: that plan must keep the refused ones).
 fn refused_times(refusals: usize) -> World {
     let mut world = World::new(ig(spec("b1")), nodes(&["a"]));
     for _ in 0..refusals {
+        world.reconcile();
         world.reconcile();
         world.finish("a", refused(DIRECTORY));
         world.advance(600);

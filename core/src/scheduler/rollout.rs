@@ -474,16 +474,24 @@ pub(super) fn expired(slot: &NodeSlot<'_>) -> Vec<String> {
     let attempts = slot.attempts;
     let mark = record.node.last_attempt.as_ref().map_or(0, |l| l.sched_rev);
     let outcome = |a: &SwapAttempt| a.status.as_ref().and_then(|s| s.outcome);
-    let run = match attempts.last() {
-        Some(newest) if outcome(newest) == Some(Outcome::Failed) => 1,
-        _ => attempts
+    // The run is counted below the attempts still in flight: a re-issue of
+    // an abandoned attempt must not take the run its backoff counts.
+    let in_flight = attempts
+        .iter()
+        .rev()
+        .take_while(|a| outcome(a).is_none())
+        .count();
+    let settled = &attempts[..attempts.len() - in_flight];
+    let run = match settled.last() {
+        Some(newest) if in_flight == 0 && outcome(newest) == Some(Outcome::Failed) => 1,
+        _ => settled
             .iter()
             .rev()
             .take_while(|a| outcome(a) == Some(Outcome::Abandoned))
             .count()
             .min(ABANDONED_RUN_KEPT),
     };
-    attempts[..attempts.len() - run]
+    settled[..settled.len() - run]
         .iter()
         .filter(|a| a.metadata.name != carrier.metadata.name)
         .filter(|a| {
