@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use super::files::{remove_if_exists, write_durably};
+use super::status::AttemptReport;
 use crate::disk_name::DiskName;
 use crate::gate::InstanceKey;
 
@@ -43,7 +44,17 @@ pub struct InstanceState {
     /// The attempts the scheduler issued and has not deleted, oldest first.
     #[serde(default)]
     pub attempts: Vec<SwapAttempt>,
+    /// The newest finished attempts the scheduler deleted, oldest first, at
+    /// most [`HISTORY_KEPT`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<AttemptReport>,
 }
+
+/// How many deleted attempts an instance's state and status file keep. In a
+/// cluster the Events and the agent's logs tell of an attempt once it is
+/// deleted; here the status file is where an operator looks, so the last
+/// few stay readable there (a crash's recovery, an abandoned release).
+pub const HISTORY_KEPT: usize = 16;
 
 /// Why state could not be read or written.
 #[derive(Debug, Error)]
@@ -231,6 +242,19 @@ mod tests {
                 ..InstanceGenerationStatus::default()
             },
             attempts: Vec::new(),
+            history: vec![AttemptReport {
+                name: "hello-node-6".into(),
+                sched_rev: 6,
+                cause: genswap_crds::Cause::Release,
+                build: "0x10".into(),
+                mode: genswap_crds::Mode::Hold,
+                canary: false,
+                status: genswap_crds::SwapAttemptStatus {
+                    outcome: Some(genswap_crds::Outcome::Abandoned),
+                    reason: Some("true".into()),
+                    ..Default::default()
+                },
+            }],
         };
         store.save(&state).expect("save");
         let (loaded, broken) = store.load_all().expect("load");
@@ -252,6 +276,7 @@ mod tests {
             spec: spec(),
             status: InstanceGenerationStatus::default(),
             attempts: Vec::new(),
+            history: Vec::new(),
         };
         store.save(&state).expect("save");
         let (loaded, broken) = store.load_all().expect("load");

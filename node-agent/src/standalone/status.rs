@@ -6,7 +6,8 @@
 //! nodes with lastAttempt, heldDown, goodBuild, and the Ready, Reconciling
 //! and Stalled conditions), the SwapAttempts kept for the instance with
 //! what the engine reported on each (`kubectl get swa -o yaml` in a
-//! cluster), and, for a file that is refused, the reason.
+//! cluster), the last few the scheduler deleted, and, for a file that is
+//! refused, the reason.
 
 use std::fs;
 use std::path::Path;
@@ -58,6 +59,10 @@ pub struct StatusDocument {
     /// The instance's attempts, oldest first, with the agent's report.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attempts: Vec<AttemptReport>,
+    /// The last finished attempts the scheduler deleted once the node's
+    /// record held their outcome, oldest first, with the agent's report.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<AttemptReport>,
 }
 
 /// One SwapAttempt and what the agent reported on it.
@@ -122,9 +127,15 @@ impl StatusDocument {
         self.status.nodes.first()?.last_attempt.as_ref()
     }
 
-    /// The attempt with `sched_rev`.
+    /// The attempt with `sched_rev`, while it is kept.
     pub fn attempt(&self, sched_rev: i64) -> Option<&AttemptReport> {
         self.attempts.iter().find(|a| a.sched_rev == sched_rev)
+    }
+
+    /// The attempt with `sched_rev`, kept or in the history.
+    pub fn attempt_or_past(&self, sched_rev: i64) -> Option<&AttemptReport> {
+        self.attempt(sched_rev)
+            .or_else(|| self.history.iter().find(|a| a.sched_rev == sched_rev))
     }
 }
 
@@ -136,6 +147,7 @@ pub(crate) fn for_instance(
     generation: i64,
     status: &InstanceGenerationStatus,
     attempts: &[SwapAttempt],
+    history: &[AttemptReport],
     invalid: Option<(&str, &Time)>,
 ) -> StatusDocument {
     let mut status = status.clone();
@@ -160,6 +172,7 @@ pub(crate) fn for_instance(
         error: invalid.map(|(error, _)| error.to_string()),
         status,
         attempts: attempts.iter().map(AttemptReport::of).collect(),
+        history: history.to_vec(),
     }
 }
 
@@ -196,6 +209,7 @@ pub(crate) fn for_refused(
         error: Some(message.to_string()),
         status,
         attempts: Vec::new(),
+        history: Vec::new(),
     }
 }
 

@@ -23,8 +23,8 @@ use tokio::time::Instant;
 
 use super::files::{blocking, remove_if_exists, replace_file};
 use super::manifests::{self, ManifestFile, Parsed};
-use super::state::{InstanceState, StateStore};
-use super::status::{self, StatusDocument, reasons};
+use super::state::{HISTORY_KEPT, InstanceState, StateStore};
+use super::status::{self, AttemptReport, StatusDocument, reasons};
 use super::watch::{DirChange, DirWatch};
 use super::{STATUS_SUBDIR, StandaloneConfig, StandaloneError};
 use crate::attempt_status::{self, time_of};
@@ -54,6 +54,8 @@ struct Instance {
     file: String,
     ig: InstanceGeneration,
     attempts: Vec<SwapAttempt>,
+    /// Finished attempts the scheduler deleted, oldest first.
+    history: Vec<AttemptReport>,
     running: Option<InFlight>,
     requeue_at: Option<Instant>,
     /// Its file no longer validates (why, and since when); the last valid
@@ -100,6 +102,7 @@ impl Instance {
             spec: self.ig.spec.clone(),
             status: self.ig.status.clone().unwrap_or_default(),
             attempts: self.attempts.clone(),
+            history: self.history.clone(),
         }
     }
 }

@@ -42,13 +42,25 @@ impl Runner {
             }
             instance.ig.status = Some(plan.status);
             let running = instance.running.as_ref().map(|r| r.sched_rev);
-            instance.attempts.retain(|attempt| {
-                Some(attempt.spec.sched_rev) == running
-                    || !plan
-                        .delete
-                        .iter()
-                        .any(|name| attempt.metadata.name.as_deref() == Some(name.as_str()))
-            });
+            let (kept, deleted): (Vec<SwapAttempt>, Vec<SwapAttempt>) =
+                std::mem::take(&mut instance.attempts)
+                    .into_iter()
+                    .partition(|attempt| {
+                        Some(attempt.spec.sched_rev) == running
+                            || !plan
+                                .delete
+                                .iter()
+                                .any(|name| attempt.metadata.name.as_deref() == Some(name.as_str()))
+                    });
+            instance.attempts = kept;
+            instance.history.extend(
+                deleted
+                    .iter()
+                    .filter(|a| a.status.as_ref().is_some_and(|s| s.outcome.is_some()))
+                    .map(AttemptReport::of),
+            );
+            let over = instance.history.len().saturating_sub(HISTORY_KEPT);
+            instance.history.drain(..over);
             instance.requeue_at = plan.requeue_after.map(|after| Instant::now() + after);
             // A record written lets the next plan drop the attempts it
             // replaces, so plan once more.

@@ -137,6 +137,7 @@ impl Runner {
             instance.generation(),
             &instance.ig.status.clone().unwrap_or_default(),
             &instance.attempts,
+            &instance.history,
             instance
                 .invalid
                 .as_ref()
