@@ -1,15 +1,18 @@
 //! What one cached SwapAttempt costs the controller's heap: the attempts
 //! of 10 IGs × 1,000 nodes as the API server sends them (the scheduler's
-//! own objects, an agent's `done` status with its step timings and
-//! conditions, and the managed fields of the two writers), folded into the
-//! attempt index as the watch does, as they arrive and trimmed
-//! (`observe::trim_attempt`).
+//! own objects with each node's record, an agent's `done` status with its
+//! step timings and conditions, and the managed fields of the two
+//! writers), folded into the attempt index as the watch does, as they
+//! arrive and trimmed (`observe::trim_attempt`).
 //!
 //! `cargo bench -p controller --bench cache_footprint` prints bytes per
-//! attempt: its JSON, the heap it holds in the index, and the size of the
-//! struct alone; then the same for one of the IGs, whose status lists
-//! every node and whose managed fields list every node's fields again. glibc's own count of the heap in use is the measure
-//! (`genswap_runtime::heap`). Nothing is asserted about the figures.
+//! attempt: its JSON, the heap the trimmed `SwapAttempt` alone holds (what
+//! the index kept before its compact entries), the heap it holds in the
+//! index, and the size of the struct alone; then the same for one of the
+//! IGs, whose status lists every node and whose managed fields list every
+//! node's fields again. glibc's own count of the heap in use is the
+//! measure (`genswap_runtime::heap`). Nothing is asserted about the
+//! figures.
 //!
 //! What it cannot show: the managed fields here are built from each
 //! object's own fields as the API server's field sets are (`f:` per field,
@@ -178,7 +181,8 @@ fn held_per_ig(served: &[String], trim: bool) -> f64 {
 }
 
 /// Heap bytes per attempt the index holds once every JSON text is folded
-/// in, each trimmed first or not.
+/// in, each trimmed first or not. The index keeps a compact entry
+/// ([`genswap_controller::cached_attempt::CachedAttempt`]) either way.
 fn held_per_attempt(served: &[String], trim: bool) -> f64 {
     let before = heap_in_use();
     let index = AttemptIndex::new();
@@ -197,6 +201,26 @@ fn held_per_attempt(served: &[String], trim: bool) -> f64 {
     let held = heap_in_use().saturating_sub(before);
     let per = held as f64 / served.len() as f64;
     black_box(index);
+    per
+}
+
+/// Heap bytes per attempt when each trimmed attempt is kept whole, as the
+/// index kept them before its compact entries: the figure those replace.
+fn held_as_swap_attempts(served: &[String]) -> f64 {
+    let before = heap_in_use();
+    let held: Vec<std::sync::Arc<SwapAttempt>> = served
+        .iter()
+        .map(|text| {
+            let mut attempt: SwapAttempt = match serde_json::from_str(text) {
+                Ok(attempt) => attempt,
+                Err(error) => panic!("the benchmark's attempt parses: {error}"),
+            };
+            trim_attempt(&mut attempt);
+            std::sync::Arc::new(attempt)
+        })
+        .collect();
+    let per = heap_in_use().saturating_sub(before) as f64 / served.len() as f64;
+    black_box(held);
     per
 }
 
@@ -225,11 +249,15 @@ fn main() {
     };
     let untrimmed = median(false);
     let trimmed = median(true);
+    let mut runs: Vec<f64> = (0..3).map(|_| held_as_swap_attempts(&served)).collect();
+    runs.sort_by(f64::total_cmp);
+    let as_objects = runs[1];
     println!(
         "cache_footprint: {} attempts ({IGS} IGs × {NODES} nodes), bytes per attempt",
         served.len()
     );
     println!("  JSON as the API server sends it   {json:>8.0}");
+    println!("  held trimmed as SwapAttempts      {as_objects:>8.0}");
     println!("  held in the index, as it arrives  {untrimmed:>8.0}");
     println!("  held in the index, trimmed        {trimmed:>8.0}");
     println!(

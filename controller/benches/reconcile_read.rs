@@ -8,7 +8,6 @@
 //! b1 and then left mid-rollout to b2. Nothing is asserted about time.
 
 use std::hint::black_box;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use genswap_controller::attempt_index::AttemptIndex;
@@ -97,7 +96,7 @@ fn main() {
             igs.push(ig);
         }
         let scan = per_reconcile(&igs, &nodes, |ig| scanned(ig, &store));
-        let indexed = per_reconcile::<Arc<SwapAttempt>>(&igs, &nodes, |ig| index.attempts_of(ig));
+        let indexed = per_reconcile::<SwapAttempt>(&igs, &nodes, |ig| index.attempts_of(ig));
         println!("{count:>6} {total:>9} {scan:>22.1} {indexed:>22.1}");
     }
 }

@@ -19,11 +19,12 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, PoisonError, RwLock};
 
-use genswap_crds::{ANNOTATION_RECORD, InstanceGeneration, SwapAttempt};
+use genswap_crds::{InstanceGeneration, SwapAttempt};
 use kube::core::DeserializeGuard;
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 
+use crate::cached_attempt::CachedAttempt;
 use genswap_core::scheduler::{LABEL_INSTANCE, label_value};
 
 /// Whose attempts: an IG's uid, or (for an object without one) its label.
@@ -41,7 +42,7 @@ type AttemptKey = (String, String);
 
 #[derive(Debug, Default)]
 struct Contents {
-    by_owner: HashMap<OwnerKey, BTreeMap<String, Arc<SwapAttempt>>>,
+    by_owner: HashMap<OwnerKey, BTreeMap<String, Arc<CachedAttempt>>>,
     /// The owners each cached attempt is filed under, for updates and deletes.
     owners_of: HashMap<AttemptKey, Vec<OwnerKey>>,
 }
@@ -89,17 +90,19 @@ impl AttemptIndex {
         }
     }
 
-    /// The attempts `ig` owns, sorted by (node, revision).
-    pub fn attempts_of(&self, ig: &InstanceGeneration) -> Vec<Arc<SwapAttempt>> {
-        let state = self.0.read().unwrap_or_else(PoisonError::into_inner);
-        let Some(found) = state.live.by_owner.get(&owner_key_of(ig)) else {
-            return Vec::new();
+    /// The attempts `ig` owns, sorted by (node, revision), built for one
+    /// plan from the compact entries.
+    pub fn attempts_of(&self, ig: &InstanceGeneration) -> Vec<SwapAttempt> {
+        let owner = owner_key_of(ig);
+        let mut owned: Vec<Arc<CachedAttempt>> = {
+            let state = self.0.read().unwrap_or_else(PoisonError::into_inner);
+            match state.live.by_owner.get(&owner) {
+                Some(found) => found.values().cloned().collect(),
+                None => return Vec::new(),
+            }
         };
-        let mut owned: Vec<Arc<SwapAttempt>> = found.values().cloned().collect();
-        owned.sort_by(|a, b| {
-            (&a.spec.node_name, a.spec.sched_rev).cmp(&(&b.spec.node_name, b.spec.sched_rev))
-        });
-        owned
+        owned.sort_by(|a, b| (a.node_name(), a.sched_rev()).cmp(&(b.node_name(), b.sched_rev())));
+        owned.iter().map(|a| a.to_attempt(&owner.0)).collect()
     }
 
     /// Whether attempt `name` in `namespace` is cached.
@@ -118,14 +121,7 @@ impl AttemptIndex {
         let key = (namespace.to_string(), name.to_string());
         let owner = state.live.owners_of.get(&key)?.first()?;
         let attempt = state.live.by_owner.get(owner)?.get(name)?;
-        Some(
-            attempt
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(ANNOTATION_RECORD))
-                .cloned(),
-        )
+        Some(attempt.record().map(str::to_string))
     }
 
     /// How many attempts are cached, for tests and metrics.
@@ -158,7 +154,7 @@ impl Contents {
         let key = attempt_key(attempt);
         self.remove(&key);
         let owners = owners(attempt);
-        let shared = Arc::new(attempt.clone());
+        let shared = Arc::new(CachedAttempt::of(attempt));
         for owner in &owners {
             self.by_owner
                 .entry(owner.clone())
@@ -275,7 +271,7 @@ mod tests {
         index.observe(&watcher::Event::Apply(DeserializeGuard(Ok(attempt))));
     }
 
-    fn names(attempts: &[Arc<SwapAttempt>]) -> Vec<String> {
+    fn names(attempts: &[SwapAttempt]) -> Vec<String> {
         attempts.iter().map(|a| a.name_any()).collect()
     }
 

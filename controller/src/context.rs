@@ -30,7 +30,7 @@ pub const FIELD_MANAGER: &str = "genswap-controller";
 
 /// The pure scheduler, or a stand-in for tests.
 pub type Planner = Arc<
-    dyn Fn(&InstanceGeneration, &[Arc<SwapAttempt>], &[Node], Timestamp, Revisions) -> Plan
+    dyn Fn(&InstanceGeneration, &[SwapAttempt], &[Node], Timestamp, Revisions) -> Plan
         + Send
         + Sync,
 >;
@@ -108,7 +108,7 @@ impl Context {
             nodes,
             caches,
             expectations: Expectations::default(),
-            planner: Arc::new(scheduler::plan_with::<Arc<SwapAttempt>>),
+            planner: Arc::new(scheduler::plan_with::<SwapAttempt>),
             clock: Arc::new(Timestamp::now),
             failures: Mutex::new(HashMap::new()),
             reservations: Mutex::new(HashMap::new()),

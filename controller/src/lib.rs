@@ -5,7 +5,7 @@
 //! Nodes, now) -> a plan. This crate adapts it to the API server, as a
 //! pipeline a reader can follow:
 //!
-//! - [`observe`] and [`attempt_index`]: the reads (watch caches, no
+//! - [`observe`] and [`attempt_index`] (of [`cached_attempt`]s): the reads (watch caches, no
 //!   requests; an IG's attempts by owner, not by a scan), planned from only
 //!   once [`cache_sync`] says the caches have listed and [`expectations`]
 //!   says they show this replica's own writes (and, at the start of a
@@ -29,6 +29,7 @@
 pub mod apply;
 pub mod attempt_index;
 pub mod cache_sync;
+pub mod cached_attempt;
 pub mod cli;
 pub mod context;
 pub mod event_fold;

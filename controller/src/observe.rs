@@ -118,6 +118,7 @@ mod tests {
     use kube::ResourceExt;
     use std::collections::BTreeMap;
 
+    use crate::cached_attempt::CachedAttempt;
     use genswap_core::scheduler::plan;
     use genswap_crds::{
         LastExit, Outcome, ServingState, ServingStatus, StepTiming, SwapAttemptStatus,
@@ -228,6 +229,11 @@ mod tests {
         let from_cache = plan(&trimmed_ig, &trimmed, &nodes, at(10));
         assert_eq!(from_cache, as_stored);
         assert!(!as_stored.events.is_empty(), "the outcomes were read");
+        assert_eq!(
+            plan(&trimmed_ig, &compacted(&trimmed), &nodes, at(10)),
+            as_stored,
+            "the index's compact entries plan alike"
+        );
 
         // The records the plan wrote stay through the trim; other
         // annotations go.
@@ -263,6 +269,40 @@ mod tests {
         let from_cache = plan(&trimmed_ig, &trimmed, &nodes, at(20));
         assert!(!as_stored.create.is_empty(), "b2 is issued");
         assert_eq!(from_cache, as_stored);
+        assert_eq!(
+            plan(&trimmed_ig, &compacted(&trimmed), &nodes, at(20)),
+            as_stored
+        );
+    }
+
+    /// `attempts` through the index's compact entries and back.
+    fn compacted(attempts: &[SwapAttempt]) -> Vec<SwapAttempt> {
+        attempts
+            .iter()
+            .map(|a| CachedAttempt::of(a).to_attempt("apps"))
+            .collect()
+    }
+
+    #[test]
+    fn a_compact_entry_gives_back_what_trimming_keeps_but_labels_and_owners() {
+        let nodes = [fleet_node("n0")];
+        let ig = rich_ig("b1");
+        let mut attempt = plan(&ig, &[] as &[SwapAttempt], &nodes, at(0)).create[0].clone();
+        attempt.metadata.uid = Some("a-1".into());
+        attempt.metadata.resource_version = Some("7".into());
+        attempt.metadata.creation_timestamp = Some(Time(at(1)));
+        attempt.metadata.annotations = Some([(ANNOTATION_RECORD.to_string(), "{}".into())].into());
+        finish(&mut attempt, Outcome::Done, None);
+        trim_attempt(&mut attempt);
+        assert!(attempt.metadata.labels.is_some() && attempt.metadata.owner_references.is_some());
+
+        let back = CachedAttempt::of(&attempt).to_attempt("apps");
+        let mut expected = attempt;
+        expected.metadata.labels = None;
+        expected.metadata.owner_references = None;
+        expected.metadata.uid = None;
+        expected.metadata.resource_version = None;
+        assert_eq!(back, expected);
     }
 
     #[test]

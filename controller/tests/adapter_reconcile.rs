@@ -655,7 +655,7 @@ async fn the_planner_sees_the_objects_own_attempts_and_every_node() {
     };
     let planner = Arc::new(
         move |_: &_,
-              attempts: &[Arc<genswap_crds::SwapAttempt>],
+              attempts: &[genswap_crds::SwapAttempt],
               nodes: &[k8s_openapi::api::core::v1::Node],
               now,
               _| {
