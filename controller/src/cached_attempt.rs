@@ -11,8 +11,9 @@
 //! one per cached attempt for the reconcile that plans, and drops it after.
 
 use genswap_crds::{
-    ANNOTATION_RECORD, Artifact, BuildSpec, Cause, Demand, InstanceKind, Mode, RestartPolicy,
-    SocketLayout, SocketSpec, SwapAttempt, SwapAttemptSpec, SwapAttemptStatus,
+    ANNOTATION_RECORD, Artifact, BuildSpec, Cause, Demand, InstanceKind, Mode, Outcome,
+    RestartPolicy, ServingStatus, SocketLayout, SocketSpec, SwapAttempt, SwapAttemptSpec,
+    SwapAttemptStatus,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 
@@ -39,7 +40,58 @@ pub struct CachedAttempt {
     restart_policy: Option<RestartPolicy>,
     socket_layout: SocketLayout,
     /// Boxed: an attempt not yet taken by its agent has none.
-    status: Option<Box<SwapAttemptStatus>>,
+    status: Option<Box<CachedStatus>>,
+}
+
+/// What the scheduler reads of an attempt's status: the agent's report
+/// without its step timings, conditions, start and listener handover
+/// (a `SwapAttemptStatus` is 344 bytes before any of them).
+#[derive(Clone, Debug, PartialEq)]
+struct CachedStatus {
+    outcome: Option<Outcome>,
+    effective_mode: Option<Mode>,
+    executed: Option<bool>,
+    clean_exit: Option<bool>,
+    generation: Option<i64>,
+    drain_ms: Option<i64>,
+    reason: Option<Box<str>>,
+    finished_at: Option<Time>,
+    /// Boxed: only the node's newest `done` attempt has one.
+    serving: Option<Box<ServingStatus>>,
+}
+
+impl CachedStatus {
+    fn of(status: &SwapAttemptStatus) -> CachedStatus {
+        CachedStatus {
+            outcome: status.outcome,
+            effective_mode: status.effective_mode,
+            executed: status.executed,
+            clean_exit: status.clean_exit,
+            generation: status.generation,
+            drain_ms: status.drain_ms,
+            reason: status.reason.as_deref().map(Box::from),
+            finished_at: status.finished_at.clone(),
+            serving: status.serving.clone().map(Box::new),
+        }
+    }
+
+    fn to_status(&self) -> SwapAttemptStatus {
+        SwapAttemptStatus {
+            outcome: self.outcome,
+            effective_mode: self.effective_mode,
+            generation: self.generation,
+            reason: self.reason.as_deref().map(str::to_string),
+            executed: self.executed,
+            clean_exit: self.clean_exit,
+            drain_ms: self.drain_ms,
+            started_at: None,
+            finished_at: self.finished_at.clone(),
+            listener_handover: None,
+            steps: Vec::new(),
+            conditions: Vec::new(),
+            serving: self.serving.as_deref().cloned(),
+        }
+    }
 }
 
 impl CachedAttempt {
@@ -70,15 +122,10 @@ impl CachedAttempt {
             canary: spec.canary,
             restart_policy: spec.restart_policy,
             socket_layout: spec.socket.layout,
-            status: attempt.status.as_ref().map(|status| {
-                Box::new(SwapAttemptStatus {
-                    steps: Vec::new(),
-                    conditions: Vec::new(),
-                    started_at: None,
-                    listener_handover: None,
-                    ..status.clone()
-                })
-            }),
+            status: attempt
+                .status
+                .as_ref()
+                .map(|status| Box::new(CachedStatus::of(status))),
         }
     }
 
@@ -145,7 +192,7 @@ impl CachedAttempt {
                 listeners: Default::default(),
                 sidecars: Default::default(),
             },
-            status: self.status.as_deref().cloned(),
+            status: self.status.as_deref().map(CachedStatus::to_status),
         }
     }
 }

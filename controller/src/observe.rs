@@ -292,7 +292,22 @@ mod tests {
         attempt.metadata.resource_version = Some("7".into());
         attempt.metadata.creation_timestamp = Some(Time(at(1)));
         attempt.metadata.annotations = Some([(ANNOTATION_RECORD.to_string(), "{}".into())].into());
-        finish(&mut attempt, Outcome::Done, None);
+        let serving = ServingStatus {
+            state: ServingState::Running,
+            generation: 1,
+            restarts: 0,
+            last_exit: None,
+            restart_at: None,
+            message: None,
+            listeners: Vec::new(),
+            sidecars: Vec::new(),
+        };
+        finish(&mut attempt, Outcome::Done, Some(serving));
+        if let Some(status) = attempt.status.as_mut() {
+            status.effective_mode = Some(genswap_crds::Mode::Hold);
+            status.clean_exit = Some(false);
+            status.drain_ms = Some(12);
+        }
         trim_attempt(&mut attempt);
         assert!(attempt.metadata.labels.is_some() && attempt.metadata.owner_references.is_some());
 
