@@ -39,9 +39,10 @@ mod support;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use genswap_crds::{InstanceGeneration, Mode, Outcome, SwapAttempt};
+use genswap_crds::{InstanceGeneration, Mode, NodeRecord, Outcome, SwapAttempt};
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use support::{Cluster, INSTANCE_ID, Stack, apply_crds, get_over, path_str};
@@ -96,6 +97,10 @@ async fn genswap_end_to_end_on_a_real_api_server() {
         Some(Mode::Overlap)
     );
     e2e.expect_serving("hello-2").await;
+
+    // 3b'. At rest the node keeps one attempt: the release, carrying the
+    // node's record; the install is deleted once the record is seen.
+    e2e.expect_one_attempt_at_rest("hello-2").await;
 
     // 3c. A failing build: unhealthy (every answer a 500). Held down, the
     // incumbent still serves.
@@ -454,6 +459,45 @@ impl E2e {
         }
         panic!(
             "no attempt of {build} ended {outcome:?} within {STEP_DEADLINE:?}{}",
+            self.diagnosis()
+        );
+    }
+
+    /// Polls until the node's only attempt is a `done` one of `build` that
+    /// carries the node's record, naming that build: the controller deleted
+    /// the attempts the record replaced.
+    async fn expect_one_attempt_at_rest(&mut self, build: &str) {
+        let deadline = Instant::now() + STEP_DEADLINE;
+        let mut last = Vec::new();
+        while Instant::now() < deadline {
+            self.stack.assert_running();
+            if let Ok(list) = self.attempts.list(&ListParams::default()).await {
+                let at_rest = match list.items.as_slice() {
+                    [only] => {
+                        only.spec.build.id == build
+                            && only.status.as_ref().and_then(|s| s.outcome) == Some(Outcome::Done)
+                            && NodeRecord::on(only, &self.stack.node_name)
+                                .is_some_and(|record| record.node.build.as_deref() == Some(build))
+                    }
+                    _ => false,
+                };
+                if at_rest {
+                    return;
+                }
+                last = list
+                    .items
+                    .iter()
+                    .map(|a| {
+                        let outcome = a.status.as_ref().and_then(|s| s.outcome);
+                        let record = NodeRecord::on(a, &self.stack.node_name).is_some();
+                        format!("{} {outcome:?} record={record}", a.name_any())
+                    })
+                    .collect();
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        panic!(
+            "the node did not come to rest with one attempt of {build} carrying its record within {STEP_DEADLINE:?}: {last:?}{}",
             self.diagnosis()
         );
     }
