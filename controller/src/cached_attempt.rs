@@ -1,6 +1,7 @@
 //! A SwapAttempt as the attempt index keeps it between reconciles: the
-//! fields the scheduler reads (those [`crate::observe::trim_attempt`]
-//! keeps), in a struct a tenth the size of a `SwapAttempt`.
+//! fields the scheduler reads, in a struct a tenth the size of a
+//! `SwapAttempt` ([`crate::observe::trim_attempt`] keeps these and the
+//! metadata the index files an attempt by).
 //!
 //! The index holds every attempt for the replica's life, so its entry is
 //! the controller's memory per attempt. A `SwapAttempt` is 1.9 KB before
@@ -95,8 +96,7 @@ impl CachedStatus {
 }
 
 impl CachedAttempt {
-    /// The entry for `attempt`, trimmed as [`crate::observe::trim_attempt`]
-    /// trims.
+    /// The entry for `attempt`.
     pub fn of(attempt: &SwapAttempt) -> CachedAttempt {
         let spec = &attempt.spec;
         CachedAttempt {
@@ -146,9 +146,9 @@ impl CachedAttempt {
         self.record.as_deref()
     }
 
-    /// The attempt as the scheduler reads it: what
-    /// [`crate::observe::trim_attempt`] keeps, without the labels, owners,
-    /// uid, resourceVersion and deletionTimestamp no plan reads.
+    /// The attempt as the scheduler reads it: name, namespace, creation
+    /// time and record of the metadata; the spec's identity, revision and
+    /// desired tuple; the status without steps and conditions.
     pub fn to_attempt(&self, namespace: &str) -> SwapAttempt {
         SwapAttempt {
             metadata: ObjectMeta {

@@ -2,14 +2,13 @@
 //! attempts come from [`crate::attempt_index`]). No requests; the
 //! reflectors keep the caches current.
 
-use genswap_crds::{
-    ANNOTATION_RECORD, Artifact, BuildSpec, InstanceGeneration, SocketSpec, SwapAttempt,
-    SwapAttemptSpec,
-};
+use genswap_crds::{InstanceGeneration, SwapAttempt};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::core::DeserializeGuard;
 use kube::runtime::reflector::Store;
+
+use crate::cached_attempt::CachedAttempt;
 
 /// The InstanceGeneration as the controller watches it: one that fails to
 /// deserialize is still delivered (as an error) instead of breaking the
@@ -57,51 +56,15 @@ fn identity(metadata: ObjectMeta) -> ObjectMeta {
 /// the node record, the revision and desired tuple, what the mode is
 /// derived from, and the outcome with the `serving` block.
 pub fn trim_attempt(attempt: &mut SwapAttempt) {
-    let record = attempt
-        .metadata
-        .annotations
-        .as_mut()
-        .and_then(|annotations| annotations.remove_entry(ANNOTATION_RECORD));
-    attempt.metadata = identity(std::mem::take(&mut attempt.metadata));
-    attempt.metadata.annotations = record.map(|entry| [entry].into());
-    let spec = &mut attempt.spec;
-    *spec = SwapAttemptSpec {
-        instance: std::mem::take(&mut spec.instance),
-        node_name: std::mem::take(&mut spec.node_name),
-        sched_rev: spec.sched_rev,
-        cause: spec.cause,
-        kind: spec.kind,
-        build: BuildSpec {
-            id: std::mem::take(&mut spec.build.id),
-            sha256: std::mem::take(&mut spec.build.sha256),
-            artifact: Artifact::default(),
-            entrypoint: None,
-        },
-        mode: spec.mode,
-        demand: spec.demand,
-        config_rev: std::mem::take(&mut spec.config_rev),
-        restart_id: std::mem::take(&mut spec.restart_id),
-        canary: spec.canary,
-        restart_policy: spec.restart_policy,
-        socket: SocketSpec {
-            layout: spec.socket.layout,
-        },
-        process: Default::default(),
-        health: Default::default(),
-        liveness: None,
-        lifecycle: None,
-        settle: Default::default(),
-        stop: Default::default(),
-        resources: Default::default(),
-        listeners: Default::default(),
-        sidecars: Default::default(),
+    // What the index keeps is what the plan reads; the metadata the index
+    // and the inboxes file it by stays too.
+    let namespace = attempt.metadata.namespace.clone().unwrap_or_default();
+    let mut trimmed = CachedAttempt::of(attempt).to_attempt(&namespace);
+    trimmed.metadata = ObjectMeta {
+        annotations: trimmed.metadata.annotations.take(),
+        ..identity(std::mem::take(&mut attempt.metadata))
     };
-    if let Some(status) = attempt.status.as_mut() {
-        status.steps = Vec::new();
-        status.conditions = Vec::new();
-        status.started_at = None;
-        status.listener_handover = None;
-    }
+    *attempt = trimmed;
 }
 
 /// An InstanceGeneration as the caches keep it: its managed fields are
@@ -118,10 +81,10 @@ mod tests {
     use kube::ResourceExt;
     use std::collections::BTreeMap;
 
-    use crate::cached_attempt::CachedAttempt;
     use genswap_core::scheduler::plan;
     use genswap_crds::{
-        LastExit, Outcome, ServingState, ServingStatus, StepTiming, SwapAttemptStatus,
+        ANNOTATION_RECORD, LastExit, Outcome, ServingState, ServingStatus, StepTiming,
+        SwapAttemptStatus,
     };
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, Time};
     use k8s_openapi::jiff::Timestamp;
