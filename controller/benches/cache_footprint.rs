@@ -2,8 +2,8 @@
 //! of 10 IGs × 1,000 nodes as the API server sends them (the scheduler's
 //! own objects with each node's record, an agent's `done` status with its
 //! step timings and conditions, and the managed fields of the two
-//! writers), folded into the attempt index as the watch does, as they
-//! arrive and trimmed (`observe::trim_attempt`).
+//! writers), folded into the attempt index as the watch does: as they
+//! arrive, the index keeping its compact entry of each.
 //!
 //! `cargo bench -p controller --bench cache_footprint` prints bytes per
 //! attempt: its JSON, the heap the trimmed `SwapAttempt` alone holds (what
@@ -181,20 +181,17 @@ fn held_per_ig(served: &[String], trim: bool) -> f64 {
 }
 
 /// Heap bytes per attempt the index holds once every JSON text is folded
-/// in, each trimmed first or not. The index keeps a compact entry
-/// ([`genswap_controller::cached_attempt::CachedAttempt`]) either way.
-fn held_per_attempt(served: &[String], trim: bool) -> f64 {
+/// in as the watch delivers it: the index keeps a compact entry
+/// ([`genswap_controller::cached_attempt::CachedAttempt`]) of each.
+fn held_per_attempt(served: &[String]) -> f64 {
     let before = heap_in_use();
     let index = AttemptIndex::new();
     index.observe(&watcher::Event::Init);
     for text in served {
-        let mut attempt: SwapAttempt = match serde_json::from_str(text) {
+        let attempt: SwapAttempt = match serde_json::from_str(text) {
             Ok(attempt) => attempt,
             Err(error) => panic!("the benchmark's attempt parses: {error}"),
         };
-        if trim {
-            trim_attempt(&mut attempt);
-        }
         index.observe(&watcher::Event::InitApply(DeserializeGuard(Ok(attempt))));
     }
     index.observe(&watcher::Event::InitDone);
@@ -241,25 +238,21 @@ fn main() {
     let json = served.iter().map(String::len).sum::<usize>() as f64 / served.len() as f64;
     // The first fold warms the allocator's arenas; each figure is the
     // median of three.
-    let _ = held_per_attempt(&served, false);
-    let median = |trim: bool| {
-        let mut runs: Vec<f64> = (0..3).map(|_| held_per_attempt(&served, trim)).collect();
+    let _ = held_per_attempt(&served);
+    let median = |fold: &dyn Fn() -> f64| {
+        let mut runs: Vec<f64> = (0..3).map(|_| fold()).collect();
         runs.sort_by(f64::total_cmp);
         runs[1]
     };
-    let untrimmed = median(false);
-    let trimmed = median(true);
-    let mut runs: Vec<f64> = (0..3).map(|_| held_as_swap_attempts(&served)).collect();
-    runs.sort_by(f64::total_cmp);
-    let as_objects = runs[1];
+    let in_index = median(&|| held_per_attempt(&served));
+    let as_objects = median(&|| held_as_swap_attempts(&served));
     println!(
         "cache_footprint: {} attempts ({IGS} IGs × {NODES} nodes), bytes per attempt",
         served.len()
     );
     println!("  JSON as the API server sends it   {json:>8.0}");
     println!("  held trimmed as SwapAttempts      {as_objects:>8.0}");
-    println!("  held in the index, as it arrives  {untrimmed:>8.0}");
-    println!("  held in the index, trimmed        {trimmed:>8.0}");
+    println!("  held in the index                 {in_index:>8.0}");
     println!(
         "  of which the struct itself        {:>8}",
         std::mem::size_of::<SwapAttempt>()

@@ -1,7 +1,8 @@
 //! A SwapAttempt as the attempt index keeps it between reconciles: the
 //! fields the scheduler reads, in a struct a tenth the size of a
-//! `SwapAttempt` ([`crate::observe::trim_attempt`] keeps these and the
-//! metadata the index files an attempt by).
+//! `SwapAttempt`, built straight from each attempt the watch delivers
+//! ([`crate::observe::trim_attempt`] is the same cut as a `SwapAttempt`,
+//! plus the metadata, for the bench and the tests to compare against).
 //!
 //! The index holds every attempt for the replica's life, so its entry is
 //! the controller's memory per attempt. A `SwapAttempt` is 1.9 KB before

@@ -47,14 +47,13 @@ fn identity(metadata: ObjectMeta) -> ObjectMeta {
     }
 }
 
-/// Drops what the controller never reads before an attempt enters the
-/// cache, which holds every attempt of every IG for the replica's life:
-/// managed fields (most of a small object's JSON once two writers touched
-/// it), the copy of the IG's settings the agent alone acts on, and the
-/// agent's step timings and conditions. Kept: what the scheduler, the
-/// index, the inboxes and the expectations read — names, owners, labels,
-/// the node record, the revision and desired tuple, what the mode is
-/// derived from, and the outcome with the `serving` block.
+/// An attempt cut down to what the controller reads, as a `SwapAttempt`:
+/// what the cache held before it kept [`CachedAttempt`]s. Not on the watch
+/// path (the index compacts each attempt itself); it is the baseline the
+/// `cache_footprint` bench measures the compact entry against, and the
+/// tests plan from it to show that dropping the rest changes no decision.
+/// Kept: names, owners, labels, the node record, the revision and desired
+/// tuple, what the mode is derived from, and the outcome with `serving`.
 pub fn trim_attempt(attempt: &mut SwapAttempt) {
     // What the index keeps is what the plan reads; the metadata the index
     // and the inboxes file it by stays too.

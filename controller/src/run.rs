@@ -38,7 +38,7 @@ use crate::leader::Leadership;
 use crate::metrics::Metrics;
 use crate::node_index::{NodeLabelIndex, affected};
 use crate::observe::WatchedIg;
-use crate::observe::{trim_attempt, trim_instance_generation, trim_node};
+use crate::observe::{trim_instance_generation, trim_node};
 use crate::reconciler::{error_policy, reconcile};
 use genswap_core::scheduler::LABEL_INSTANCE;
 use genswap_runtime::http::Readiness;
@@ -111,11 +111,6 @@ pub async fn run_controller(
         attempts,
         watcher::Config::default().labels(LABEL_INSTANCE),
     ))
-    .modify(|guard: &mut DeserializeGuard<SwapAttempt>| {
-        if let Ok(attempt) = guard.0.as_mut() {
-            trim_attempt(attempt);
-        }
-    })
     .inspect_ok(move |event| {
         indexed.observe(event);
         inboxed.observe(event);
