@@ -201,17 +201,17 @@ mod tests {
         // annotations go.
         assert!(!as_stored.records.is_empty(), "the outcomes are recorded");
         for write in &as_stored.records {
-            let carrier = attempts
-                .iter_mut()
-                .find(|a| a.metadata.name.as_deref() == Some(write.attempt.as_str()))
-                .expect("a record goes onto an attempt of the plan");
-            carrier.metadata.annotations = Some(
-                [
-                    (ANNOTATION_RECORD.to_string(), write.record.to_annotation()),
-                    ("example.com/note".to_string(), "x".repeat(1000)),
-                ]
-                .into(),
+            assert!(
+                write.write_onto(&mut attempts),
+                "a record goes onto an attempt of the plan"
             );
+        }
+        for attempt in attempts.iter_mut() {
+            attempt
+                .metadata
+                .annotations
+                .get_or_insert_default()
+                .insert("example.com/note".to_string(), "x".repeat(1000));
         }
         let mut trimmed = attempts.clone();
         trimmed.iter_mut().for_each(trim_attempt);

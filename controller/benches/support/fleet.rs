@@ -70,17 +70,8 @@ impl Stored {
             .retain(|a| a.metadata.name.as_ref().is_none_or(|n| !gone.contains(n)));
         // Each node's record goes onto its carrier, as the controller
         // patches it.
-        for write in plan.records {
-            if let Some(carrier) = self
-                .attempts
-                .iter_mut()
-                .find(|a| a.metadata.name.as_deref() == Some(write.attempt.as_str()))
-            {
-                carrier.metadata.annotations.get_or_insert_default().insert(
-                    genswap_crds::ANNOTATION_RECORD.to_string(),
-                    write.record.to_annotation(),
-                );
-            }
+        for write in &plan.records {
+            write.write_onto(&mut self.attempts);
         }
         self.attempts.extend(plan.create);
         self.ig.status = Some(plan.status);

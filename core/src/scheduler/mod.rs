@@ -126,6 +126,26 @@ pub struct RecordWrite {
     pub new_outcome: Option<(Outcome, Mode)>,
 }
 
+impl RecordWrite {
+    /// Puts the record onto its carrier among `attempts`, as the
+    /// Kubernetes adapter's annotation patch does on the API server (the
+    /// standalone runner and the simulated clusters hold attempts in
+    /// memory). False when no attempt of that name is there.
+    pub fn write_onto(&self, attempts: &mut [SwapAttempt]) -> bool {
+        let carrier = attempts
+            .iter_mut()
+            .find(|a| a.metadata.name.as_deref() == Some(self.attempt.as_str()));
+        let Some(carrier) = carrier else {
+            return false;
+        };
+        carrier.metadata.annotations.get_or_insert_default().insert(
+            genswap_crds::ANNOTATION_RECORD.to_string(),
+            self.record.to_annotation(),
+        );
+        true
+    }
+}
+
 /// An Event the plan asks for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlanEvent {

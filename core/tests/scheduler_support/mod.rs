@@ -10,8 +10,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use genswap_core::scheduler::{self, OwnReservation, Plan, Revisions};
 use genswap_crds::{
-    ANNOTATION_RECORD, Cause, InstanceGeneration, InstanceGenerationSpec, InstanceGenerationStatus,
-    Mode, NodeGeneration, Outcome, ServingStatus, SwapAttempt, SwapAttemptStatus,
+    Cause, InstanceGeneration, InstanceGenerationSpec, InstanceGenerationStatus, Mode,
+    NodeGeneration, Outcome, ServingStatus, SwapAttempt, SwapAttemptStatus,
 };
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
@@ -285,16 +285,10 @@ impl World {
     /// patch does.
     fn write_records(&mut self, plan: &Plan) {
         for write in &plan.records {
-            let attempt = self
-                .attempts
-                .iter_mut()
-                .find(|a| a.metadata.name.as_deref() == Some(write.attempt.as_str()))
-                .expect("a record is written onto an attempt that exists");
-            attempt
-                .metadata
-                .annotations
-                .get_or_insert_default()
-                .insert(ANNOTATION_RECORD.into(), write.record.to_annotation());
+            assert!(
+                write.write_onto(&mut self.attempts),
+                "a record is written onto an attempt that exists"
+            );
         }
     }
 

@@ -29,16 +29,7 @@ impl Runner {
                 }
             }
             for write in &plan.records {
-                let carrier = instance
-                    .attempts
-                    .iter_mut()
-                    .find(|a| a.metadata.name.as_deref() == Some(write.attempt.as_str()));
-                if let Some(attempt) = carrier {
-                    attempt.metadata.annotations.get_or_insert_default().insert(
-                        genswap_crds::ANNOTATION_RECORD.to_string(),
-                        write.record.to_annotation(),
-                    );
-                }
+                write.write_onto(&mut instance.attempts);
             }
             instance.ig.status = Some(plan.status);
             let running = instance.running.as_ref().map(|r| r.sched_rev);
