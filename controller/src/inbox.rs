@@ -14,7 +14,14 @@
 //! The inboxes are level-triggered from the controller's own attempt watch
 //! ([`InboxIndex`]): each event marks its node, and [`keep_inboxes`] writes
 //! the difference between what the node's inbox should hold and what this
-//! replica last wrote, as a JSON merge patch (`null` removes an entry). A
+//! replica last wrote, as a JSON merge patch (`null` removes an entry).
+//! A finished attempt deleted while a newer attempt of its instance is
+//! listed for the node stays listed until the node's next new attempt, and
+//! leaves in that write: a release then costs one inbox write per node, not
+//! one for the attempt it adds and one for the attempt it replaces. Its
+//! agent skips a listed attempt that is gone. A replica whose watch lists
+//! anew (a restart, a relist) no longer sees those deletes, and removes
+//! what waited in one write per node. A
 //! merge patch needs no read and no resourceVersion, so it never conflicts;
 //! with one write in flight per node, the changes of a burst coalesce into
 //! few writes. An inbox that would be empty is deleted (by a controller of
@@ -56,8 +63,20 @@ pub const WRITES_AT_ONCE: usize = 16;
 #[derive(Debug, Default)]
 struct Listed {
     by_node: HashMap<String, Entries>,
-    /// The node each cached attempt is on, for its delete.
-    node_of: HashMap<String, String>,
+    /// Where each cached attempt is filed, for its delete.
+    filed: HashMap<String, Filed>,
+    /// Per node, the entries of finished attempts already deleted that stay
+    /// listed until the node's next new attempt: the uid → its instance.
+    lingering: HashMap<String, BTreeMap<String, Instance>>,
+}
+
+/// An attempt's namespace and InstanceGeneration.
+type Instance = (String, String);
+
+#[derive(Debug)]
+struct Filed {
+    node: String,
+    instance: Instance,
 }
 
 impl Listed {
@@ -67,12 +86,24 @@ impl Listed {
             return Vec::new();
         };
         let node = attempt.spec.node_name.clone();
+        let filed = Filed {
+            node: node.clone(),
+            instance: (namespace.clone(), attempt.spec.instance.clone()),
+        };
         let mut touched = Vec::new();
-        if let Some(before) = self.node_of.insert(uid.clone(), node.clone())
-            && before != node
-        {
-            self.remove_from(&before, &uid);
-            touched.push(before);
+        match self.filed.insert(uid.clone(), filed) {
+            Some(before) if before.node != node => {
+                self.remove_from(&before.node, &uid);
+                touched.push(before.node);
+            }
+            Some(_) => {}
+            // A new attempt on the node: the removals that waited for one
+            // go in the same write.
+            None => {
+                for gone in self.lingering.remove(&node).unwrap_or_default().into_keys() {
+                    self.remove_from(&node, &gone);
+                }
+            }
         }
         let entry = inbox_entry(&namespace, &attempt.name_any());
         let entries = self.by_node.entry(node.clone()).or_default();
@@ -83,9 +114,47 @@ impl Listed {
         touched
     }
 
-    fn remove(&mut self, uid: &str) -> Option<String> {
-        let node = self.node_of.remove(uid)?;
-        self.remove_from(&node, uid);
+    /// Unfiles a deleted attempt; returns its node when its inbox changes.
+    ///
+    /// A finished attempt whose instance has a newer attempt on the node is
+    /// left listed until the node's next new attempt: its agent is done with
+    /// it (its delete only makes the agent forget it, and a listed attempt
+    /// that is gone is skipped), and a release would otherwise cost an inbox
+    /// write for each attempt it adds and another for each it replaces.
+    fn remove(&mut self, attempt: &SwapAttempt) -> Option<String> {
+        let uid = attempt.uid()?;
+        let Filed { node, instance } = self.filed.remove(&uid)?;
+        let finished = attempt.status.as_ref().is_some_and(|s| s.outcome.is_some());
+        let sibling_listed = self.by_node.get(&node).is_some_and(|entries| {
+            entries.keys().any(|other| {
+                self.filed
+                    .get(other)
+                    .is_some_and(|f| f.instance == instance)
+            })
+        });
+        if finished && sibling_listed {
+            self.lingering
+                .entry(node)
+                .or_default()
+                .insert(uid, instance);
+            return None;
+        }
+        self.remove_from(&node, &uid);
+        if !sibling_listed {
+            // The instance's last attempt here is gone (a node no longer
+            // selected, a deleted IG): so are those that waited behind it.
+            let waited: Vec<String> = self
+                .lingering
+                .get(&node)
+                .into_iter()
+                .flatten()
+                .filter(|(_, of)| **of == instance)
+                .map(|(uid, _)| uid.clone())
+                .collect();
+            for gone in waited {
+                self.remove_from(&node, &gone);
+            }
+        }
         Some(node)
     }
 
@@ -94,6 +163,12 @@ impl Listed {
             entries.remove(uid);
             if entries.is_empty() {
                 self.by_node.remove(node);
+            }
+        }
+        if let Some(lingering) = self.lingering.get_mut(node) {
+            lingering.remove(uid);
+            if lingering.is_empty() {
+                self.lingering.remove(node);
             }
         }
     }
@@ -138,7 +213,7 @@ impl InboxIndex {
                 dirty.extend(live.apply(attempt));
             }
             watcher::Event::Delete(DeserializeGuard(Ok(attempt))) => {
-                if let Some(node) = attempt.uid().and_then(|uid| live.remove(&uid)) {
+                if let Some(node) = live.remove(attempt) {
                     dirty.insert(node);
                 }
             }
@@ -442,6 +517,7 @@ async fn keep_while_leading(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use genswap_crds::{Outcome, SwapAttemptStatus};
 
     fn attempt(name: &str, node: &str, uid: &str) -> DeserializeGuard<SwapAttempt> {
         let mut attempt: SwapAttempt =
@@ -472,6 +548,86 @@ mod tests {
         index.observe(&watcher::Event::Delete(attempt("web-n1-1", "n1", "u1")));
         assert_eq!(index.desired("n1"), Entries::new());
         assert_eq!(index.take_dirty(), vec!["n1".to_string()]);
+    }
+
+    fn finished(attempt: DeserializeGuard<SwapAttempt>) -> DeserializeGuard<SwapAttempt> {
+        let DeserializeGuard(Ok(mut attempt)) = attempt else {
+            unreachable!("built whole")
+        };
+        attempt.status = Some(SwapAttemptStatus {
+            outcome: Some(Outcome::Done),
+            ..SwapAttemptStatus::default()
+        });
+        DeserializeGuard(Ok(attempt))
+    }
+
+    fn synced() -> InboxIndex {
+        let index = InboxIndex::new();
+        index.observe(&watcher::Event::Init);
+        index.observe(&watcher::Event::InitDone);
+        index
+    }
+
+    #[test]
+    fn a_replaced_finished_attempt_leaves_with_the_nodes_next_new_attempt() {
+        let index = synced();
+        index.observe(&watcher::Event::Apply(attempt("web-n1-1", "n1", "u1")));
+        index.observe(&watcher::Event::Apply(attempt("web-n1-2", "n1", "u2")));
+        assert_eq!(index.take_dirty(), vec!["n1".to_string()]);
+
+        // The release's outcome is recorded and the attempt it replaced
+        // deleted: the inbox keeps listing it, so nothing is written.
+        index.observe(&watcher::Event::Delete(finished(attempt(
+            "web-n1-1", "n1", "u1",
+        ))));
+        assert!(index.take_dirty().is_empty());
+        assert_eq!(
+            index.desired("n1"),
+            entries(&[("u1", "apps/web-n1-1"), ("u2", "apps/web-n1-2")])
+        );
+
+        // Another instance's attempt on the node is new too, and takes the
+        // waiting removal along in the same write.
+        let mut other = attempt("db-n1-1", "n1", "u3");
+        if let DeserializeGuard(Ok(other)) = &mut other {
+            other.spec.instance = "db".into();
+        }
+        index.observe(&watcher::Event::Apply(other));
+        assert_eq!(index.take_dirty(), vec!["n1".to_string()]);
+        assert_eq!(
+            index.desired("n1"),
+            entries(&[("u2", "apps/web-n1-2"), ("u3", "apps/db-n1-1")])
+        );
+    }
+
+    #[test]
+    fn an_unfinished_or_last_attempt_leaves_at_once() {
+        let index = synced();
+        index.observe(&watcher::Event::Apply(attempt("web-n1-1", "n1", "u1")));
+        index.observe(&watcher::Event::Apply(attempt("web-n1-2", "n1", "u2")));
+        index.observe(&watcher::Event::Apply(attempt("web-n1-3", "n1", "u3")));
+        let _ = index.take_dirty();
+
+        // Deleted before its outcome: the agent may be running it, and
+        // cancels it only when it sees the delete.
+        index.observe(&watcher::Event::Delete(attempt("web-n1-2", "n1", "u2")));
+        assert_eq!(index.take_dirty(), vec!["n1".to_string()]);
+        assert_eq!(
+            index.desired("n1"),
+            entries(&[("u1", "apps/web-n1-1"), ("u3", "apps/web-n1-3")])
+        );
+
+        // The node leaves the selector: every attempt of the instance is
+        // deleted, and the one that waited goes with the last.
+        index.observe(&watcher::Event::Delete(finished(attempt(
+            "web-n1-1", "n1", "u1",
+        ))));
+        assert!(index.take_dirty().is_empty());
+        index.observe(&watcher::Event::Delete(finished(attempt(
+            "web-n1-3", "n1", "u3",
+        ))));
+        assert_eq!(index.take_dirty(), vec!["n1".to_string()]);
+        assert_eq!(index.desired("n1"), Entries::new());
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The node inboxes on a real kube-apiserver (`../shared/kube`, started by
 //! test-cluster; the test says in one line that it skipped where there is
 //! none): created, patched by the difference, deleted once empty, repaired
-//! by a new leader from what it lists, and, for a controller scoped to a
+//! by a new leader from what it lists, a replaced finished attempt left
+//! listed until the node's next one, and, for a controller scoped to a
 //! namespace, its own entries only.
 //!
 //! The attempt watch is stood in for by the events it would deliver
@@ -16,14 +17,14 @@ use genswap_controller::inbox::{InboxIndex, Scope, keep_inboxes};
 use genswap_controller::leader::Leadership;
 use genswap_controller::metrics::Metrics;
 use genswap_core::scheduler::inbox_name;
-use genswap_crds::SwapAttempt;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use genswap_crds::{Outcome, SwapAttempt, SwapAttemptStatus};
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::core::DeserializeGuard;
 use kube::runtime::watcher::Event;
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use test_cluster::ControlPlane;
+use test_cluster::{ControlPlane, OwnNamespace};
 
 const DEADLINE: Duration = Duration::from_secs(30);
 
@@ -34,42 +35,6 @@ fn attempt(namespace: &str, name: &str, node: &str, uid: &str) -> DeserializeGua
     attempt.metadata.namespace = Some(namespace.into());
     attempt.metadata.uid = Some(uid.into());
     DeserializeGuard(Ok(attempt))
-}
-
-/// A namespace of this test's own, deleted when dropped.
-struct OwnNamespace {
-    api: Api<Namespace>,
-    name: String,
-}
-
-impl OwnNamespace {
-    async fn create(client: &Client, tag: &str) -> Self {
-        let name = format!("inbox-{tag}-{}", std::process::id());
-        let api: Api<Namespace> = Api::all(client.clone());
-        let object: Namespace =
-            serde_json::from_value(json!({"metadata": {"name": name}})).expect("a Namespace");
-        api.create(&PostParams::default(), &object)
-            .await
-            .unwrap_or_else(|e| panic!("create namespace {name}: {e}"));
-        Self { api, name }
-    }
-}
-
-impl Drop for OwnNamespace {
-    fn drop(&mut self) {
-        let api = self.api.clone();
-        let name = self.name.clone();
-        // Dropped outside the test's runtime too: a thread of its own.
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build();
-            if let Ok(runtime) = runtime {
-                let _ = runtime.block_on(api.delete(&name, &DeleteParams::default()));
-            }
-        })
-        .join();
-    }
 }
 
 /// The keeper as a task, aborted when dropped.
@@ -149,7 +114,7 @@ async fn plane() -> Option<Client> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inboxes_follow_the_attempts_and_a_new_leader_repairs_what_it_lists() {
     let Some(client) = plane().await else { return };
-    let home = OwnNamespace::create(&client, "all").await;
+    let home = OwnNamespace::create(&client, "inbox-all").await;
     let inboxes: Api<ConfigMap> = Api::namespaced(client.clone(), &home.name);
 
     let index = InboxIndex::new();
@@ -214,7 +179,7 @@ async fn inboxes_follow_the_attempts_and_a_new_leader_repairs_what_it_lists() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scoped_controller_writes_its_own_entries_and_leaves_the_rest() {
     let Some(client) = plane().await else { return };
-    let home = OwnNamespace::create(&client, "scoped").await;
+    let home = OwnNamespace::create(&client, "inbox-scoped").await;
     let inboxes: Api<ConfigMap> = Api::namespaced(client.clone(), &home.name);
     // Another scope's controller got there first.
     create_by_hand(&inboxes, "n1", ("t1", "theirs/x")).await;
@@ -234,4 +199,56 @@ async fn a_scoped_controller_writes_its_own_entries_and_leaves_the_rest() {
     // Its last attempt gone: its entry goes, the inbox and theirs stay.
     index.observe(&Event::Delete(attempt("apps", "a1", "n1", "u1")));
     expect_inbox(&inboxes, "n1", Some(&[("t1", "theirs/x")])).await;
+}
+
+/// The attempt's last state as a delete delivers it once its agent
+/// reported an outcome.
+fn finished(attempt: DeserializeGuard<SwapAttempt>) -> DeserializeGuard<SwapAttempt> {
+    let mut attempt = attempt.0.expect("built whole");
+    attempt.status = Some(SwapAttemptStatus {
+        outcome: Some(Outcome::Done),
+        ..SwapAttemptStatus::default()
+    });
+    DeserializeGuard(Ok(attempt))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replaced_finished_attempt_stays_listed_until_the_nodes_next_attempt() {
+    let Some(client) = plane().await else { return };
+    let home = OwnNamespace::create(&client, "inbox-release").await;
+    let inboxes: Api<ConfigMap> = Api::namespaced(client.clone(), &home.name);
+
+    let index = InboxIndex::new();
+    index.observe(&Event::Init);
+    index.observe(&Event::InitApply(attempt("apps", "a1", "n1", "u1")));
+    index.observe(&Event::InitApply(attempt("apps", "a2", "n1", "u2")));
+    index.observe(&Event::InitApply(attempt("apps", "a3", "n1", "u3")));
+    index.observe(&Event::InitDone);
+    let _keeper = Keeper::start(&client, &home.name, Scope(None), &index);
+    expect_inbox(
+        &inboxes,
+        "n1",
+        Some(&[("u1", "apps/a1"), ("u2", "apps/a2"), ("u3", "apps/a3")]),
+    )
+    .await;
+
+    // a1 finished and was replaced; a3 is deleted before its outcome. The
+    // write that removes a3 leaves a1 listed.
+    index.observe(&Event::Delete(finished(attempt("apps", "a1", "n1", "u1"))));
+    index.observe(&Event::Delete(attempt("apps", "a3", "n1", "u3")));
+    expect_inbox(
+        &inboxes,
+        "n1",
+        Some(&[("u1", "apps/a1"), ("u2", "apps/a2")]),
+    )
+    .await;
+
+    // The node's next attempt takes a1 out in the same write.
+    index.observe(&Event::Apply(attempt("apps", "a4", "n1", "u4")));
+    expect_inbox(
+        &inboxes,
+        "n1",
+        Some(&[("u2", "apps/a2"), ("u4", "apps/a4")]),
+    )
+    .await;
 }

@@ -25,8 +25,10 @@
 pub mod chart;
 mod control_plane;
 pub mod helm;
+mod namespace;
 pub mod objects;
 pub mod process;
 pub mod registry;
 
 pub use control_plane::{ControlPlane, SKIP_LINE, client_for, workspace};
+pub use namespace::OwnNamespace;
