@@ -140,8 +140,9 @@ async fn run(args: Args) -> Result<(), MainError> {
 
 /// How often the heap is checked for what a burst left free.
 const HEAP_CHECK_EVERY: Duration = Duration::from_secs(10);
-/// RSS above the heap in use that is tolerated before it is released.
-const HEAP_SLACK: u64 = 64 << 20;
+/// How far a burst may raise the RSS beyond the heap in use before what
+/// it left free is released (`genswap_runtime::heap::BurstRule`).
+const HEAP_SLACK: u64 = 16 << 20;
 
 fn client(config: kube::Config) -> Result<Client, MainError> {
     Client::try_from(config).map_err(MainError::Client)

@@ -25,30 +25,72 @@ pub fn release_free() -> bool {
     imp::release_free()
 }
 
-/// Releases the free heap whenever the process's RSS exceeds the heap in
-/// use by more than `slack`, checking every `every`: after a burst
-/// (thousands of requests at once) glibc keeps the freed memory in its
+/// Releases the free heap after each burst, checking every `every`: after
+/// thousands of requests at once glibc keeps the freed memory in its
 /// arenas, and the RSS would stay at the burst's peak for the process's
-/// life.
+/// life. A burst is the RSS beyond the heap in use growing by more than
+/// `slack` ([`BurstRule`]).
 pub async fn release_after_bursts(every: std::time::Duration, slack: u64) {
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut rule = BurstRule::new(slack);
     loop {
         ticks.tick().await;
-        let (Some(heap), Some(resident)) = (usage(), resident_bytes()) else {
+        let Some(beyond) = beyond_heap() else {
             return;
         };
-        if resident.saturating_sub(heap.in_use) > slack {
+        if rule.due(beyond) {
             let released = tokio::task::spawn_blocking(release_free)
                 .await
                 .unwrap_or(false);
+            let after = beyond_heap().unwrap_or(beyond);
+            rule.released(after);
             tracing::debug!(
-                ?heap,
-                resident,
+                before = beyond,
+                after,
                 released,
                 "released the heap a burst left free"
             );
         }
+    }
+}
+
+/// The RSS beyond the heap in use: code, stacks, and what the allocator
+/// keeps resident though nothing uses it.
+fn beyond_heap() -> Option<u64> {
+    let (heap, resident) = (usage()?, resident_bytes()?);
+    Some(resident.saturating_sub(heap.in_use))
+}
+
+/// When to release the heap. What the RSS holds beyond the heap in use
+/// right after a release (or at start) is its floor: code, stacks, and
+/// fragments a release cannot return. A release is due once that figure
+/// has grown past the floor by `slack`. A fixed threshold either never
+/// fires for a small process (its burst stays under it) or fires on every
+/// check for a large one (its fragments alone pass it).
+#[derive(Clone, Copy, Debug)]
+pub struct BurstRule {
+    slack: u64,
+    floor: Option<u64>,
+}
+
+impl BurstRule {
+    pub fn new(slack: u64) -> Self {
+        Self { slack, floor: None }
+    }
+
+    /// Whether to release now, given the RSS beyond the heap in use.
+    pub fn due(&mut self, beyond: u64) -> bool {
+        let floor = *self.floor.get_or_insert(beyond);
+        if beyond < floor {
+            self.floor = Some(beyond);
+        }
+        beyond > floor.saturating_add(self.slack)
+    }
+
+    /// A release left `beyond` resident beyond the heap in use.
+    pub fn released(&mut self, beyond: u64) {
+        self.floor = Some(beyond);
     }
 }
 
@@ -103,6 +145,31 @@ mod imp {
 mod tests {
     use super::*;
     use std::sync::Mutex;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn a_release_is_due_once_per_burst_past_the_floor() {
+        let mut rule = BurstRule::new(16 * MIB);
+        // The first figure is the floor: nothing to release at start.
+        assert!(!rule.due(20 * MIB));
+        assert!(!rule.due(36 * MIB), "at the slack, not past it");
+        assert!(rule.due(45 * MIB), "a burst left 25 MiB");
+        // The release could not return all of it: the new floor.
+        rule.released(30 * MIB);
+        assert!(!rule.due(30 * MIB), "not again for the same burst");
+        assert!(!rule.due(40 * MIB));
+        assert!(rule.due(50 * MIB), "the next burst");
+    }
+
+    #[test]
+    fn the_floor_follows_the_rss_down() {
+        let mut rule = BurstRule::new(16 * MIB);
+        assert!(!rule.due(40 * MIB));
+        // Freed memory went back by itself (an unmapped large block).
+        assert!(!rule.due(20 * MIB));
+        assert!(rule.due(40 * MIB), "20 MiB past the lower floor");
+    }
 
     /// The figures are the whole process's: one test at a time moves them.
     static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
