@@ -76,6 +76,10 @@ pub struct FleetReport {
     /// its start), and Lease errors it stepped down on.
     pub leadership_changes: usize,
     pub step_downs: usize,
+    /// The controller's RSS once it leads with the fleet's Nodes cached and
+    /// no InstanceGeneration yet, KiB: what it costs before any attempt.
+    #[serde(default)]
+    pub controller_idle_kib: Option<u64>,
 }
 
 /// One phase (install, release) of one fleet size.
@@ -249,6 +253,11 @@ async fn run_one(
         etcd,
         agents: &agents,
     };
+    let controller_idle_kib = idle_rss_kib(&fleet).await;
+    println!(
+        "  the controller leading, no InstanceGeneration yet: RSS {}",
+        controller_idle_kib.map_or_else(|| "— (it never led)".into(), mib)
+    );
     let mut phases = Vec::new();
     phases.push(
         run_phase(&fleet, "install", &mut processes, |name| {
@@ -273,6 +282,7 @@ async fn run_one(
     Ok(FleetReport {
         leadership_changes,
         step_downs,
+        controller_idle_kib,
         controller: String::new(),
         nodes,
         igs: options.igs,
@@ -414,6 +424,26 @@ async fn run_phase(
     );
     Ok(phase)
 }
+
+/// The controller's RSS once it leads; `None` if it does not within
+/// [`LEAD_WITHIN`].
+async fn idle_rss_kib(fleet: &Fleet<'_>) -> Option<u64> {
+    let deadline = Instant::now() + LEAD_WITHIN;
+    while Instant::now() < deadline {
+        if gauge(
+            &scrape(&fleet.metrics_url).await,
+            "genswap_controller_leader",
+        ) == Some(1)
+        {
+            return Some(rss_kib(fleet.controller_pid));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    None
+}
+
+/// How long a fresh controller may take to lead.
+const LEAD_WITHIN: Duration = Duration::from_secs(120);
 
 /// A gauge's value, when the scrape has it.
 fn gauge(metrics: &str, name: &str) -> Option<u64> {
@@ -648,7 +678,7 @@ fn build_spec(id: &str) -> serde_json::Value {
 /// The report's table.
 pub fn markdown(reports: &[FleetReport]) -> String {
     let mut out = String::from(
-        "| controller | nodes × IGs | phase | last write → all Ready | attempts (issued twice; creates refused) | controller requests / attempt | controller RSS peak / rest | heap in use / held free at rest | API server RSS | etcd db | largest IG / attempt | attempts at rest (most per IG, node) |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+        "| controller | nodes × IGs | phase | last write → all Ready | attempts (issued twice; creates refused) | controller requests / attempt | controller RSS peak / rest | RSS per attempt at rest, over idle | heap in use / held free at rest | API server RSS | etcd db | largest IG / attempt | attempts at rest (most per IG, node) |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     for report in reports {
         for phase in &report.phases {
@@ -661,7 +691,7 @@ pub fn markdown(reports: &[FleetReport]) -> String {
 /// One phase as a row of [`markdown`]'s table.
 fn row(report: &FleetReport, phase: &FleetPhase) -> String {
     format!(
-        "| {} | {} × {} | {} | {:.1} s | {} ({}; {}) | {:.2} | {} / {} | {} / {} | {} | {:.1} MiB | {} / {} B | {} ({}) |\n",
+        "| {} | {} × {} | {} | {:.1} s | {} ({}; {}) | {:.2} | {} / {} | {} | {} / {} | {} | {:.1} MiB | {} / {} B | {} ({}) |\n",
         report.controller,
         report.nodes,
         report.igs,
@@ -673,6 +703,14 @@ fn row(report: &FleetReport, phase: &FleetPhase) -> String {
         phase.controller_per_attempt(),
         mib(phase.controller_peak_kib),
         mib(phase.controller_rest_kib),
+        report.controller_idle_kib.map_or_else(
+            || "—".into(),
+            |idle| format!(
+                "{:.1} KiB",
+                phase.controller_rest_kib.saturating_sub(idle) as f64
+                    / phase.attempts_at_rest.max(1) as f64
+            )
+        ),
         phase.heap_in_use_kib.map_or_else(|| "—".into(), mib),
         phase.heap_held_free_kib.map_or_else(|| "—".into(), mib),
         mib(phase.api_server_rest_kib),
