@@ -45,9 +45,13 @@ const NODE_WRITERS: usize = 32;
 const AGENT_WRITERS: usize = 32;
 /// How long one phase may take to reach every IG Ready.
 const PHASE_DEADLINE: Duration = Duration::from_secs(1800);
-/// After every IG is Ready: the controller's folded Events go out, and
-/// what it holds then is what it holds at rest.
+/// Once the attempts are down to one per (IG, node): the controller's
+/// folded Events go out and its heap is released (every 10 s), and what it
+/// holds then is what it holds at rest.
 const REST: Duration = Duration::from_secs(15);
+/// How long the deletes after a phase may take to leave one attempt per
+/// (IG, node) in the controller's cache.
+const SETTLE_DEADLINE: Duration = Duration::from_secs(600);
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -247,6 +251,7 @@ async fn run_one(
         attempts: &attempts,
         readiness: &readiness,
         names: &names,
+        nodes,
         metrics_url: format!("http://127.0.0.1:{metrics_port}/metrics"),
         controller_pid,
         api_server,
@@ -297,6 +302,7 @@ struct Fleet<'a> {
     attempts: &'a Api<SwapAttempt>,
     readiness: &'a ReadyWatch,
     names: &'a [String],
+    nodes: usize,
     metrics_url: String,
     controller_pid: u32,
     api_server: u32,
@@ -329,10 +335,15 @@ async fn run_phase(
         .values()
         .map(|t| signed_ms(*t, last_write))
         .fold(0.0, f64::max);
+    let settled = settle(fleet, fleet.names.len() * fleet.nodes).await;
     println!(
-        "    last write -> all Ready {:.1} s; {} status writes by the simulated agents; resting {} s ...",
+        "    last write -> all Ready {:.1} s; {} status writes by the simulated agents; one attempt per (IG, node) cached {}; resting {} s ...",
         all_ready_ms / 1000.0,
         fleet.agents.answered(),
+        settled.map_or_else(
+            || format!("not within {} s", SETTLE_DEADLINE.as_secs()),
+            |after| format!("{:.1} s after all Ready", after.as_secs_f64())
+        ),
         REST.as_secs()
     );
     tokio::time::sleep(REST).await;
@@ -423,6 +434,25 @@ async fn run_phase(
         dropped_events(&after).saturating_sub(dropped_events(&before)),
     );
     Ok(phase)
+}
+
+/// Waits until the controller caches at most `pairs` attempts (one per
+/// IG and node: the deletes a phase leads to are done); how long it took,
+/// or `None` past [`SETTLE_DEADLINE`]. Its own gauge, so no list of every
+/// attempt loads the API server while it deletes.
+async fn settle(fleet: &Fleet<'_>, pairs: usize) -> Option<Duration> {
+    let began = Instant::now();
+    while began.elapsed() < SETTLE_DEADLINE {
+        let cached = gauge(
+            &scrape(&fleet.metrics_url).await,
+            "genswap_controller_attempts_cached",
+        );
+        if cached.is_some_and(|n| n as usize <= pairs) {
+            return Some(began.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    None
 }
 
 /// The controller's RSS once it leads; `None` if it does not within
