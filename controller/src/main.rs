@@ -16,6 +16,8 @@ use kube::Client;
 use thiserror::Error;
 use tracing::{error, info};
 
+mod allocator;
+
 #[derive(Debug, Error)]
 enum MainError {
     #[error(transparent)]
@@ -65,7 +67,7 @@ async fn run(args: Args) -> Result<(), MainError> {
     let write_client = client(cli::with_request_timeout(config.clone(), WRITE_TIMEOUT))?;
     let watch_client = client(config)?;
 
-    let metrics = Arc::new(Metrics::new());
+    let metrics = Arc::new(Metrics::new().with_heap(allocator::usage));
     let leadership = Leadership::follower(metrics.clone());
     let readiness = Readiness::default();
 
@@ -79,13 +81,6 @@ async fn run(args: Args) -> Result<(), MainError> {
         listener,
         http::router(metrics.clone(), readiness.clone()),
         http_stopped.wait(),
-    ));
-
-    // A release of many IGs is a burst of thousands of requests; without
-    // this the RSS stays at its peak (docs/BENCHMARKS.md, "Fleet").
-    tokio::spawn(genswap_runtime::heap::release_after_bursts(
-        HEAP_CHECK_EVERY,
-        HEAP_SLACK,
     ));
 
     let (stop_lease, lease_stopped) = shutdown::channel();
@@ -137,12 +132,6 @@ async fn run(args: Args) -> Result<(), MainError> {
     }
     Ok(())
 }
-
-/// How often the heap is checked for what a burst left free.
-const HEAP_CHECK_EVERY: Duration = Duration::from_secs(10);
-/// How far a burst may raise the RSS beyond the heap in use before what
-/// it left free is released (`genswap_runtime::heap::BurstRule`).
-const HEAP_SLACK: u64 = 16 << 20;
 
 fn client(config: kube::Config) -> Result<Client, MainError> {
     Client::try_from(config).map_err(MainError::Client)

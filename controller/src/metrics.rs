@@ -92,7 +92,11 @@ pub struct Metrics {
     attempts_cached: Gauge,
     heap_in_use: Gauge,
     heap_held_free: Gauge,
+    heap: HeapReader,
 }
+
+/// Reads the process's heap: the allocator's own count.
+pub type HeapReader = fn() -> Option<genswap_runtime::heap::HeapUsage>;
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -164,13 +168,13 @@ impl Metrics {
         );
         registry.register_with_unit(
             "heap_in_use",
-            "Heap handed out and not freed, as glibc counts it (absent elsewhere)",
+            "Heap handed out and not freed, as the allocator counts it",
             Unit::Bytes,
             heap_in_use.clone(),
         );
         registry.register_with_unit(
             "heap_held_free",
-            "Heap freed but kept by glibc's arenas: RSS the data no longer needs",
+            "Resident heap beyond what is handed out: freed pages not yet returned, fragments",
             Unit::Bytes,
             heap_held_free.clone(),
         );
@@ -187,12 +191,19 @@ impl Metrics {
             attempts_cached,
             heap_in_use,
             heap_held_free,
+            heap: genswap_runtime::heap::usage,
         }
+    }
+
+    /// The heap gauges read by `heap` instead of glibc's counters: the
+    /// binary's allocator is jemalloc (`src/allocator.rs`).
+    pub fn with_heap(self, heap: HeapReader) -> Self {
+        Self { heap, ..self }
     }
 
     /// The registry in the OpenMetrics text format, the heap read now.
     pub fn encode(&self) -> Result<String, std::fmt::Error> {
-        if let Some(heap) = genswap_runtime::heap::usage() {
+        if let Some(heap) = (self.heap)() {
             self.heap_in_use.set(saturating_i64(heap.in_use));
             self.heap_held_free.set(saturating_i64(heap.held_free));
         }
