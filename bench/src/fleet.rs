@@ -46,8 +46,8 @@ const AGENT_WRITERS: usize = 32;
 /// How long one phase may take to reach every IG Ready.
 const PHASE_DEADLINE: Duration = Duration::from_secs(1800);
 /// Once the attempts are down to one per (IG, node): the controller's
-/// folded Events go out and its heap is released (every 10 s), and what it
-/// holds then is what it holds at rest.
+/// folded Events go out and its allocator returns what the burst freed,
+/// and what it holds then is what it holds at rest.
 const REST: Duration = Duration::from_secs(15);
 /// How long the deletes after a phase may take to leave one attempt per
 /// (IG, node) in the controller's cache.

@@ -14,14 +14,7 @@
 //! The inboxes are level-triggered from the controller's own attempt watch
 //! ([`InboxIndex`]): each event marks its node, and [`keep_inboxes`] writes
 //! the difference between what the node's inbox should hold and what this
-//! replica last wrote, as a JSON merge patch (`null` removes an entry).
-//! A finished attempt deleted while a newer attempt of its instance is
-//! listed for the node stays listed until the node's next new attempt, and
-//! leaves in that write: a release then costs one inbox write per node, not
-//! one for the attempt it adds and one for the attempt it replaces. Its
-//! agent skips a listed attempt that is gone. A replica whose watch lists
-//! anew (a restart, a relist) no longer sees those deletes, and removes
-//! what waited in one write per node. A
+//! replica last wrote, as a JSON merge patch (`null` removes an entry). A
 //! merge patch needs no read and no resourceVersion, so it never conflicts;
 //! with one write in flight per node, the changes of a burst coalesce into
 //! few writes. An inbox that would be empty is deleted (by a controller of
@@ -29,6 +22,14 @@
 //! controllers may share it, and touches only its own entries). Only the
 //! leader writes; on becoming leader it lists the inboxes to learn what
 //! they hold.
+//!
+//! A finished attempt deleted while a newer attempt of its instance is
+//! listed for the node stays listed until the node's next new attempt, and
+//! leaves in that write: a release then costs one inbox write per node, not
+//! one for the attempt it adds and one more for the attempt it replaces.
+//! Its agent skips a listed attempt that is gone. A replica whose watch
+//! lists anew (a restart, a relist) no longer sees those deletes, and
+//! removes what waited in one write per node.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
