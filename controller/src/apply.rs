@@ -22,16 +22,19 @@
 //! mid-way sends nothing more.
 
 use std::collections::HashSet;
+use std::future::Future;
 
 use genswap_crds::{ANNOTATION_RECORD, InstanceGeneration, InstanceGenerationStatus, SwapAttempt};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Resource, ResourceExt};
 use serde_json::{Value, json};
 use thiserror::Error;
+use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
 
 use crate::context::Context;
 use crate::events::Queued;
+use crate::leader::Leadership;
 use genswap_core::scheduler::{OwnReservation, Plan, PlanEvent, RecordWrite};
 
 /// Reason of the Warning recorded when an attempt could not be created.
@@ -205,24 +208,25 @@ pub async fn apply_plan(
     if !plan.records.is_empty() && !ctx.leadership.is_leader() {
         return Ok(stepped_down(Write::Record, done));
     }
-    let written = futures::future::join_all(
-        plan.records
-            .iter()
-            .map(|write| paced_record(ctx, &attempts, write)),
+    let written = paced(
+        &ctx.create_permits,
+        &ctx.leadership,
+        &plan.records,
+        |write| write_record(ctx, &attempts, write),
     )
     .await;
     let mut unsent = 0;
     for (write, result) in plan.records.iter().zip(written) {
         match result {
-            Ok(Some(annotation)) => {
+            Some(Ok(annotation)) => {
                 ctx.note_record(ig, &write.attempt, annotation);
                 done.records += 1;
                 if let Some((outcome, mode)) = write.new_outcome {
                     ctx.metrics.outcome_recorded(outcome, mode);
                 }
             }
-            Ok(None) => unsent += 1,
-            Err(error) => failures.push(error),
+            None => unsent += 1,
+            Some(Err(error)) => failures.push(error),
         }
     }
     if unsent > 0 {
@@ -262,17 +266,18 @@ pub async fn apply_plan(
     } else if let (Some(own), Some(issued)) = (own, newest_created) {
         ctx.note_reservation(ig, OwnReservation { issued, ..own });
     }
-    let created = futures::future::join_all(
-        plan.create
-            .iter()
-            .map(|attempt| paced_create(ctx, &attempts, attempt)),
+    let created = paced(
+        &ctx.create_permits,
+        &ctx.leadership,
+        &plan.create,
+        |attempt| create_attempt(&attempts, attempt, &ctx.field_manager),
     )
     .await;
     let mut unsent = 0;
     for (attempt, result) in plan.create.iter().zip(created) {
         match result {
-            Ok(Sent::No) => unsent += 1,
-            Ok(Sent::Yes) => {
+            None => unsent += 1,
+            Some(Ok(())) => {
                 ctx.note_created(ig, &attempt.name_any());
                 done.created += 1;
                 ctx.metrics
@@ -285,7 +290,7 @@ pub async fn apply_plan(
                     "attempt issued"
                 );
             }
-            Err(error) => {
+            Some(Err(error)) => {
                 // No answer, or a server error: it may exist all the same,
                 // and a plan that cannot see it would issue the node again.
                 if error.creation_unknown() {
@@ -306,18 +311,19 @@ pub async fn apply_plan(
     if !plan.delete.is_empty() && !ctx.leadership.is_leader() {
         return Ok(stepped_down(Write::Delete, done));
     }
-    let deleted = futures::future::join_all(
-        plan.delete
-            .iter()
-            .map(|attempt| paced_delete(ctx, &attempts, attempt)),
+    let deleted = paced(
+        &ctx.create_permits,
+        &ctx.leadership,
+        &plan.delete,
+        |attempt| delete_attempt(&attempts, attempt),
     )
     .await;
     let mut unsent = 0;
     for result in deleted {
         match result {
-            Ok(Sent::Yes) => done.deleted += 1,
-            Ok(Sent::No) => unsent += 1,
-            Err(error) => failures.push(error),
+            Some(Ok(())) => done.deleted += 1,
+            None => unsent += 1,
+            Some(Err(error)) => failures.push(error),
         }
     }
     if unsent > 0 {
@@ -481,27 +487,42 @@ async fn write_status(
     }
 }
 
-/// Whether a create went out.
-enum Sent {
-    Yes,
-    /// Leadership was lost while it waited for its permit.
-    No,
+/// Sends `write` for every item together, each once one of the shared
+/// permits is free ([`crate::context::CREATES_AT_ONCE`]: creates, records
+/// and deletes are all writes of attempts, and a release sends thousands of
+/// each), and only if this replica still leads then. An item whose permit
+/// came after leadership went is not sent: `None`, in the items' order.
+async fn paced<'i, I, T, W, F>(
+    permits: &Semaphore,
+    leadership: &Leadership,
+    items: &'i [I],
+    write: W,
+) -> Vec<Option<Result<T, ApplyError>>>
+where
+    W: Fn(&'i I) -> F,
+    F: Future<Output = Result<T, ApplyError>>,
+{
+    futures::future::join_all(items.iter().map(|item| {
+        let sent = write(item);
+        async move {
+            // The semaphore is never closed; without a permit the write goes all the same.
+            let _permit = permits.acquire().await.ok();
+            if !leadership.is_leader() {
+                return None;
+            }
+            Some(sent.await)
+        }
+    }))
+    .await
 }
 
-/// Writes a node record once one of the shared permits is free (the
-/// creates' permits: both are writes of attempts), if this replica still
-/// leads. Returns the annotation written, `None` if it was not sent; an
-/// attempt gone meanwhile is no failure (its node's record goes onto a
-/// newer attempt).
-async fn paced_record(
+/// Writes a node record. Returns the annotation written; an attempt gone
+/// meanwhile is no failure (its node's record goes onto a newer attempt).
+async fn write_record(
     ctx: &Context,
     api: &Api<SwapAttempt>,
     write: &RecordWrite,
-) -> Result<Option<String>, ApplyError> {
-    let _permit = ctx.create_permits.acquire().await.ok();
-    if !ctx.leadership.is_leader() {
-        return Ok(None);
-    }
+) -> Result<String, ApplyError> {
     let annotation = write.record.to_annotation();
     let body = record_patch(&annotation);
     let params = PatchParams {
@@ -513,8 +534,8 @@ async fn paced_record(
         .patch_metadata(&write.attempt, &params, &Patch::Merge(&body))
         .await
     {
-        Ok(_) => Ok(Some(annotation)),
-        Err(kube::Error::Api(status)) if status.is_not_found() => Ok(Some(annotation)),
+        Ok(_) => Ok(annotation),
+        Err(kube::Error::Api(status)) if status.is_not_found() => Ok(annotation),
         Err(source) => Err(ApplyError::Record {
             attempt: write.attempt.clone(),
             source,
@@ -528,41 +549,16 @@ pub fn record_patch(annotation: &str) -> Value {
     json!({ "metadata": { "annotations": { ANNOTATION_RECORD: annotation } } })
 }
 
-/// Deletes an old attempt once one of the shared permits is free, if this
-/// replica still leads. One already gone counts as deleted.
-async fn paced_delete(
-    ctx: &Context,
-    api: &Api<SwapAttempt>,
-    attempt: &str,
-) -> Result<Sent, ApplyError> {
-    let _permit = ctx.create_permits.acquire().await.ok();
-    if !ctx.leadership.is_leader() {
-        return Ok(Sent::No);
-    }
+/// Deletes an old attempt. One already gone counts as deleted.
+async fn delete_attempt(api: &Api<SwapAttempt>, attempt: &str) -> Result<(), ApplyError> {
     match api.delete(attempt, &DeleteParams::default()).await {
-        Ok(_) => Ok(Sent::Yes),
-        Err(kube::Error::Api(status)) if status.is_not_found() => Ok(Sent::Yes),
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(status)) if status.is_not_found() => Ok(()),
         Err(source) => Err(ApplyError::Delete {
             attempt: attempt.to_string(),
             source,
         }),
     }
-}
-
-/// Sends a create once one of the shared permits is free
-/// ([`crate::context::CREATES_AT_ONCE`]), if this replica still leads.
-async fn paced_create(
-    ctx: &Context,
-    api: &Api<SwapAttempt>,
-    attempt: &SwapAttempt,
-) -> Result<Sent, ApplyError> {
-    // The semaphore is never closed; without a permit the create goes all the same.
-    let _permit = ctx.create_permits.acquire().await.ok();
-    if !ctx.leadership.is_leader() {
-        return Ok(Sent::No);
-    }
-    create_attempt(api, attempt, &ctx.field_manager).await?;
-    Ok(Sent::Yes)
 }
 
 async fn create_attempt(
@@ -591,6 +587,86 @@ async fn create_attempt(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use crate::metrics::Metrics;
+
+    /// Counts the writes in flight and the most seen at once; each write
+    /// stays in flight until `release` lets every held write finish.
+    #[derive(Default)]
+    struct InFlight {
+        now: AtomicUsize,
+        most: AtomicUsize,
+        sent: AtomicUsize,
+    }
+
+    impl InFlight {
+        async fn write(
+            &self,
+            release: &tokio::sync::watch::Receiver<bool>,
+        ) -> Result<(), ApplyError> {
+            let now = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most.fetch_max(now, Ordering::SeqCst);
+            self.sent.fetch_add(1, Ordering::SeqCst);
+            let mut release = release.clone();
+            // The sender lives until every write is done.
+            let _ = release.wait_for(|go| *go).await;
+            self.now.fetch_sub(1, Ordering::SeqCst);
+            Ok(())
+        }
+    }
+
+    fn leader() -> Leadership {
+        let leadership = Leadership::follower(Arc::new(Metrics::new()));
+        leadership.set(true);
+        leadership
+    }
+
+    #[tokio::test]
+    async fn writes_go_out_no_more_at_once_than_there_are_permits() {
+        let permits = Semaphore::new(3);
+        let leadership = leader();
+        let in_flight = InFlight::default();
+        let (go, release) = tokio::sync::watch::channel(false);
+        let items: Vec<usize> = (0..20).collect();
+        let all = paced(&permits, &leadership, &items, |_| in_flight.write(&release));
+        let watcher = async {
+            // Let the first writes take every permit, then let them all finish.
+            while in_flight.now.load(Ordering::SeqCst) < 3 {
+                tokio::task::yield_now().await;
+            }
+            go.send_replace(true);
+        };
+        let (results, ()) = tokio::join!(all, watcher);
+        assert_eq!(results.len(), 20);
+        assert!(results.iter().all(|r| matches!(r, Some(Ok(())))));
+        assert_eq!(in_flight.sent.load(Ordering::SeqCst), 20);
+        assert_eq!(in_flight.most.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn writes_still_waiting_for_a_permit_when_leadership_goes_are_not_sent() {
+        let permits = Semaphore::new(2);
+        let leadership = leader();
+        let in_flight = InFlight::default();
+        let (go, release) = tokio::sync::watch::channel(false);
+        let items: Vec<usize> = (0..10).collect();
+        let all = paced(&permits, &leadership, &items, |_| in_flight.write(&release));
+        let stepper = async {
+            while in_flight.now.load(Ordering::SeqCst) < 2 {
+                tokio::task::yield_now().await;
+            }
+            leadership.set(false);
+            go.send_replace(true);
+        };
+        let (results, ()) = tokio::join!(all, stepper);
+        let sent = results.iter().filter(|r| matches!(r, Some(Ok(())))).count();
+        let unsent = results.iter().filter(|r| r.is_none()).count();
+        assert_eq!((sent, unsent), (2, 8));
+        assert_eq!(in_flight.sent.load(Ordering::SeqCst), 2);
+    }
 
     #[test]
     fn the_record_patch_sets_one_annotation_and_nothing_else() {
