@@ -88,6 +88,10 @@ pub async fn reconcile(
     let attempts = ctx.attempts.attempts_of(ig);
     let nodes = observe::nodes(&ctx.nodes);
     let plan = (ctx.planner)(ig, &attempts, &nodes, (ctx.clock)(), ctx.revisions(ig));
+    // Copies of the cache, built for the plan: applying it can take
+    // minutes (a release's creates are paced across every reconcile), and
+    // with every IG's copies held that long they were most of the peak.
+    drop((attempts, nodes));
     let put_off = if plan.status_may_wait {
         ctx.hold_progress(ig, Instant::now())
     } else {
