@@ -487,7 +487,7 @@ fn dropped_events(metrics: &str) -> u64 {
     metrics
         .lines()
         .filter(|l| {
-            l.starts_with("genswap_controller_reconcile_failures_total")
+            l.starts_with("genswap_controller_reconcile_errors_total")
                 && l.contains("event_queue_full")
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())

@@ -78,6 +78,9 @@ pub enum BenchError {
     /// No cgroup v2 hierarchy.
     #[error("needs a writable cgroup v2 hierarchy (root, Linux): {0}")]
     Cgroup(String),
+    /// A signal ended the run; its processes were stopped on the way out.
+    #[error("stopped by {0}")]
+    Interrupted(&'static str),
     /// A controller issued a node a second attempt for one desired state.
     #[error("issued twice: {0}")]
     IssuedTwice(String),
@@ -268,12 +271,36 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cli.command)) {
+    // Ending the run by a signal drops it, and with it every guard of a
+    // process it started (controllers, agents, the control plane): they are
+    // stopped by pid rather than left running after the benchmark.
+    let outcome = runtime.block_on(async {
+        tokio::select! {
+            result = run(cli.command) => result,
+            signal = stop_signal() => Err(BenchError::Interrupted(signal)),
+        }
+    });
+    match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("genswap-bench: {error}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The first SIGINT or SIGTERM; never, when they cannot be caught.
+async fn stop_signal() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(mut interrupt), Ok(mut terminate)) => tokio::select! {
+            _ = interrupt.recv() => "SIGINT",
+            _ = terminate.recv() => "SIGTERM",
+        },
+        _ => std::future::pending().await,
     }
 }
 
