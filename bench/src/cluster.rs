@@ -449,13 +449,18 @@ pub(crate) async fn write_all(
 /// from a watch of the bench's own (admin credentials, not counted).
 pub(crate) struct ReadyWatch {
     ready: Arc<Mutex<HashMap<String, Instant>>>,
+    /// Each IG's newest counts, ready of selected: a phase that times out
+    /// says whether a rollout was slow or stuck.
+    progress: Arc<Mutex<HashMap<String, (i64, i64)>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl ReadyWatch {
     pub(crate) fn start(igs: Api<InstanceGeneration>) -> ReadyWatch {
         let ready = Arc::new(Mutex::new(HashMap::new()));
+        let progress = Arc::new(Mutex::new(HashMap::new()));
         let seen = Arc::clone(&ready);
+        let counted = Arc::clone(&progress);
         let task = tokio::spawn(async move {
             let mut events = watcher(igs, watcher::Config::default())
                 .default_backoff()
@@ -463,8 +468,14 @@ impl ReadyWatch {
                 .boxed();
             while let Some(event) = events.next().await {
                 let Ok(ig) = event else { continue };
+                let name = ig.metadata.name.clone().unwrap_or_default();
+                if let Some(counts) = ig.status.as_ref().and_then(|s| s.counts.as_ref()) {
+                    counted
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .insert(name.clone(), (counts.ready, counts.selected));
+                }
                 if is_ready(&ig) {
-                    let name = ig.metadata.name.clone().unwrap_or_default();
                     seen.lock()
                         .unwrap_or_else(PoisonError::into_inner)
                         .entry(name)
@@ -472,7 +483,11 @@ impl ReadyWatch {
                 }
             }
         });
-        ReadyWatch { ready, task }
+        ReadyWatch {
+            ready,
+            progress,
+            task,
+        }
     }
 
     pub(crate) fn forget(&self, names: &[String]) {
@@ -495,8 +510,8 @@ impl ReadyWatch {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .clone();
-            let missing = names.iter().filter(|n| !ready.contains_key(*n)).count();
-            if missing == 0 {
+            let missing: Vec<&String> = names.iter().filter(|n| !ready.contains_key(*n)).collect();
+            if missing.is_empty() {
                 return Ok(ready);
             }
             if let Some(gone) = processes.iter_mut().find_map(|p| {
@@ -510,9 +525,19 @@ impl ReadyWatch {
                 )));
             }
             if began.elapsed() > deadline {
+                let progress = self.progress.lock().unwrap_or_else(PoisonError::into_inner);
+                let how_far: Vec<String> = missing
+                    .iter()
+                    .map(|name| match progress.get(*name) {
+                        Some((ready, selected)) => format!("{name} ({ready} of {selected} ready)"),
+                        None => format!("{name} (no counts yet)"),
+                    })
+                    .collect();
                 return Err(BenchError::Agent(format!(
-                    "{missing} of {} InstanceGenerations not Ready after {deadline:?}",
-                    names.len()
+                    "{} of {} InstanceGenerations not Ready after {deadline:?}: {}",
+                    missing.len(),
+                    names.len(),
+                    how_far.join(", ")
                 )));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;

@@ -43,8 +43,14 @@ const POOL_LABEL: &str = "genswap.dev/fleet-pool";
 const NODE_WRITERS: usize = 32;
 /// Status writes of the simulated agents in flight at once.
 const AGENT_WRITERS: usize = 32;
-/// How long one phase may take to reach every IG Ready.
-const PHASE_DEADLINE: Duration = Duration::from_secs(1800);
+/// How long one phase may take to reach every IG Ready: 30 minutes, or
+/// 40 ms an attempt on a larger fleet. A 5,000 × 20 release took 1,375 s
+/// on one run of this machine and passed 1,800 s on a slower one, 18 of its
+/// 20 IGs Ready by then.
+fn phase_deadline(attempts: usize) -> Duration {
+    Duration::from_secs(1800)
+        .max(Duration::from_millis(40).saturating_mul(u32::try_from(attempts).unwrap_or(u32::MAX)))
+}
 /// Once the attempts are down to one per (IG, node): the controller's
 /// folded Events go out and its allocator returns what the burst freed,
 /// and what it holds then is what it holds at rest.
@@ -329,7 +335,11 @@ async fn run_phase(
     let last_write = written.values().copied().max().unwrap_or(began);
     let ready = fleet
         .readiness
-        .wait_all(fleet.names, PHASE_DEADLINE, processes)
+        .wait_all(
+            fleet.names,
+            phase_deadline(fleet.nodes * fleet.names.len()),
+            processes,
+        )
         .await?;
     let all_ready_ms = ready
         .values()
@@ -750,4 +760,15 @@ fn row(report: &FleetReport, phase: &FleetPhase) -> String {
         phase.attempts_at_rest,
         phase.most_per_ig_node,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_larger_fleet_is_given_longer_to_reach_ready() {
+        assert_eq!(phase_deadline(10_000), Duration::from_secs(1800));
+        assert_eq!(phase_deadline(100_000), Duration::from_secs(4000));
+    }
 }
