@@ -163,12 +163,7 @@ pub async fn run(
                 "\n{label}: the controller and a fleet of {nodes} Nodes, {} InstanceGenerations ...",
                 options.igs
             );
-            let mut report = run_one(controller, crds, nodes, options).await?;
-            report.controller = label.clone();
-            for phase in &report.phases {
-                print!("  {}", row(&report, phase));
-            }
-            reports.push(report);
+            reports.push(run_one(label, controller, crds, nodes, options).await?);
         }
     }
     Ok(reports)
@@ -199,6 +194,7 @@ pub fn issued_twice_by_this_build(reports: &[FleetReport]) -> Option<String> {
 const THIS_BUILD: &str = "this build";
 
 async fn run_one(
+    label: &str,
     controller: &std::path::Path,
     crds: &std::path::Path,
     nodes: usize,
@@ -269,19 +265,29 @@ async fn run_one(
         "  the controller leading, no InstanceGeneration yet: RSS {}",
         controller_idle_kib.map_or_else(|| "— (it never led)".into(), mib)
     );
-    let mut phases = Vec::new();
-    phases.push(
-        run_phase(&fleet, "install", &mut processes, |name| {
-            Write::Create(instance_generation(name, nodes, "build-a"))
-        })
-        .await?,
-    );
-    phases.push(
-        run_phase(&fleet, "release", &mut processes, |_| {
-            Write::Patch(json!({"spec": {"build": build_spec("build-b")}}))
-        })
-        .await?,
-    );
+    let mut report = FleetReport {
+        controller: label.to_string(),
+        nodes,
+        igs: options.igs,
+        phases: Vec::new(),
+        leadership_changes: 0,
+        step_downs: 0,
+        controller_idle_kib,
+    };
+    // Each phase's row is printed as it ends: a later phase that fails
+    // must not take an earlier one's figures with it.
+    let install = run_phase(&fleet, "install", &mut processes, |name| {
+        Write::Create(instance_generation(name, nodes, "build-a"))
+    })
+    .await?;
+    print!("  {}", row(&report, &install));
+    report.phases.push(install);
+    let release = run_phase(&fleet, "release", &mut processes, |_| {
+        Write::Patch(json!({"spec": {"build": build_spec("build-b")}}))
+    })
+    .await?;
+    print!("  {}", row(&report, &release));
+    report.phases.push(release);
     drop(agents);
     drop(processes);
     let log = fs::read_to_string(dir.path().join("controller.log")).unwrap_or_default();
@@ -290,15 +296,9 @@ async fn run_one(
     println!(
         "  the controller's log: leadership changed {leadership_changes} times, stepped down on a Lease error {step_downs} times"
     );
-    Ok(FleetReport {
-        leadership_changes,
-        step_downs,
-        controller_idle_kib,
-        controller: String::new(),
-        nodes,
-        igs: options.igs,
-        phases,
-    })
+    report.leadership_changes = leadership_changes;
+    report.step_downs = step_downs;
+    Ok(report)
 }
 
 /// What both phases run against.
