@@ -34,7 +34,8 @@
 //! that lists anew (its watch relists, or it becomes leader and lists the
 //! inboxes) writes every node whose inbox differs, waiting entries too.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -55,7 +56,43 @@ use genswap_core::scheduler::{
 };
 
 /// An inbox's entries: attempt uid → `<namespace>/<name>`.
-pub type Entries = BTreeMap<String, String>;
+pub type Entries = BTreeMap<Uid, Box<str>>;
+
+/// The uids an inbox holds, sorted: all a writer needs to remember of
+/// what it wrote, since a uid's entry never changes.
+pub type Held = Box<[Uid]>;
+
+/// An attempt's uid as the inboxes keep it: the API server's uids are
+/// UUIDs, 16 bytes where their text takes 36 and an allocation (the uid is
+/// kept once per attempt in the index, its filing and the writer's record:
+/// at 100,000 attempts that was tens of MiB). Any other text is kept as
+/// it is, so a uid always reads back as written.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Uid {
+    Uuid([u8; 16]),
+    Other(Box<str>),
+}
+
+impl Uid {
+    pub fn new(text: &str) -> Self {
+        if let Ok(uuid) = uuid::Uuid::try_parse(text) {
+            let mut canonical = [0u8; uuid::fmt::Hyphenated::LENGTH];
+            if uuid.hyphenated().encode_lower(&mut canonical) == text {
+                return Self::Uuid(uuid.into_bytes());
+            }
+        }
+        Self::Other(text.into())
+    }
+}
+
+impl fmt::Display for Uid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Uuid(bytes) => uuid::Uuid::from_bytes(*bytes).hyphenated().fmt(f),
+            Self::Other(text) => f.write_str(text),
+        }
+    }
+}
 
 /// How long a node whose inbox write failed waits before it is tried again.
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -66,9 +103,12 @@ pub const WRITES_AT_ONCE: usize = 16;
 
 #[derive(Debug, Default)]
 struct Listed {
-    by_node: HashMap<String, Entries>,
+    by_node: HashMap<Arc<str>, Entries>,
     /// Where each cached attempt is filed, for its delete.
-    filed: HashMap<String, Filed>,
+    filed: HashMap<Uid, Filed>,
+    /// Each instance with an attempt filed, once: a fleet has many
+    /// attempts of few instances.
+    instances: HashSet<Arc<Instance>>,
 }
 
 /// An attempt's namespace and InstanceGeneration.
@@ -76,8 +116,10 @@ type Instance = (String, String);
 
 #[derive(Debug)]
 struct Filed {
-    node: String,
-    instance: Instance,
+    /// The key of the node's entries in `by_node`.
+    node: Arc<str>,
+    /// Shared with `instances`.
+    instance: Arc<Instance>,
 }
 
 impl Listed {
@@ -86,23 +128,37 @@ impl Listed {
         let (Some(uid), Some(namespace)) = (attempt.uid(), attempt.namespace()) else {
             return Vec::new();
         };
-        let node = attempt.spec.node_name.clone();
+        let uid = Uid::new(&uid);
+        let node_name = attempt.spec.node_name.as_str();
+        let node = match self.by_node.get_key_value(node_name) {
+            Some((node, _)) => node.clone(),
+            None => Arc::from(node_name),
+        };
+        let instance = (namespace.clone(), attempt.spec.instance.clone());
+        let instance = match self.instances.get(&instance) {
+            Some(instance) => instance.clone(),
+            None => {
+                let instance = Arc::new(instance);
+                self.instances.insert(instance.clone());
+                instance
+            }
+        };
         let filed = Filed {
             node: node.clone(),
-            instance: (namespace.clone(), attempt.spec.instance.clone()),
+            instance,
         };
         let mut touched = Vec::new();
         if let Some(before) = self.filed.insert(uid.clone(), filed)
             && before.node != node
         {
             self.remove_from(&before.node, &uid);
-            touched.push(before.node);
+            touched.push(before.node.to_string());
         }
         let entry = inbox_entry(&namespace, &attempt.name_any());
         let entries = self.by_node.entry(node.clone()).or_default();
-        if entries.get(&uid) != Some(&entry) {
-            entries.insert(uid, entry);
-            touched.push(node);
+        if entries.get(&uid).map(|held| &**held) != Some(entry.as_str()) {
+            entries.insert(uid, entry.into());
+            touched.push(node.to_string());
         }
         touched
     }
@@ -117,7 +173,7 @@ impl Listed {
     /// for each attempt it adds and another for each it replaces. The
     /// node's next write removes it.
     fn remove(&mut self, attempt: &SwapAttempt) -> Option<String> {
-        let uid = attempt.uid()?;
+        let uid = Uid::new(&attempt.uid()?);
         let Filed { node, instance } = self.filed.remove(&uid)?;
         self.remove_from(&node, &uid);
         let finished = attempt.status.as_ref().is_some_and(|s| s.outcome.is_some());
@@ -125,13 +181,18 @@ impl Listed {
             entries.keys().any(|other| {
                 self.filed
                     .get(other)
-                    .is_some_and(|f| f.instance == instance)
+                    .is_some_and(|f| Arc::ptr_eq(&f.instance, &instance))
             })
         });
-        (!(finished && sibling_listed)).then_some(node)
+        if !sibling_listed && Arc::strong_count(&instance) == 2 {
+            // Only `instances` and this attempt held it: the last attempt
+            // of the instance anywhere is gone.
+            self.instances.remove(&instance);
+        }
+        (!(finished && sibling_listed)).then(|| node.to_string())
     }
 
-    fn remove_from(&mut self, node: &str, uid: &str) {
+    fn remove_from(&mut self, node: &str, uid: &Uid) {
         if let Some(entries) = self.by_node.get_mut(node) {
             entries.remove(uid);
             if entries.is_empty() {
@@ -193,8 +254,8 @@ impl InboxIndex {
             watcher::Event::InitApply(_) => return,
             watcher::Event::InitDone => {
                 if let Some(listed) = relisting.take() {
-                    dirty.extend(live.by_node.keys().cloned());
-                    dirty.extend(listed.by_node.keys().cloned());
+                    dirty.extend(live.by_node.keys().map(|node| node.to_string()));
+                    dirty.extend(listed.by_node.keys().map(|node| node.to_string()));
                     *live = listed;
                 }
                 *synced = true;
@@ -233,21 +294,32 @@ impl InboxIndex {
     }
 }
 
-/// The JSON merge patch that turns `written` into `desired`, or `None` when
-/// they are the same.
-pub fn merge_patch(written: &Entries, desired: &Entries) -> Option<Value> {
+/// The JSON merge patch that turns an inbox holding `written` into one
+/// holding `desired`, or `None` when they are the same.
+pub fn merge_patch(written: &[Uid], desired: &Entries) -> Option<Value> {
     let mut data = Map::new();
     for (uid, entry) in desired {
-        if written.get(uid) != Some(entry) {
-            data.insert(uid.clone(), Value::String(entry.clone()));
+        if written.binary_search(uid).is_err() {
+            data.insert(uid.to_string(), Value::String(entry.to_string()));
         }
     }
-    for uid in written.keys() {
+    for uid in written {
         if !desired.contains_key(uid) {
-            data.insert(uid.clone(), Value::Null);
+            data.insert(uid.to_string(), Value::Null);
         }
     }
     (!data.is_empty()).then(|| serde_json::json!({ "data": data }))
+}
+
+/// The uids of `entries`, as a writer remembers them.
+pub fn uids_of(entries: &Entries) -> Held {
+    entries.keys().cloned().collect()
+}
+
+fn holds_exactly(held: Option<&Held>, desired: &Entries) -> bool {
+    held.map_or(&[][..], |held| &held[..])
+        .iter()
+        .eq(desired.keys())
 }
 
 /// Which inbox entries this replica keeps: those of the namespace it
@@ -265,10 +337,16 @@ impl Scope {
         }
     }
 
-    fn of(&self, data: Option<BTreeMap<String, String>>) -> Entries {
-        let mut entries = data.unwrap_or_default();
-        entries.retain(|_, entry| self.keeps(entry));
-        entries
+    /// The uids of `data` this replica keeps.
+    fn of(&self, data: Option<BTreeMap<String, String>>) -> Held {
+        let mut held: Vec<Uid> = data
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|(_, entry)| self.keeps(entry))
+            .map(|(uid, _)| Uid::new(&uid))
+            .collect();
+        held.sort_unstable();
+        held.into()
     }
 }
 
@@ -308,7 +386,7 @@ struct Inboxes {
 
 impl Inboxes {
     /// What the inboxes hold now (of this replica's scope), by node.
-    async fn list(&self) -> Result<HashMap<String, Entries>, kube::Error> {
+    async fn list(&self) -> Result<HashMap<String, Held>, kube::Error> {
         let listed = self
             .api
             .list(&ListParams::default().labels(LABEL_INBOX))
@@ -329,9 +407,9 @@ impl Inboxes {
     async fn write(
         &self,
         node: &str,
-        before: Option<&Entries>,
+        before: Option<&Held>,
         desired: &Entries,
-    ) -> Result<Option<Entries>, kube::Error> {
+    ) -> Result<Option<Held>, kube::Error> {
         let name = inbox_name(node);
         if desired.is_empty() && self.scope.0.is_none() {
             return match self.api.delete(&name, &DeleteParams::default()).await {
@@ -344,14 +422,14 @@ impl Inboxes {
             return self.create(node, desired).await;
         };
         let Some(patch) = merge_patch(before, desired) else {
-            return Ok(Some(desired.clone()));
+            return Ok(Some(uids_of(desired)));
         };
         match self
             .api
             .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
         {
-            Ok(_) => Ok(Some(desired.clone())),
+            Ok(_) => Ok(Some(uids_of(desired))),
             Err(kube::Error::Api(status)) if status.is_not_found() => {
                 self.create(node, desired).await
             }
@@ -359,7 +437,7 @@ impl Inboxes {
         }
     }
 
-    async fn create(&self, node: &str, desired: &Entries) -> Result<Option<Entries>, kube::Error> {
+    async fn create(&self, node: &str, desired: &Entries) -> Result<Option<Held>, kube::Error> {
         let name = inbox_name(node);
         let inbox = ConfigMap {
             metadata: ObjectMeta {
@@ -374,11 +452,16 @@ impl Inboxes {
                 )])),
                 ..ObjectMeta::default()
             },
-            data: Some(desired.clone()),
+            data: Some(
+                desired
+                    .iter()
+                    .map(|(uid, entry)| (uid.to_string(), entry.to_string()))
+                    .collect(),
+            ),
             ..ConfigMap::default()
         };
         match self.api.create(&PostParams::default(), &inbox).await {
-            Ok(_) => Ok(Some(desired.clone())),
+            Ok(_) => Ok(Some(uids_of(desired))),
             // Written by another replica, or another scope's controller,
             // since this one looked: learn what it holds and patch the
             // difference.
@@ -390,7 +473,7 @@ impl Inboxes {
                         self.api
                             .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                             .await?;
-                        Ok(Some(desired.clone()))
+                        Ok(Some(uids_of(desired)))
                     }
                 }
             }
@@ -406,14 +489,14 @@ const ANNOTATION_NODE: &str = "genswap.dev/node";
 struct Written {
     node: String,
     /// What the inbox now holds (`None`: it does not exist), or the error.
-    result: Result<Option<Entries>, kube::Error>,
+    result: Result<Option<Held>, kube::Error>,
 }
 
 async fn keep_while_leading(
     inboxes: &Inboxes,
     index: &InboxIndex,
     leadership: &Leadership,
-    written: &mut HashMap<String, Entries>,
+    written: &mut HashMap<String, Held>,
 ) {
     let mut in_flight: JoinSet<Written> = JoinSet::new();
     let mut writing: BTreeSet<String> = BTreeSet::new();
@@ -433,7 +516,7 @@ async fn keep_while_leading(
             }
             let desired = index.desired(&node);
             let before = written.get(&node).cloned();
-            if before.as_ref().unwrap_or(&Entries::new()) == &desired {
+            if holds_exactly(before.as_ref(), &desired) {
                 continue;
             }
             writing.insert(node.clone());
@@ -499,7 +582,7 @@ mod tests {
     fn entries(pairs: &[(&str, &str)]) -> Entries {
         pairs
             .iter()
-            .map(|(uid, entry)| (uid.to_string(), entry.to_string()))
+            .map(|(uid, entry)| (Uid::new(uid), Box::from(*entry)))
             .collect()
     }
 
@@ -565,7 +648,10 @@ mod tests {
             desired,
             entries(&[("u2", "apps/web-n1-2"), ("u3", "apps/db-n1-1")])
         );
-        let written = entries(&[("u1", "apps/web-n1-1"), ("u2", "apps/web-n1-2")]);
+        let written = uids_of(&entries(&[
+            ("u1", "apps/web-n1-1"),
+            ("u2", "apps/web-n1-2"),
+        ]));
         assert_eq!(
             merge_patch(&written, &desired),
             Some(serde_json::json!({"data": {"u1": null, "u3": "apps/db-n1-1"}}))
@@ -621,13 +707,136 @@ mod tests {
 
     #[test]
     fn the_merge_patch_adds_and_removes_only_the_difference() {
-        let written = entries(&[("u1", "apps/a"), ("u2", "apps/b")]);
+        let written = uids_of(&entries(&[("u1", "apps/a"), ("u2", "apps/b")]));
         let desired = entries(&[("u2", "apps/b"), ("u3", "apps/c")]);
         assert_eq!(
             merge_patch(&written, &desired),
             Some(serde_json::json!({"data": {"u1": null, "u3": "apps/c"}}))
         );
-        assert_eq!(merge_patch(&desired, &desired), None);
+        assert_eq!(merge_patch(&uids_of(&desired), &desired), None);
+    }
+
+    #[test]
+    fn a_uuid_is_kept_as_16_bytes_and_any_uid_reads_back_as_written() {
+        let uuid = "0f8fad5b-d9cb-469f-a165-70867728950e";
+        assert!(matches!(Uid::new(uuid), Uid::Uuid(_)));
+        for text in [
+            uuid,
+            "0F8FAD5B-D9CB-469F-A165-70867728950E",
+            "0f8fad5bd9cb469fa16570867728950e",
+            "u1",
+            "",
+        ] {
+            assert_eq!(Uid::new(text).to_string(), text);
+        }
+        assert!(matches!(
+            Uid::new("0f8fad5bd9cb469fa16570867728950e"),
+            Uid::Other(_)
+        ));
+    }
+
+    #[test]
+    fn an_instance_is_kept_once_and_forgotten_with_its_last_attempt() {
+        let index = synced();
+        for (name, node, uid) in [("web-n1-1", "n1", "u1"), ("web-n2-1", "n2", "u2")] {
+            index.observe(&watcher::Event::Apply(attempt(name, node, uid)));
+        }
+        assert_eq!(index.lock().live.instances.len(), 1);
+        index.observe(&watcher::Event::Delete(attempt("web-n1-1", "n1", "u1")));
+        assert_eq!(index.lock().live.instances.len(), 1);
+        index.observe(&watcher::Event::Delete(attempt("web-n2-1", "n2", "u2")));
+        assert!(index.lock().live.instances.is_empty());
+        assert!(index.lock().live.by_node.is_empty());
+    }
+
+    type MockHandle = tower_test::mock::Handle<
+        http::Request<kube::client::Body>,
+        http::Response<axum::body::Body>,
+    >;
+
+    /// The next request the keeper sends, within a generous deadline (a
+    /// change it lost would never be sent), with its JSON body.
+    async fn next_request(
+        handle: &mut MockHandle,
+    ) -> (
+        http::Method,
+        String,
+        Value,
+        tower_test::mock::SendResponse<http::Response<axum::body::Body>>,
+    ) {
+        let (request, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+            .await
+            .expect("the keeper writes within 10 s")
+            .expect("the keeper is running");
+        let (parts, body) = request.into_parts();
+        let body = http_body_util::BodyExt::collect(body)
+            .await
+            .expect("a request body")
+            .to_bytes();
+        let body = if body.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&body).expect("a JSON body")
+        };
+        (parts.method, parts.uri.to_string(), body, send)
+    }
+
+    fn respond(body: Value) -> http::Response<axum::body::Body> {
+        http::Response::builder()
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(axum::body::Body::from(body.to_string()))
+            .expect("a response")
+    }
+
+    #[tokio::test]
+    async fn a_change_while_the_nodes_write_is_in_flight_goes_out_in_its_next_write() {
+        let (service, mut handle) = tower_test::mock::pair();
+        let index = synced();
+        let leadership = Leadership::follower(Arc::new(crate::metrics::Metrics::new()));
+        leadership.set(true);
+        let keeper = tokio::spawn(keep_inboxes(
+            Client::new(service, "genswap"),
+            "genswap".into(),
+            Scope(None),
+            index.clone(),
+            leadership,
+        ));
+        let first = "0f8fad5b-d9cb-469f-a165-70867728950e";
+        let second = "7c9e6679-7425-40de-944b-e07fc1f90ae7";
+
+        let (method, _, _, send) = next_request(&mut handle).await;
+        assert_eq!(
+            method,
+            http::Method::GET,
+            "the keeper lists the inboxes first"
+        );
+        send.send_response(respond(serde_json::json!({
+            "apiVersion": "v1", "kind": "ConfigMapList",
+            "metadata": {"resourceVersion": "1"}, "items": [],
+        })));
+
+        index.observe(&watcher::Event::Apply(attempt("web-n1-1", "n1", first)));
+        let (method, _, created, send) = next_request(&mut handle).await;
+        assert_eq!(method, http::Method::POST);
+        assert_eq!(created["data"], serde_json::json!({first: "apps/web-n1-1"}));
+
+        // The node's next attempt arrives while its inbox is being created.
+        index.observe(&watcher::Event::Apply(attempt("web-n1-2", "n1", second)));
+        send.send_response(respond(created));
+
+        let (method, uri, patch, send) = next_request(&mut handle).await;
+        assert_eq!(method, http::Method::PATCH, "{uri}");
+        assert!(uri.contains(&inbox_name("n1")), "{uri}");
+        assert_eq!(
+            patch,
+            serde_json::json!({"data": {second: "apps/web-n1-2"}}),
+            "the next write is the change alone, after the first ended"
+        );
+        send.send_response(respond(serde_json::json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": inbox_name("n1")},
+        })));
+        keeper.abort();
     }
 
     #[test]
@@ -638,8 +847,11 @@ mod tests {
         ]);
         assert_eq!(
             Scope(Some("apps".into())).of(Some(held.clone())),
-            entries(&[("u1", "apps/a")])
+            super::uids_of(&entries(&[("u1", "apps/a")]))
         );
-        assert_eq!(Scope(None).of(Some(held.clone())), held);
+        assert_eq!(
+            Scope(None).of(Some(held)),
+            super::uids_of(&entries(&[("u1", "apps/a"), ("u2", "other/b")]))
+        );
     }
 }
