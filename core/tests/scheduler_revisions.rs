@@ -11,6 +11,7 @@ mod scheduler_support;
 
 use genswap_core::scheduler::effective_mode;
 use genswap_crds::{Cause, Mode};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use scheduler_support::*;
 
 /// A controller restart: a new process builds its view from the stored
@@ -108,12 +109,15 @@ fn revisions_stay_unique_and_increasing_when_reserved_ahead_and_progress_waits()
     }
 }
 
+const ZONE: &str = "topology.kubernetes.io/zone";
+
 fn run_mixed(seed: u64, steps: usize, ahead: bool) {
     let mut rng = Rng(seed);
     let mut s = spec("b1");
-    s.rollout.canary_nodes = 1;
-    s.rollout.max_parallel = 2;
-    let mut world = World::new(ig(s), nodes(&["a", "b", "c", "d"]));
+    s.rollout.canary_nodes = IntOrString::Int(1);
+    s.rollout.max_parallel = IntOrString::Int(2);
+    let zoned = |name: &str| node(name, &[(ZONE, ["z1", "z2"][usize::from(name < "c")])]);
+    let mut world = World::new(ig(s), ["a", "b", "c", "d"].map(zoned).to_vec());
     world.ahead = ahead;
     let mut builds = 1;
     // Ahead, a third of the steps more end an attempt done, so rollouts
@@ -136,7 +140,31 @@ fn run_mixed(seed: u64, steps: usize, ahead: bool) {
                     Mode::Hold
                 }
             }),
-            5 => world.edit(|s| s.rollout.halt_on_failure = !s.rollout.halt_on_failure),
+            5 => {
+                // The rollout's knobs: the revisions must not care.
+                let knob = rng.below(5);
+                let parallel = rng.below(3);
+                world.edit(|s| match knob {
+                    0 | 1 => s.rollout.halt_on_failure = !s.rollout.halt_on_failure,
+                    2 => {
+                        s.rollout.waves = match s.rollout.waves {
+                            Some(_) => None,
+                            None => Some(genswap_crds::WavesSpec {
+                                by_label: ZONE.into(),
+                                order: vec!["z2".into()],
+                            }),
+                        }
+                    }
+                    3 => {
+                        s.rollout.max_parallel = match parallel {
+                            0 => IntOrString::String("50%".into()),
+                            1 => IntOrString::String("1%".into()),
+                            _ => IntOrString::Int(2),
+                        }
+                    }
+                    _ => s.rollout.bake_seconds = if s.rollout.bake_seconds == 0 { 60 } else { 0 },
+                })
+            }
             6 => {
                 let name = ["a", "b", "c", "d", "e"][rng.below(5)];
                 if world
@@ -148,7 +176,7 @@ fn run_mixed(seed: u64, steps: usize, ahead: bool) {
                         .nodes
                         .retain(|n| n.metadata.name.as_deref() != Some(name));
                 } else {
-                    world.nodes.push(node(name, &[]));
+                    world.nodes.push(zoned(name));
                 }
             }
             7 | 8 => {
@@ -221,8 +249,12 @@ fn run_mixed(seed: u64, steps: usize, ahead: bool) {
 /// keeps one attempt (the one carrying its record), and beside it its
 /// newest attempt when that one failed (held down, nothing replaced it).
 fn check_one_attempt_per_node_at_rest(world: &mut World, seed: u64) {
-    world.advance(3600);
-    world.roll_out();
+    // Each wave may bake before the next: one rollout per wave, an hour
+    // apart.
+    for _ in 0..4 {
+        world.advance(3600);
+        world.roll_out();
+    }
     let mut per_node: std::collections::BTreeMap<&str, Vec<&genswap_crds::SwapAttempt>> =
         Default::default();
     for attempt in &world.attempts {
@@ -241,8 +273,12 @@ fn check_one_attempt_per_node_at_rest(world: &mut World, seed: u64) {
         let allowed = if newest_failed { 2 } else { 1 };
         assert!(
             attempts.len() <= allowed,
-            "seed {seed}: node {node} keeps {} attempts at rest",
-            attempts.len()
+            "seed {seed}: node {node} keeps {} attempts at rest (revision, outcome): {:?}",
+            attempts.len(),
+            attempts
+                .iter()
+                .map(|a| (a.spec.sched_rev, a.status.as_ref().and_then(|s| s.outcome)))
+                .collect::<Vec<_>>(),
         );
     }
 }

@@ -6,6 +6,7 @@
 
 mod scheduler_support;
 
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use std::time::Duration;
 
 use genswap_core::scheduler::{LABEL_INSTANCE, LABEL_NODE, plan};
@@ -141,8 +142,8 @@ fn cohorts_follow_canary_nodes_and_max_parallel() {
     ];
     for case in cases {
         let mut s = spec("b1");
-        s.rollout.canary_nodes = case.canary_nodes;
-        s.rollout.max_parallel = case.max_parallel;
+        s.rollout.canary_nodes = IntOrString::Int(case.canary_nodes);
+        s.rollout.max_parallel = IntOrString::Int(case.max_parallel);
         let mut world = World::new(ig(s), nodes(&["a", "b", "c", "d"]));
         for (wave, expected) in case.waves.iter().enumerate() {
             let plan = world.reconcile();
@@ -162,7 +163,7 @@ fn cohorts_follow_canary_nodes_and_max_parallel() {
 #[test]
 fn a_canary_that_is_done_while_another_is_not_holds_the_rest_back() {
     let mut s = spec("b1");
-    s.rollout.canary_nodes = 2;
+    s.rollout.canary_nodes = IntOrString::Int(2);
     let mut world = World::new(ig(s), nodes(&["a", "b", "c"]));
     world.reconcile();
     world.finish("a", done());
@@ -533,8 +534,8 @@ fn a_failed_canary_halts_the_rollout_and_stalls() {
 #[test]
 fn a_failure_halts_new_attempts_while_those_in_flight_finish() {
     let mut s = spec("b1");
-    s.rollout.canary_nodes = 0;
-    s.rollout.max_parallel = 2;
+    s.rollout.canary_nodes = IntOrString::Int(0);
+    s.rollout.max_parallel = IntOrString::Int(2);
     let mut world = World::new(ig(s), nodes(&["a", "b", "c"]));
     assert_eq!(
         created(&world.reconcile()),
@@ -938,8 +939,8 @@ fn supersession_respects_the_cohorts_of_the_new_desired_state() {
 #[test]
 fn without_canaries_every_node_in_flight_is_superseded_at_once() {
     let mut s = spec("b1");
-    s.rollout.canary_nodes = 0;
-    s.rollout.max_parallel = 3;
+    s.rollout.canary_nodes = IntOrString::Int(0);
+    s.rollout.max_parallel = IntOrString::Int(3);
     let mut world = World::new(ig(s), nodes(&["a", "b", "c"]));
     world.reconcile();
     world.edit(|s| s.config_rev = "c2".into());
@@ -1123,8 +1124,8 @@ fn fleet_failing_with(reason: &str) -> (World, Vec<String>) {
     let names: Vec<String> = (0..150).map(|i| format!("n{i:03}")).collect();
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let mut s = spec("b1");
-    s.rollout.canary_nodes = 0;
-    s.rollout.max_parallel = 150;
+    s.rollout.canary_nodes = IntOrString::Int(0);
+    s.rollout.max_parallel = IntOrString::Int(150);
     s.rollout.halt_on_failure = false;
     let mut world = World::new(ig(s), nodes(&refs));
     assert_eq!(world.reconcile().create.len(), 150);

@@ -1,6 +1,7 @@
 //! `InstanceGeneration`: the build a user wants running on a set of nodes.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -127,20 +128,52 @@ const WATCHDOG_RULE: &str = "!has(self.liveness) || !has(self.liveness.watchdog)
 #[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct RolloutSpec {
-    /// The first cohort; it must be done before the rest start.
+    /// The first cohort, which must be done before the rest start: a number
+    /// of nodes, or a percentage of the selected nodes ("10%"), rounded up.
     #[serde(default = "one")]
-    #[x_kube(validation = Rule::new("self >= 0").message("rollout.canaryNodes must not be negative"))]
-    pub canary_nodes: i32,
-    /// Attempts in flight at once after the canaries.
+    #[x_kube(validation = Rule::new(CANARY_NODES_RULE).message("rollout.canaryNodes must be an integer of at least 0 or a percentage from 0% to 100%"))]
+    pub canary_nodes: IntOrString,
+    /// Attempts in flight at once after the canaries: a number, or a
+    /// percentage of the selected nodes ("10%"), rounded up, at least 1.
     #[serde(default = "one")]
-    #[x_kube(validation = Rule::new("self >= 1").message("rollout.maxParallel must be at least 1"))]
-    pub max_parallel: i32,
+    #[x_kube(validation = Rule::new(MAX_PARALLEL_RULE).message("rollout.maxParallel must be an integer of at least 1 or a percentage from 1% to 100%"))]
+    pub max_parallel: IntOrString,
     /// A failed or down outcome stops the rollout of that build.
     #[serde(default = "yes")]
     pub halt_on_failure: bool,
     /// No new attempts while true; attempts in flight finish (SPEC 4.5).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub paused: bool,
+    /// After the canaries, the nodes go one value of a node label at a
+    /// time, each wave done before the next starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waves: Option<WavesSpec>,
+    /// How long a finished wave (the canaries' too) runs before the next
+    /// one starts.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    #[x_kube(validation = Rule::new("self >= 0 && self <= 604800").message("rollout.bakeSeconds must be from 0 to 604800 (a week)"))]
+    pub bake_seconds: i64,
+    /// A rollout that makes no progress this long is `Stalled` with reason
+    /// `ProgressDeadlineExceeded` (as a Deployment's).
+    #[serde(default = "progress_deadline_seconds")]
+    #[x_kube(validation = Rule::new("self >= 1").message("rollout.progressDeadlineSeconds must be at least 1"))]
+    pub progress_deadline_seconds: i64,
+}
+
+/// Waves by a node label (SPEC 3.1 `rollout.waves`).
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct WavesSpec {
+    /// The node label whose values make the waves, such as
+    /// `topology.kubernetes.io/zone`. Nodes without it go last.
+    #[schemars(length(max = 317))]
+    #[x_kube(validation = Rule::new("size(self) > 0").message("rollout.waves.byLabel must name a node label"))]
+    pub by_label: String,
+    /// Values that go first, in this order; the others follow by name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    #[x_kube(validation = Rule::new("self.all(v, size(v) <= 63)").message("rollout.waves.order holds label values, at most 63 characters each"))]
+    pub order: Vec<String>,
 }
 
 impl Default for RolloutSpec {
@@ -150,12 +183,64 @@ impl Default for RolloutSpec {
             max_parallel: one(),
             halt_on_failure: yes(),
             paused: false,
+            waves: None,
+            bake_seconds: 0,
+            progress_deadline_seconds: progress_deadline_seconds(),
         }
     }
 }
 
-fn one() -> i32 {
-    1
+fn progress_deadline_seconds() -> i64 {
+    600
+}
+
+fn is_zero(value: &i64) -> bool {
+    *value == 0
+}
+
+fn one() -> IntOrString {
+    IntOrString::Int(1)
+}
+
+// `string(self)`, not `type(self)`: kube-cel, which checks manifests in
+// standalone mode, has no `type()`. A number in quotes is that number.
+const CANARY_NODES_RULE: &str = "string(self).matches('^(0|[1-9][0-9]*|(100|[1-9]?[0-9])%)$')";
+const MAX_PARALLEL_RULE: &str = "string(self).matches('^([1-9][0-9]*|(100|[1-9][0-9]?)%)$')";
+
+/// How many of `selected` nodes `value` names: an integer as it is (none
+/// when negative; a number in quotes too), a percentage rounded up as
+/// Deployments round `maxSurge`, and at least one when it is above 0%.
+/// `None` for other text (the schema refuses it).
+pub fn scaled_count(value: &IntOrString, selected: usize) -> Option<usize> {
+    match value {
+        IntOrString::Int(count) => Some(usize::try_from(*count).unwrap_or(0)),
+        IntOrString::String(text) => {
+            let Some(percent) = text.strip_suffix('%') else {
+                return text.parse().ok();
+            };
+            let percent: usize = percent.parse().ok()?;
+            if percent > 100 {
+                return None;
+            }
+            let count = (selected * percent).div_ceil(100);
+            Some(if percent > 0 { count.max(1) } else { 0 })
+        }
+    }
+}
+
+impl RolloutSpec {
+    /// The canary cohort's size on a fleet of `selected` nodes.
+    pub fn canaries(&self, selected: usize) -> usize {
+        scaled_count(&self.canary_nodes, selected).unwrap_or(1)
+    }
+
+    /// Attempts in flight at once after the canaries, on a fleet of
+    /// `selected` nodes.
+    pub fn parallel(&self, selected: usize) -> usize {
+        scaled_count(&self.max_parallel, selected)
+            .unwrap_or(1)
+            .max(1)
+    }
 }
 fn yes() -> bool {
     true
@@ -212,10 +297,38 @@ pub struct InstanceGenerationStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 5))]
     pub history: Vec<HistoryEntry>,
+    /// Where the rollout stands: its wave, a bake, its last progress.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<RolloutStatus>,
     /// `Ready`, `Reconciling` and `Stalled`, with their kstatus meanings.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
+}
+
+/// Where a rollout stands, bounded whatever the fleet.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutStatus {
+    /// The wave whose nodes go now, or that bakes: `canary`, a value of
+    /// `rollout.waves.byLabel`, or `(unlabelled)` for nodes without it;
+    /// absent once every wave is done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 63))]
+    pub wave: Option<String>,
+    /// Its place: 0 for the canaries, then 1 to `waves`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wave_index: Option<i32>,
+    /// How many waves follow the canaries (1 without `rollout.waves`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waves: Option<i32>,
+    /// The finished wave bakes until then (`rollout.bakeSeconds`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baking_until: Option<Time>,
+    /// When the rollout last moved: a node's attempt issued or finished,
+    /// a node newly serving, a new desired state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_progress_time: Option<Time>,
 }
 
 /// The desired tuple the controller compares every node against.
@@ -459,5 +572,37 @@ impl InstanceGenerationSpec {
             restart_id: self.restart_id.clone(),
             mode: self.mode,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_scale_as_deployments_round_max_surge() {
+        let of = |value: IntOrString, selected| scaled_count(&value, selected);
+        let text = |t: &str| IntOrString::String(t.into());
+        assert_eq!(of(IntOrString::Int(3), 10), Some(3));
+        assert_eq!(of(IntOrString::Int(-1), 10), Some(0));
+        assert_eq!(of(text("7"), 10), Some(7), "a number in quotes");
+        assert_eq!(of(text("10%"), 25), Some(3), "2.5 rounds up");
+        assert_eq!(of(text("10%"), 5_000), Some(500));
+        assert_eq!(of(text("1%"), 3), Some(1), "at least one above 0%");
+        assert_eq!(of(text("0%"), 100), Some(0));
+        assert_eq!(of(text("100%"), 7), Some(7));
+        assert_eq!(
+            of(text("10%"), 0),
+            Some(1),
+            "of no nodes: one, which finds none"
+        );
+        assert_eq!(of(text("101%"), 10), None);
+        assert_eq!(of(text("ten"), 10), None);
+        let rollout = RolloutSpec {
+            max_parallel: text("0%"),
+            ..RolloutSpec::default()
+        };
+        assert_eq!(rollout.parallel(10), 1, "never below one in flight");
+        assert_eq!(rollout.canaries(10), 1, "the default cohort");
     }
 }

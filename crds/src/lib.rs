@@ -25,7 +25,7 @@ pub use conditions::{ConditionType, set_condition};
 pub use instance_generation::{
     ANNOTATION_RECORD, DesiredState, HeldDown, HistoryArtifact, HistoryEntry, InstanceGeneration,
     InstanceGenerationSpec, InstanceGenerationStatus, LastAttempt, NODES_LISTED, NodeCounts,
-    NodeGeneration, NodeRecord, RolloutSpec,
+    NodeGeneration, NodeRecord, RolloutSpec, RolloutStatus, WavesSpec, scaled_count,
 };
 pub use probes::*;
 pub use sandbox::{

@@ -1,6 +1,7 @@
 //! Every manifest under `examples/` parses into the types, passes every CEL
 //! rule, and keeps its defaults through a serialisation round trip.
 
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use std::path::{Path, PathBuf};
 
 use genswap_crds::manifest::{ManifestError, parse_instance_generation};
@@ -70,8 +71,8 @@ spec:
     assert!(!spec.settle.all_nodes);
     assert_eq!(spec.stop.signal, StopSignal::Term);
     assert_eq!(spec.stop.timeout_seconds, 30);
-    assert_eq!(spec.rollout.canary_nodes, 1);
-    assert_eq!(spec.rollout.max_parallel, 1);
+    assert_eq!(spec.rollout.canary_nodes, IntOrString::Int(1));
+    assert_eq!(spec.rollout.max_parallel, IntOrString::Int(1));
     assert!(spec.rollout.halt_on_failure);
     assert_eq!(spec.socket.layout, SocketLayout::PerGeneration);
 

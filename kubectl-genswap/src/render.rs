@@ -5,6 +5,7 @@ use std::fmt::Write;
 use anstyle::{AnsiColor, Style};
 
 use crate::tree::{AttemptView, NodeView, SidecarView, Tree};
+use genswap_crds::RolloutStatus;
 
 /// Whether the text carries ANSI styles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,6 +52,10 @@ pub fn text(tree: &Tree, colour: Colour) -> String {
             counts.stalled,
             counts.attention
         );
+    }
+
+    if let Some(line) = tree.rollout.as_ref().and_then(rollout_line) {
+        let _ = writeln!(out, "  {line}");
     }
 
     let width = tree
@@ -211,4 +216,17 @@ impl Painter {
             Colour::Off => text.to_string(),
         }
     }
+}
+
+/// `wave zone-c (1 of 3)  bakes until …`, when a wave is under way.
+fn rollout_line(rollout: &RolloutStatus) -> Option<String> {
+    let wave = rollout.wave.as_deref()?;
+    let mut line = match (rollout.wave_index, rollout.waves) {
+        (Some(index), Some(waves)) if index > 0 => format!("wave {wave} ({index} of {waves})"),
+        _ => format!("wave {wave}"),
+    };
+    if let Some(until) = &rollout.baking_until {
+        line.push_str(&format!("  bakes until {}", until.0));
+    }
+    Some(line)
 }

@@ -9,7 +9,8 @@
 use std::collections::BTreeMap;
 
 use genswap_crds::{
-    InstanceGeneration, NodeCounts, NodeGeneration, NodeRecord, SwapAttempt, describe_exit,
+    InstanceGeneration, NodeCounts, NodeGeneration, NodeRecord, RolloutStatus, SwapAttempt,
+    describe_exit,
 };
 use k8s_openapi::jiff::Timestamp;
 use serde::Serialize;
@@ -37,6 +38,8 @@ pub struct Tree {
     pub history: Vec<String>,
     /// How many selected nodes are where, as the status counts them.
     pub counts: Option<NodeCounts>,
+    /// The rollout's wave, bake and last progress, as the status says.
+    pub rollout: Option<RolloutStatus>,
     pub conditions: Vec<ConditionView>,
     pub nodes: Vec<NodeView>,
 }
@@ -116,7 +119,6 @@ pub fn build(
     let spec = &ig.spec;
     let status = ig.status.clone().unwrap_or_default();
     let name = ig.metadata.name.clone().unwrap_or_default();
-    let canaries = usize::try_from(spec.rollout.canary_nodes).unwrap_or(0);
     let mut ours: Vec<&SwapAttempt> = attempts
         .iter()
         .filter(|a| a.spec.instance == name)
@@ -143,6 +145,10 @@ pub fn build(
             recorded.insert(node.clone());
         }
     }
+    let selected = status.counts.as_ref().map_or(entries.len(), |counts| {
+        usize::try_from(counts.selected).unwrap_or(0)
+    });
+    let canaries = spec.rollout.canaries(selected);
     let nodes = entries
         .values()
         .enumerate()
@@ -160,6 +166,7 @@ pub fn build(
         good_build: status.good_build.clone(),
         history: status.history.iter().map(|h| h.build.clone()).collect(),
         counts: status.counts.clone(),
+        rollout: status.rollout.clone(),
         conditions: status
             .conditions
             .iter()

@@ -52,7 +52,8 @@ fn mid_rollout() -> Value {
         "spec": {
             "build": {"id": "b2", "artifact": {"path": "/srv/builds/b2"}, "sha256": sha("b2")},
             "retry": "token-1",
-            "rollout": {"canaryNodes": 1, "maxParallel": 1}
+            "rollout": {"canaryNodes": 1, "maxParallel": "10%",
+                        "waves": {"byLabel": "topology.kubernetes.io/zone"}}
         },
         "status": {
             "observedGeneration": 2,
@@ -72,6 +73,7 @@ fn mid_rollout() -> Value {
                                "message": "exit code 1, 3 in a row; starting it again in 40.0s"}]},
                 {"name": "c", "generation": 3, "build": "b1", "serving": true}
             ],
+            "rollout": {"wave": "zone-b", "waveIndex": 2, "waves": 3, "lastProgressTime": at(60)},
             "conditions": [
                 {"type": "Ready", "status": "False", "reason": "RolloutInProgress", "message": "1/3 nodes serve build b2; not yet: b, c", "lastTransitionTime": at(60)},
                 {"type": "Reconciling", "status": "True", "reason": "RolloutInProgress", "message": "moving to build b2: 1 attempt(s) in flight, 1 node(s) waiting their turn", "lastTransitionTime": at(60)},

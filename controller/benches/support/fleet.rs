@@ -4,6 +4,7 @@
 //! attempts in flight) or settled (every node on b1). Shared by the
 //! benches that plan.
 
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use std::collections::HashSet;
 
 use genswap_core::scheduler::{Plan, plan};
@@ -33,7 +34,7 @@ pub fn spec(build: &str, max_parallel: i32) -> InstanceGenerationSpec {
         "process": { "args": ["--listen", "$GENSWAP_SOCKET"], "env": [{ "name": "RUST_LOG", "value": "info" }] },
     }))
     .unwrap_or_else(|e| panic!("the benchmark's spec is valid: {e}"));
-    spec.rollout.max_parallel = max_parallel;
+    spec.rollout.max_parallel = IntOrString::Int(max_parallel);
     spec
 }
 

@@ -43,6 +43,9 @@ pub mod reasons {
     /// Ready=True, and a sidecar of a serving generation is not running
     /// (exited, backing off): the instance serves, its helper does not.
     pub const SIDECAR_DOWN: &str = "SidecarDown";
+    /// Stalled: the rollout has not moved for
+    /// `rollout.progressDeadlineSeconds`.
+    pub const PROGRESS_DEADLINE_EXCEEDED: &str = "ProgressDeadlineExceeded";
 }
 
 /// At most this many names in one message.
@@ -57,6 +60,7 @@ pub(super) fn write(
     ctx: &Context<'_>,
     progress: &Progress<'_>,
     book: &FailureBook,
+    wave_names: &[String],
 ) {
     let generation = ctx.generation;
     let now = &ctx.now;
@@ -76,7 +80,10 @@ pub(super) fn write(
     });
     let stall_reason = held
         .or((!left_down.is_empty()).then_some(reasons::GENERATION_EXITED))
-        .or((!progress.refused.is_empty()).then_some(reasons::REPEATED_REFUSAL));
+        .or((!progress.refused.is_empty()).then_some(reasons::REPEATED_REFUSAL))
+        .or(progress
+            .deadline_exceeded
+            .map(|_| reasons::PROGRESS_DEADLINE_EXCEEDED));
     // Down between attempts, the agent restarting it: not stalled, not ready.
     let between_reason = if progress
         .down_between
@@ -192,8 +199,10 @@ pub(super) fn write(
         (
             reason,
             format!(
-                "moving to {target}: {} attempt(s) in flight, {} node(s) waiting their turn",
-                progress.in_flight, progress.waiting
+                "moving to {target}: {} attempt(s) in flight, {} node(s) waiting their turn{}",
+                progress.in_flight,
+                progress.waiting,
+                wave_note(progress, wave_names)
             ),
         )
     } else {
@@ -211,6 +220,22 @@ pub(super) fn write(
 
     let (stalled_reason, stalled_message) = match (held, stall_reason) {
         (Some(reason), _) => (reason, stall_message(ctx, progress, book)),
+        (None, Some(reasons::PROGRESS_DEADLINE_EXCEEDED)) => (
+            reasons::PROGRESS_DEADLINE_EXCEEDED,
+            format!(
+                "no progress toward {target} for {} s (rollout.progressDeadlineSeconds {}); {}",
+                progress.deadline_exceeded.unwrap_or_default(),
+                ctx.spec.rollout.progress_deadline_seconds,
+                if progress.in_flight_nodes.is_empty() {
+                    format!("waiting on: {}", names(&progress.not_ready))
+                } else {
+                    format!(
+                        "attempts in flight on: {}",
+                        names(&progress.in_flight_nodes)
+                    )
+                }
+            ),
+        ),
         (None, Some(reasons::REPEATED_REFUSAL)) => (
             reasons::REPEATED_REFUSAL,
             format!(
@@ -245,6 +270,33 @@ pub(super) fn write(
         "Stalled" => 2,
         _ => 3,
     });
+}
+
+/// `; wave zone-b (2 of 5)`, or the wave that bakes, when there are waves
+/// to tell apart.
+fn wave_note(progress: &Progress<'_>, wave_names: &[String]) -> String {
+    let Some(wave) = progress.position.wave else {
+        return String::new();
+    };
+    if wave_names.len() <= 2 && progress.position.baking_until.is_none() {
+        // The canaries, then the rest: nothing the message does not say.
+        return String::new();
+    }
+    let name = wave_names.get(wave).map_or("", String::as_str);
+    let place = if wave == 0 {
+        String::new()
+    } else {
+        format!(" ({wave} of {})", wave_names.len().saturating_sub(1))
+    };
+    match progress.position.baking_until {
+        Some(until) => format!(
+            "; wave {name}{place} is done and bakes until {} (rollout.bakeSeconds)",
+            k8s_openapi::jiff::Timestamp::from_millisecond(until)
+                .map(|t| t.to_string())
+                .unwrap_or_default()
+        ),
+        None => format!("; wave {name}{place}"),
+    }
 }
 
 fn stall_message(ctx: &Context<'_>, progress: &Progress<'_>, book: &FailureBook) -> String {

@@ -41,6 +41,7 @@
 //!   finish, and `Reconciling` says `Paused` while nodes wait for it.
 
 mod conditions;
+mod deadline;
 mod failure_book;
 mod history;
 mod listing;
@@ -51,6 +52,7 @@ mod records;
 mod revisions;
 mod rollout;
 mod supervision;
+mod waves;
 
 use std::borrow::Borrow;
 use std::time::Duration;
@@ -181,11 +183,24 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
     let mut status = previous.cloned().unwrap_or_default();
     let mut events = Vec::new();
 
-    let selected = rollout::select_nodes(&ctx.spec.node_selector, nodes);
+    let waves_spec = ctx.spec.rollout.waves.as_ref();
+    let selected = rollout::select_nodes(
+        &ctx.spec.node_selector,
+        nodes,
+        waves_spec.map(|waves| waves.by_label.as_str()),
+    );
+    let values: Vec<Option<&str>> = selected.iter().map(|(_, value)| *value).collect();
+    let selected: Vec<&str> = selected.into_iter().map(|(name, _)| name).collect();
+    let waves = waves::assign(
+        waves_spec,
+        &values,
+        ctx.spec.rollout.canaries(selected.len()),
+    );
+    drop(values);
     let (sorted_attempts, newest_rev) = sort_attempts(&ctx, attempts);
     let (mut slots, strays) = gather(
-        &ctx,
         &selected,
+        &waves.of_node,
         &sorted_attempts,
         std::mem::take(&mut status.nodes),
     );
@@ -215,7 +230,7 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
         }
     }
 
-    let decisions = rollout::decide(&ctx, &slots, &book);
+    let mut decisions = rollout::decide(&ctx, &slots, &book, waves.names.len());
 
     let mut issuer = revisions::Issuer::new(revisions, status.sched_rev, newest_rev);
     let mut create = Vec::with_capacity(decisions.issues.len());
@@ -244,10 +259,39 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
     }
 
     let mut delete = strays;
+    // `stalled` is in node order, as the slots are.
+    let mut stalled = decisions.progress.stalled.iter().peekable();
     for slot in &slots {
-        delete.extend(rollout::expired(slot));
+        let held = stalled.next_if(|name| **name == slot.name).is_some();
+        delete.extend(rollout::expired(slot, !held));
     }
 
+    let (rollout_status, deadline) = deadline::observe(
+        previous,
+        &ctx,
+        &decisions.progress,
+        &waves.names,
+        !create.is_empty(),
+    );
+    decisions.progress.deadline_exceeded = deadline.exceeded_after;
+    if let Some(after) = deadline.exceeded_after
+        && !previous.is_some_and(|status| {
+            status
+                .conditions
+                .iter()
+                .any(|c| c.type_ == "Stalled" && c.reason == reasons::PROGRESS_DEADLINE_EXCEEDED)
+        })
+    {
+        events.push(PlanEvent {
+            warning: true,
+            reason: reasons::PROGRESS_DEADLINE_EXCEEDED.into(),
+            message: format!(
+                "no progress toward build {} for {after} s (rollout.progressDeadlineSeconds {})",
+                ctx.desired.build, ctx.spec.rollout.progress_deadline_seconds
+            ),
+        });
+    }
+    status.rollout = Some(rollout_status);
     let progress = &decisions.progress;
     let (records, carried) = records::writes(&slots, book.entries());
     status.good_build = good_build(&slots).or(status.good_build);
@@ -259,7 +303,7 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
     status.sched_rev = issuer.sched_rev(progress.waiting);
     status.observed_generation = ctx.generation;
     status.desired = Some(ctx.desired.clone());
-    conditions::write(&mut status.conditions, &ctx, progress, &book);
+    conditions::write(&mut status.conditions, &ctx, progress, &book, &waves.names);
     let listing = listing::List::new(&slots, progress, book.into_entries(), &carried);
     listing.write(&mut status);
     let status_may_wait = pacing::status_may_wait(previous, &status, progress.in_flight, &events);
@@ -271,7 +315,10 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
         status,
         status_may_wait,
         events,
-        requeue_after: decisions.requeue_after,
+        requeue_after: match (decisions.requeue_after, deadline.due_in) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        },
     }
 }
 
@@ -312,6 +359,8 @@ impl<'a> Context<'a> {
 struct NodeSlot<'a> {
     name: &'a str,
     canary: bool,
+    /// Its wave: 0 for the canaries ([`waves`]).
+    wave: usize,
     attempts: &'a [&'a SwapAttempt],
     /// The record as read, and the attempt that carries it.
     recorded: Option<(&'a SwapAttempt, NodeRecord)>,
@@ -350,8 +399,8 @@ fn sort_attempts<'a, A: Borrow<SwapAttempt>>(
 /// whose attempts are gone). Returns the slots and the names of attempts
 /// on nodes no longer selected.
 fn gather<'a>(
-    ctx: &Context<'_>,
     selected: &[&'a str],
+    wave_of_node: &[usize],
     sorted_attempts: &'a [&'a SwapAttempt],
     mut previous_entries: Vec<NodeGeneration>,
 ) -> (Vec<NodeSlot<'a>>, Vec<String>) {
@@ -363,7 +412,6 @@ fn gather<'a>(
     let mut groups = sorted_attempts
         .chunk_by(|a, b| a.spec.node_name == b.spec.node_name)
         .peekable();
-    let canaries = usize::try_from(ctx.spec.rollout.canary_nodes).unwrap_or(0);
     let mut strays: Vec<&SwapAttempt> = Vec::new();
     let mut slots = Vec::with_capacity(selected.len());
     for (index, &name) in selected.iter().enumerate() {
@@ -391,7 +439,8 @@ fn gather<'a>(
             .map(|last| (last.sched_rev, last.outcome));
         slots.push(NodeSlot {
             name,
-            canary: index < canaries,
+            canary: wave_of_node.get(index) == Some(&0),
+            wave: wave_of_node.get(index).copied().unwrap_or(0),
             attempts,
             recorded,
             last_before,

@@ -66,15 +66,29 @@ pub fn abandoned_backoff(consecutive: usize) -> Duration {
 }
 
 /// The names of the nodes `selector` picks, sorted: the rollout order.
-pub(super) fn select_nodes<'a>(selector: &NodeSelector, nodes: &'a [Node]) -> Vec<&'a str> {
-    let mut names: Vec<&str> = nodes
+/// The selected nodes, sorted by name, each with its value of `label`.
+pub(super) fn select_nodes<'a>(
+    selector: &NodeSelector,
+    nodes: &'a [Node],
+    label: Option<&str>,
+) -> Vec<(&'a str, Option<&'a str>)> {
+    let mut selected: Vec<(&str, Option<&str>)> = nodes
         .iter()
         .filter(|node| selects(selector, node.metadata.labels.as_ref()))
-        .filter_map(|node| node.metadata.name.as_deref())
+        .filter_map(|node| {
+            let value = label.and_then(|label| {
+                node.metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|labels| labels.get(label))
+                    .map(String::as_str)
+            });
+            Some((node.metadata.name.as_deref()?, value))
+        })
         .collect();
-    names.sort_unstable();
-    names.dedup();
-    names
+    selected.sort_unstable_by_key(|(name, _)| *name);
+    selected.dedup_by_key(|(name, _)| *name);
+    selected
 }
 
 /// One attempt to create.
@@ -116,6 +130,21 @@ pub(super) struct Progress<'a> {
     pub paused: usize,
     /// Ready nodes with a sidecar that is not running, and how each is.
     pub sidecars_down: Vec<(&'a str, String)>,
+    /// Nodes with an attempt in flight once this plan's attempts exist.
+    pub in_flight_nodes: Vec<&'a str>,
+    /// The wave that goes now.
+    pub position: Position,
+    /// Seconds without progress, once past `rollout.progressDeadlineSeconds`.
+    pub deadline_exceeded: Option<i64>,
+}
+
+/// Where the waves stand.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Position {
+    /// The wave whose nodes go now, or that bakes; `None` once all are done.
+    pub wave: Option<usize>,
+    /// When the baking wave's bake ends (ms since the epoch).
+    pub baking_until: Option<i64>,
 }
 
 pub(super) struct Decisions<'a> {
@@ -168,32 +197,81 @@ impl Facts {
     }
 }
 
+/// Which wave goes now: the first that is not finished, or that finished
+/// and bakes while a later one waits. A wave is finished when each of its
+/// nodes serves the desired state, or (without haltOnFailure, where a held
+/// node no longer holds the rest back) is held down.
+fn position(
+    ctx: &Context<'_>,
+    slots: &[NodeSlot<'_>],
+    facts: &[Facts],
+    wave_count: usize,
+    now_ms: i64,
+) -> Position {
+    let mut finished = vec![true; wave_count];
+    let mut finished_at: Vec<Option<i64>> = vec![None; wave_count];
+    for (slot, f) in slots.iter().zip(facts) {
+        let Some(done) = finished.get_mut(slot.wave) else {
+            continue;
+        };
+        if f.serves {
+            let since = slot
+                .entry
+                .since
+                .as_ref()
+                .map(|since| since.0.as_millisecond());
+            let at = &mut finished_at[slot.wave];
+            *at = (*at).max(since);
+        } else if ctx.halt || !f.held {
+            *done = false;
+        }
+    }
+    let bake_ms = ctx.spec.rollout.bake_seconds.saturating_mul(1000);
+    for wave in 0..wave_count {
+        if !finished[wave] {
+            return Position {
+                wave: Some(wave),
+                baking_until: None,
+            };
+        }
+        let later_waits = finished[wave + 1..].iter().any(|done| !done);
+        if let Some(at) = finished_at[wave]
+            && bake_ms > 0
+            && later_waits
+            && at.saturating_add(bake_ms) > now_ms
+        {
+            return Position {
+                wave: Some(wave),
+                baking_until: Some(at.saturating_add(bake_ms)),
+            };
+        }
+    }
+    Position::default()
+}
+
 /// Decides the attempts of this plan, in node order.
 pub(super) fn decide<'a>(
     ctx: &Context<'_>,
     slots: &[NodeSlot<'a>],
     book: &FailureBook,
+    wave_count: usize,
 ) -> Decisions<'a> {
     let desired = &ctx.desired;
     let now_ms = ctx.now.0.as_millisecond();
-    let max_parallel = usize::try_from(ctx.spec.rollout.max_parallel)
-        .unwrap_or(1)
-        .max(1);
+    let max_parallel = ctx.spec.rollout.parallel(slots.len());
     let facts: Vec<Facts> = slots.iter().map(|s| Facts::of(s, ctx, book)).collect();
-    // Under haltOnFailure a held canary stops everything anyway; without it
-    // a canary the book stops no longer holds the rest back.
-    let canaries_done = slots
-        .iter()
-        .zip(&facts)
-        .filter(|(slot, _)| slot.canary)
-        .all(|(_, f)| f.serves || (!ctx.halt && f.held));
+    let position = position(ctx, slots, &facts, wave_count, now_ms);
+    // The waves whose nodes may go: those up to the one that goes now, but
+    // not past a wave that bakes.
+    let open_through = position.wave.unwrap_or(usize::MAX);
     let retry_targets = retry_targets(ctx, slots, &facts, book);
 
     let mut in_flight = facts.iter().filter(|f| f.in_flight).count();
     let mut issues = Vec::new();
-    let mut earliest_due: Option<i64> = None;
+    let mut earliest_due: Option<i64> = position.baking_until;
     let mut progress = Progress {
         selected: slots.len(),
+        position,
         ..Progress::default()
     };
 
@@ -287,7 +365,8 @@ pub(super) fn decide<'a>(
             continue;
         }
         let others_in_flight = in_flight - usize::from(f.in_flight);
-        let turn = slot.canary || (canaries_done && others_in_flight < max_parallel);
+        let open = slot.wave <= open_through;
+        let turn = slot.canary || (open && others_in_flight < max_parallel);
         if !turn {
             progress.waiting += 1;
             continue;
@@ -310,6 +389,12 @@ pub(super) fn decide<'a>(
         in_flight = facts.iter().filter(|f| f.in_flight).count();
     }
     progress.in_flight = in_flight;
+    let mut issued = issues.iter().map(|issue| issue.slot).peekable();
+    for (index, (slot, f)) in slots.iter().zip(&facts).enumerate() {
+        if issued.next_if_eq(&index).is_some() || f.in_flight {
+            progress.in_flight_nodes.push(slot.name);
+        }
+    }
     Decisions {
         issues,
         requeue_after: earliest_due
@@ -466,8 +551,9 @@ fn repeated_refusal(attempts: &[&SwapAttempt], desired: &DesiredState) -> Option
 /// newest attempt when it failed, until a newer one is issued (its steps
 /// and conditions explain the failure, which the record only names); and a
 /// trailing run of abandoned attempts up to [`ABANDONED_RUN_KEPT`] (the
-/// backoff counts them).
-pub(super) fn expired(slot: &NodeSlot<'_>) -> Vec<String> {
+/// backoff counts them), unless `backoff_counts` is false: the failure
+/// book stops the node, so no attempt will wait on them.
+pub(super) fn expired(slot: &NodeSlot<'_>, backoff_counts: bool) -> Vec<String> {
     let Some((carrier, record)) = &slot.recorded else {
         return Vec::new();
     };
@@ -484,6 +570,9 @@ pub(super) fn expired(slot: &NodeSlot<'_>) -> Vec<String> {
     let settled = &attempts[..attempts.len() - in_flight];
     let run = match settled.last() {
         Some(newest) if in_flight == 0 && outcome(newest) == Some(Outcome::Failed) => 1,
+        // A node the failure book stops gets no attempt the run would
+        // pace: a spent retry's abandoned attempt is history, not backoff.
+        _ if !backoff_counts => 0,
         _ => settled
             .iter()
             .rev()
