@@ -155,15 +155,19 @@ fn a_finished_wave_bakes_before_the_next_starts() {
     assert!(plan.create.is_empty(), "the canary bakes first");
     let position = rollout(&plan);
     assert_eq!(position.wave.as_deref(), Some("canary"));
-    assert_eq!(position.baking_until, Some(time(T0 + 300)));
+    assert_eq!(
+        position.baking_until,
+        Some(time(T0 + 301)),
+        "from the end of the second the canary took over in"
+    );
     assert_eq!(
         plan.requeue_after,
-        Some(std::time::Duration::from_secs(300)),
+        Some(std::time::Duration::from_secs(301)),
         "the controller looks again when the bake ends"
     );
     assert!(message(&plan.status, "Reconciling").contains("bakes until"));
 
-    world.advance(299);
+    world.advance(300);
     assert!(world.reconcile().create.is_empty());
     world.advance(1);
     let plan = world.reconcile();
@@ -175,7 +179,7 @@ fn a_finished_wave_bakes_before_the_next_starts() {
     world.finish_all_done();
     let plan = world.reconcile();
     assert!(plan.create.is_empty(), "z1 bakes");
-    world.advance(300);
+    world.advance(301);
     assert_eq!(created_nodes(&world.reconcile()), ["n01", "n03"]);
     world.finish_all_done();
     let plan = world.reconcile();

@@ -215,11 +215,14 @@ fn position(
             continue;
         };
         if f.serves {
+            // A record keeps whole seconds: the node took over at most a
+            // second after its `since`, so the wave counts as done at the
+            // end of that second, and no bake is cut short.
             let since = slot
                 .entry
                 .since
                 .as_ref()
-                .map(|since| since.0.as_millisecond());
+                .map(|since| since.0.as_millisecond().div_euclid(1000) * 1000 + 1000);
             let at = &mut finished_at[slot.wave];
             *at = (*at).max(since);
         } else if ctx.halt || !f.held {
