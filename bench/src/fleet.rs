@@ -39,6 +39,7 @@ use crate::{BenchError, Binaries};
 const NAMESPACE: &str = "fleet";
 const CHART_NAMESPACE: &str = "genswap-system";
 const POOL_LABEL: &str = "genswap.dev/fleet-pool";
+const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 /// Nodes created at once.
 const NODE_WRITERS: usize = 32;
 /// Status writes of the simulated agents in flight at once.
@@ -67,6 +68,11 @@ pub struct FleetOptions {
     pub igs: usize,
     /// How long a simulated agent takes to answer an attempt.
     pub answer_after: Duration,
+    /// Zones the Nodes are spread over round robin, each a wave of every
+    /// IG's rollout (`rollout.waves`); 0: no waves.
+    pub zones: usize,
+    /// Every IG's `rollout.maxParallel` (`10%`, `50`); the fleet when `None`.
+    pub max_parallel: Option<String>,
     /// Another `genswap-controller` run on the same fleet first (an older
     /// build), so before and after come from one run.
     pub compare: Option<PathBuf>,
@@ -90,6 +96,10 @@ pub struct FleetReport {
     /// no InstanceGeneration yet, KiB: what it costs before any attempt.
     #[serde(default)]
     pub controller_idle_kib: Option<u64>,
+    /// The IGs' rollout when not the default one (`maxParallel` covering
+    /// the fleet, no waves).
+    #[serde(default)]
+    pub rollout: String,
 }
 
 /// One phase (install, release) of one fleet size.
@@ -215,10 +225,13 @@ async fn run_one(
     let began = Instant::now();
     futures::stream::iter((0..nodes).map(|i| {
         let plane = &plane;
+        let zone = (options.zones > 0).then(|| format!("zone-{}", i % options.zones));
         async move {
-            plane
-                .create_node(&format!("fleet-{i:05}"), &[(POOL_LABEL, "a")])
-                .await;
+            let mut labels = vec![(POOL_LABEL, "a")];
+            if let Some(zone) = &zone {
+                labels.push((ZONE_LABEL, zone.as_str()));
+            }
+            plane.create_node(&format!("fleet-{i:05}"), &labels).await;
         }
     }))
     .buffer_unordered(NODE_WRITERS)
@@ -273,11 +286,15 @@ async fn run_one(
         leadership_changes: 0,
         step_downs: 0,
         controller_idle_kib,
+        rollout: rollout_summary(options),
     };
+    if !report.rollout.is_empty() {
+        println!("  rollout: {}", report.rollout);
+    }
     // Each phase's row is printed as it ends: a later phase that fails
     // must not take an earlier one's figures with it.
     let install = run_phase(&fleet, "install", &mut processes, |name| {
-        Write::Create(instance_generation(name, nodes, "build-a"))
+        Write::Create(instance_generation(name, nodes, "build-a", options))
     })
     .await?;
     print!("  {}", row(&report, &install));
@@ -703,10 +720,36 @@ fn done_status(attempt: &SwapAttempt, generation: i64, started: Timestamp) -> se
     }})
 }
 
-fn instance_generation(name: &str, nodes: usize, build: &str) -> serde_json::Value {
+fn instance_generation(
+    name: &str,
+    nodes: usize,
+    build: &str,
+    options: &FleetOptions,
+) -> serde_json::Value {
     let mut ig = ig_manifest(NAMESPACE, name, POOL_LABEL, build_spec(build));
-    ig["spec"]["rollout"] = json!({"maxParallel": nodes});
+    let max_parallel = match &options.max_parallel {
+        Some(value) => value
+            .parse::<u64>()
+            .map_or_else(|_| json!(value), |count| json!(count)),
+        None => json!(nodes),
+    };
+    ig["spec"]["rollout"] = json!({"maxParallel": max_parallel});
+    if options.zones > 0 {
+        ig["spec"]["rollout"]["waves"] = json!({"byLabel": ZONE_LABEL});
+    }
     ig
+}
+
+/// `maxParallel 10%, 5 zone waves`, or nothing for the default rollout.
+fn rollout_summary(options: &FleetOptions) -> String {
+    let mut parts = Vec::new();
+    if let Some(value) = &options.max_parallel {
+        parts.push(format!("maxParallel {value}"));
+    }
+    if options.zones > 0 {
+        parts.push(format!("{} zone waves", options.zones));
+    }
+    parts.join(", ")
 }
 
 fn build_spec(id: &str) -> serde_json::Value {
@@ -724,6 +767,12 @@ pub fn markdown(reports: &[FleetReport]) -> String {
         for phase in &report.phases {
             out.push_str(&row(report, phase));
         }
+    }
+    for report in reports.iter().filter(|report| !report.rollout.is_empty()) {
+        out.push_str(&format!(
+            "\n{} at {} × {}: {}.\n",
+            report.controller, report.nodes, report.igs, report.rollout
+        ));
     }
     out
 }

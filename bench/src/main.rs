@@ -175,6 +175,15 @@ struct FleetArgs {
     /// How long a simulated agent takes to answer an attempt, ms.
     #[arg(long, default_value_t = 1000)]
     answer_ms: u64,
+    /// Zones: the Nodes get `topology.kubernetes.io/zone` values round
+    /// robin, and the IGs go one zone at a time (`rollout.waves`). 0: no
+    /// waves.
+    #[arg(long, default_value_t = 0)]
+    zones: usize,
+    /// `rollout.maxParallel` of every IG, a number or a percentage
+    /// (`10%`); the whole fleet when not given.
+    #[arg(long)]
+    max_parallel: Option<String>,
     /// Another genswap-controller binary (an older build) to run on each
     /// fleet first, for before and after in one run.
     #[arg(long)]
@@ -477,6 +486,8 @@ async fn run_fleet(args: FleetArgs) -> Result<(), BenchError> {
         nodes: args.nodes.clone(),
         igs: args.igs,
         answer_after: Duration::from_millis(args.answer_ms),
+        zones: args.zones,
+        max_parallel: args.max_parallel.clone(),
         compare: args.compare.clone(),
         compare_crds: args.compare_crds.clone(),
     };

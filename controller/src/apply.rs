@@ -244,6 +244,13 @@ pub async fn apply_plan(
         }
         write_status(ctx, ig, &name, &namespace, &plan.status).await?;
         done.status_written = true;
+        let (wave_started, deadline_exceeded) = rollout_milestones(previous, &plan.status);
+        if wave_started {
+            ctx.metrics.wave_started();
+        }
+        if deadline_exceeded {
+            ctx.metrics.progress_deadline_exceeded();
+        }
     } else {
         debug!(%name, "status unchanged; no write");
     }
@@ -584,6 +591,34 @@ async fn create_attempt(
     }
 }
 
+/// Whether writing `next` over `previous` starts a rollout wave (one whose
+/// nodes go, not one that bakes), and whether it turns the rollout Stalled
+/// past its progress deadline: counted once the status says so.
+fn rollout_milestones(
+    previous: Option<&InstanceGenerationStatus>,
+    next: &InstanceGenerationStatus,
+) -> (bool, bool) {
+    let going = |status: &InstanceGenerationStatus| {
+        status
+            .rollout
+            .as_ref()
+            .filter(|rollout| rollout.baking_until.is_none())
+            .and_then(|rollout| rollout.wave_index)
+    };
+    let past_deadline = |status: &InstanceGenerationStatus| {
+        status.conditions.iter().any(|c| {
+            c.type_ == "Stalled"
+                && c.status == "True"
+                && c.reason == genswap_core::scheduler::reasons::PROGRESS_DEADLINE_EXCEEDED
+        })
+    };
+    let wave = going(next);
+    (
+        wave.is_some() && wave != previous.and_then(going),
+        past_deadline(next) && !previous.is_some_and(past_deadline),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -688,5 +723,57 @@ mod tests {
         assert_eq!(body["kind"], "InstanceGeneration");
         assert_eq!(body["metadata"]["resourceVersion"], "42");
         assert_eq!(body["status"]["schedRev"], 7);
+    }
+
+    #[test]
+    fn a_wave_and_a_passed_deadline_count_once_when_the_status_first_says_so() {
+        use genswap_crds::RolloutStatus;
+        let at = |wave: Option<i32>, baking: bool| InstanceGenerationStatus {
+            rollout: Some(RolloutStatus {
+                wave_index: wave,
+                baking_until: baking.then_some(
+                    k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                        k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+                    ),
+                ),
+                ..RolloutStatus::default()
+            }),
+            ..InstanceGenerationStatus::default()
+        };
+        assert_eq!(rollout_milestones(None, &at(Some(0), false)), (true, false));
+        assert_eq!(
+            rollout_milestones(Some(&at(Some(0), false)), &at(Some(0), false)),
+            (false, false)
+        );
+        assert_eq!(
+            rollout_milestones(Some(&at(Some(0), false)), &at(Some(0), true)),
+            (false, false)
+        );
+        assert_eq!(
+            rollout_milestones(Some(&at(Some(0), true)), &at(Some(1), false)),
+            (true, false)
+        );
+        assert_eq!(
+            rollout_milestones(Some(&at(Some(1), false)), &at(None, false)),
+            (false, false)
+        );
+
+        let mut stalled = at(Some(1), false);
+        genswap_crds::set_condition(
+            &mut stalled.conditions,
+            genswap_crds::ConditionType::Stalled,
+            true,
+            genswap_core::scheduler::reasons::PROGRESS_DEADLINE_EXCEEDED,
+            "no progress",
+            None,
+            &k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            ),
+        );
+        assert_eq!(
+            rollout_milestones(Some(&at(Some(1), false)), &stalled),
+            (false, true)
+        );
+        assert_eq!(rollout_milestones(Some(&stalled), &stalled), (false, false));
     }
 }

@@ -87,6 +87,8 @@ pub struct Metrics {
     outcomes: Family<OutcomeLabels, Counter>,
     plans_deferred: Family<DeferLabels, Counter>,
     status_writes_put_off: Counter,
+    waves_started: Counter,
+    progress_deadlines_exceeded: Counter,
     reconcile_duration: Histogram,
     leader: Gauge,
     attempts_cached: Gauge,
@@ -114,6 +116,8 @@ impl Metrics {
         let outcomes = Family::<OutcomeLabels, Counter>::default();
         let plans_deferred = Family::<DeferLabels, Counter>::default();
         let status_writes_put_off = Counter::default();
+        let waves_started = Counter::default();
+        let progress_deadlines_exceeded = Counter::default();
         // 1 ms .. ~16 s: a reconcile is a few API calls at most.
         let reconcile_duration = Histogram::new(exponential_buckets(0.001, 2.0, 15));
         let leader = Gauge::default();
@@ -149,6 +153,16 @@ impl Metrics {
             "status_writes_put_off",
             "Reconciles that put off a status write recording only progress while attempts were in flight",
             status_writes_put_off.clone(),
+        );
+        registry.register(
+            "rollout_waves_started",
+            "Rollout waves (the canaries' included) whose nodes started, as the status recorded them",
+            waves_started.clone(),
+        );
+        registry.register(
+            "progress_deadlines_exceeded",
+            "Rollouts that turned Stalled with ProgressDeadlineExceeded",
+            progress_deadlines_exceeded.clone(),
         );
         registry.register_with_unit(
             "reconcile_duration",
@@ -186,6 +200,8 @@ impl Metrics {
             outcomes,
             plans_deferred,
             status_writes_put_off,
+            waves_started,
+            progress_deadlines_exceeded,
             reconcile_duration,
             leader,
             attempts_cached,
@@ -263,6 +279,16 @@ impl Metrics {
     /// Counts one status write put off.
     pub fn status_write_put_off(&self) {
         self.status_writes_put_off.inc();
+    }
+
+    /// Counts a rollout wave whose nodes started.
+    pub fn wave_started(&self) {
+        self.waves_started.inc();
+    }
+
+    /// Counts a rollout that passed its progress deadline.
+    pub fn progress_deadline_exceeded(&self) {
+        self.progress_deadlines_exceeded.inc();
     }
 
     /// Sets the leader gauge.
