@@ -8,7 +8,8 @@
 //!    entries and the failure book ([`outcomes`]), with one Event each;
 //! 3. notice a change of `spec.retry` and arm the held-down desired build;
 //! 4. decide which nodes get an attempt now ([`rollout`]): drift, cause,
-//!    canary cohort, `maxParallel`, supersession, holds, abandoned backoff;
+//!    canary cohort, waves and their bake ([`waves`]), `maxParallel`,
+//!    supersession, holds, abandoned backoff;
 //! 5. build those attempts with fresh revisions, pick old attempts to delete,
 //!    write the node records that changed ([`records`]), and compute the
 //!    status and its conditions ([`conditions`], [`listing`]).
@@ -36,6 +37,12 @@
 //! - A selector that matches no node is `Ready=False NoMatchingNodes` but not
 //!   `Stalled`: a pool scaled to zero is a normal state and a node joining
 //!   resumes the rollout without anyone acting.
+//! - `canaryNodes` and `maxParallel` may be percentages of the selected
+//!   nodes, rounded up. After the canaries the nodes go in waves (one, or
+//!   one per value of `rollout.waves.byLabel`), each finished and baked
+//!   before the next; the wave is derived from labels and records, never
+//!   stored. A rollout that has not moved for
+//!   `rollout.progressDeadlineSeconds` is Stalled ([`deadline`]).
 //! - `rollout.paused` withholds every new attempt, a restore of a
 //!   superseded node included; outcomes are still read, attempts in flight
 //!   finish, and `Reconciling` says `Paused` while nodes wait for it.
@@ -196,7 +203,6 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
         &values,
         ctx.spec.rollout.canaries(selected.len()),
     );
-    drop(values);
     let (sorted_attempts, newest_rev) = sort_attempts(&ctx, attempts);
     let (mut slots, strays) = gather(
         &selected,

@@ -65,8 +65,8 @@ pub fn abandoned_backoff(consecutive: usize) -> Duration {
     BACKOFF_BASE.saturating_mul(1 << doublings).min(BACKOFF_CAP)
 }
 
-/// The names of the nodes `selector` picks, sorted: the rollout order.
-/// The selected nodes, sorted by name, each with its value of `label`.
+/// The nodes `selector` picks, sorted by name (the rollout order), each
+/// with its value of `label`.
 pub(super) fn select_nodes<'a>(
     selector: &NodeSelector,
     nodes: &'a [Node],
