@@ -222,9 +222,15 @@ pub(super) fn write(
         (Some(reason), _) => (reason, stall_message(ctx, progress, book)),
         (None, Some(reasons::PROGRESS_DEADLINE_EXCEEDED)) => (
             reasons::PROGRESS_DEADLINE_EXCEEDED,
+            // The last move, not the time since: a message that changed
+            // with every plan would rewrite the status of a stalled rollout.
             format!(
-                "no progress toward {target} for {} s (rollout.progressDeadlineSeconds {}); {}",
-                progress.deadline_exceeded.unwrap_or_default(),
+                "no progress toward {target} since {} (rollout.progressDeadlineSeconds {}); {}",
+                progress
+                    .last_progress
+                    .and_then(|ms| k8s_openapi::jiff::Timestamp::from_millisecond(ms).ok())
+                    .map(|t| t.to_string())
+                    .unwrap_or_default(),
                 ctx.spec.rollout.progress_deadline_seconds,
                 if progress.in_flight_nodes.is_empty() {
                     format!("waiting on: {}", names(&progress.not_ready))

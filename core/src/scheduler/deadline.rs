@@ -26,6 +26,8 @@ pub(super) struct Deadline {
     pub exceeded_after: Option<i64>,
     /// When to look again to notice it passing.
     pub due_in: Option<Duration>,
+    /// When the rollout last moved (ms since the epoch).
+    pub last_progress: Option<i64>,
 }
 
 /// The rollout's place for the status, and the deadline's verdict.
@@ -86,17 +88,23 @@ pub(super) fn observe(
     } else if still > deadline_ms {
         Deadline {
             exceeded_after: Some(still / 1000),
-            due_in: None,
+            ..Deadline::default()
         }
     } else {
         // A moment past it, so that the plan then sees it passed.
         let left = deadline_ms - still + 1;
         Deadline {
-            exceeded_after: None,
             due_in: Some(Duration::from_millis(u64::try_from(left).unwrap_or(0))),
+            ..Deadline::default()
         }
     };
-    (status, deadline)
+    (
+        status,
+        Deadline {
+            last_progress: Some(last_ms),
+            ..deadline
+        },
+    )
 }
 
 fn time_at(ms: i64) -> Option<Time> {

@@ -280,6 +280,7 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
         !create.is_empty(),
     );
     decisions.progress.deadline_exceeded = deadline.exceeded_after;
+    decisions.progress.last_progress = deadline.last_progress;
     if let Some(after) = deadline.exceeded_after
         && !previous.is_some_and(|status| {
             status

@@ -136,6 +136,8 @@ pub(super) struct Progress<'a> {
     pub position: Position,
     /// Seconds without progress, once past `rollout.progressDeadlineSeconds`.
     pub deadline_exceeded: Option<i64>,
+    /// When the rollout last moved (ms since the epoch).
+    pub last_progress: Option<i64>,
 }
 
 /// Where the waves stand.
