@@ -24,7 +24,9 @@
 use std::collections::HashSet;
 use std::future::Future;
 
-use genswap_crds::{ANNOTATION_RECORD, InstanceGeneration, InstanceGenerationStatus, SwapAttempt};
+use genswap_crds::{
+    ANNOTATION_RECORD, ConditionType, InstanceGeneration, InstanceGenerationStatus, SwapAttempt,
+};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Resource, ResourceExt};
 use serde_json::{Value, json};
@@ -606,11 +608,8 @@ fn rollout_milestones(
             .and_then(|rollout| rollout.wave_index)
     };
     let past_deadline = |status: &InstanceGenerationStatus| {
-        status.conditions.iter().any(|c| {
-            c.type_ == "Stalled"
-                && c.status == "True"
-                && c.reason == genswap_core::scheduler::reasons::PROGRESS_DEADLINE_EXCEEDED
-        })
+        genswap_crds::conditions::true_reason(&status.conditions, ConditionType::Stalled)
+            == Some(genswap_core::scheduler::reasons::PROGRESS_DEADLINE_EXCEEDED)
     };
     let wave = going(next);
     (

@@ -70,6 +70,15 @@ pub fn is_true(conditions: &[Condition], type_: ConditionType) -> bool {
         .any(|c| c.type_ == type_.as_str() && c.status == "True")
 }
 
+/// The reason condition `type_` gives while it is True: what a transition
+/// into a state is recognised by, once, whoever counts it.
+pub fn true_reason(conditions: &[Condition], type_: ConditionType) -> Option<&str> {
+    conditions
+        .iter()
+        .find(|c| c.type_ == type_.as_str() && c.status == "True")
+        .map(|c| c.reason.as_str())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -154,5 +163,34 @@ mod tests {
         ));
         assert!(is_true(&conditions, ConditionType::Stalled));
         assert!(!is_true(&conditions, ConditionType::Ready));
+    }
+
+    #[test]
+    fn gives_a_reason_only_while_the_condition_is_true() {
+        let mut conditions = Vec::new();
+        set_condition(
+            &mut conditions,
+            ConditionType::Stalled,
+            false,
+            "ProgressDeadlineExceeded",
+            "",
+            None,
+            &at(1),
+        );
+        assert_eq!(true_reason(&conditions, ConditionType::Stalled), None);
+        set_condition(
+            &mut conditions,
+            ConditionType::Stalled,
+            true,
+            "ProgressDeadlineExceeded",
+            "",
+            None,
+            &at(2),
+        );
+        assert_eq!(
+            true_reason(&conditions, ConditionType::Stalled),
+            Some("ProgressDeadlineExceeded")
+        );
+        assert_eq!(true_reason(&conditions, ConditionType::Ready), None);
     }
 }

@@ -65,8 +65,8 @@ use std::borrow::Borrow;
 use std::time::Duration;
 
 use genswap_crds::{
-    DesiredState, InstanceGeneration, InstanceGenerationSpec, InstanceGenerationStatus, Mode,
-    NodeGeneration, NodeRecord, Outcome, SwapAttempt,
+    ConditionType, DesiredState, InstanceGeneration, InstanceGenerationSpec,
+    InstanceGenerationStatus, Mode, NodeGeneration, NodeRecord, Outcome, SwapAttempt,
 };
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -283,10 +283,8 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
     decisions.progress.last_progress = deadline.last_progress;
     if let Some(after) = deadline.exceeded_after
         && !previous.is_some_and(|status| {
-            status
-                .conditions
-                .iter()
-                .any(|c| c.type_ == "Stalled" && c.reason == reasons::PROGRESS_DEADLINE_EXCEEDED)
+            genswap_crds::conditions::true_reason(&status.conditions, ConditionType::Stalled)
+                == Some(reasons::PROGRESS_DEADLINE_EXCEEDED)
         })
     {
         events.push(PlanEvent {
