@@ -6,6 +6,7 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::analysis::{AnalysisSpec, AnalysisStatus, OnFailure};
 use crate::probes::{HealthSpec, LifecycleSpec, LivenessSpec};
 use crate::settings::{
     Artifact, BuildSpec, Cause, Demand, InstanceKind, Listeners, Mode, NodeSelector, Outcome,
@@ -125,7 +126,7 @@ const ROOT_BUILD_RULE: &str = concat!(
 const WATCHDOG_RULE: &str = "!has(self.liveness) || !has(self.liveness.watchdog) || !self.liveness.watchdog || (has(self.health) && has(self.health.notify))";
 
 /// How a new desired state rolls across the selected nodes.
-#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct RolloutSpec {
     /// The first cohort, which must be done before the rest start: a number
@@ -158,6 +159,15 @@ pub struct RolloutSpec {
     #[serde(default = "progress_deadline_seconds")]
     #[x_kube(validation = Rule::new("self >= 1").message("rollout.progressDeadlineSeconds must be at least 1"))]
     pub progress_deadline_seconds: i64,
+    /// Metrics that judge the canaries (and with `everyWave` each wave)
+    /// before the next wave starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub analysis: Option<AnalysisSpec>,
+    /// What becomes of a node whose attempt failed, or whose wave failed
+    /// its analysis: `hold` (left as it is) or `restore` (the good build
+    /// back).
+    #[serde(default)]
+    pub on_failure: OnFailure,
 }
 
 /// Waves by a node label (SPEC 3.1 `rollout.waves`).
@@ -186,6 +196,8 @@ impl Default for RolloutSpec {
             waves: None,
             bake_seconds: 0,
             progress_deadline_seconds: progress_deadline_seconds(),
+            analysis: None,
+            on_failure: OnFailure::default(),
         }
     }
 }
@@ -329,6 +341,9 @@ pub struct RolloutStatus {
     /// a node newly serving, a new desired state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_progress_time: Option<Time>,
+    /// The newest wave's analysis (`rollout.analysis`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub analysis: Option<AnalysisStatus>,
 }
 
 /// The desired tuple the controller compares every node against.

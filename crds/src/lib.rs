@@ -11,6 +11,7 @@
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 
+pub mod analysis;
 pub mod conditions;
 pub mod crdgen;
 pub mod instance_generation;
@@ -21,6 +22,9 @@ pub mod settings;
 pub mod sidecars;
 pub mod swap_attempt;
 
+pub use analysis::{
+    AnalysisPhase, AnalysisQuery, AnalysisSpec, AnalysisStatus, Inconclusive, OnFailure,
+};
 pub use conditions::{ConditionType, set_condition};
 pub use instance_generation::{
     ANNOTATION_RECORD, DesiredState, HeldDown, HistoryArtifact, HistoryEntry, InstanceGeneration,

@@ -38,6 +38,10 @@ pub enum Cause {
     Restart,
     /// Only `spec.configRev` changed.
     Config,
+    /// `rollout.onFailure: restore` takes the node back to the last build
+    /// every node served, after the desired one failed there or failed its
+    /// analysis.
+    Rollback,
 }
 
 impl Cause {
@@ -49,6 +53,7 @@ impl Cause {
             Cause::Retry => "retry",
             Cause::Restart => "restart",
             Cause::Config => "config",
+            Cause::Rollback => "rollback",
         }
     }
 }

@@ -1,9 +1,10 @@
 //! `Ready`, `Reconciling` and `Stalled` with their kstatus meanings, and
 //! messages that name the nodes and builds concerned.
 
-use genswap_crds::{ConditionType, DesiredState, set_condition};
+use genswap_crds::{AnalysisPhase, ConditionType, DesiredState, OnFailure, set_condition};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
+use super::analysis::{self, Gate};
 use super::failure_book::FailureBook;
 use super::rollout::Progress;
 use super::supervision::Down;
@@ -78,7 +79,13 @@ pub(super) fn write(
     } else {
         reasons::NODE_DOWN
     });
-    let stall_reason = held
+    let analysis_halt = match progress.position.analysis {
+        Some(Gate::Halted(AnalysisPhase::Failed)) => Some(analysis::reasons::ANALYSIS_FAILED),
+        Some(Gate::Halted(_)) => Some(analysis::reasons::ANALYSIS_INCONCLUSIVE),
+        _ => None,
+    };
+    let stall_reason = analysis_halt
+        .or(held)
         .or((!left_down.is_empty()).then_some(reasons::GENERATION_EXITED))
         .or((!progress.refused.is_empty()).then_some(reasons::REPEATED_REFUSAL))
         .or(progress
@@ -202,7 +209,7 @@ pub(super) fn write(
                 "moving to {target}: {} attempt(s) in flight, {} node(s) waiting their turn{}",
                 progress.in_flight,
                 progress.waiting,
-                wave_note(progress, wave_names)
+                wave_note(ctx, progress, wave_names)
             ),
         )
     } else {
@@ -219,6 +226,9 @@ pub(super) fn write(
     );
 
     let (stalled_reason, stalled_message) = match (held, stall_reason) {
+        (_, Some(reason)) if Some(reason) == analysis_halt => {
+            (reason, analysis_message(ctx, progress, book))
+        }
         (Some(reason), _) => (reason, stall_message(ctx, progress, book)),
         (None, Some(reasons::PROGRESS_DEADLINE_EXCEEDED)) => (
             reasons::PROGRESS_DEADLINE_EXCEEDED,
@@ -280,10 +290,23 @@ pub(super) fn write(
 
 /// `; wave zone-b (2 of 5)`, or the wave that bakes, when there are waves
 /// to tell apart.
-fn wave_note(progress: &Progress<'_>, wave_names: &[String]) -> String {
+fn wave_note(ctx: &Context<'_>, progress: &Progress<'_>, wave_names: &[String]) -> String {
     let Some(wave) = progress.position.wave else {
         return String::new();
     };
+    if let (Some(Gate::Measuring { .. }), Some(spec)) =
+        (progress.position.analysis, &ctx.spec.rollout.analysis)
+    {
+        let taken = ctx
+            .analysis
+            .filter(|record| usize::try_from(record.wave_index).ok() == Some(wave))
+            .map_or(0, |record| record.measurements);
+        return format!(
+            "; wave {} is done and judged by rollout.analysis: {taken} of {} measurements taken",
+            wave_names.get(wave).map_or("", String::as_str),
+            spec.count
+        );
+    }
     if wave_names.len() <= 2 && progress.position.baking_until.is_none() {
         // The canaries, then the rest: nothing the message does not say.
         return String::new();
@@ -303,6 +326,38 @@ fn wave_note(progress: &Progress<'_>, wave_names: &[String]) -> String {
         ),
         None => format!("; wave {name}{place}"),
     }
+}
+
+/// Why the analysis halts the rollout, from its record, and what became
+/// of the nodes it judged.
+fn analysis_message(ctx: &Context<'_>, progress: &Progress<'_>, book: &FailureBook) -> String {
+    let Some(record) = ctx.analysis else {
+        return String::new();
+    };
+    let verdict = match record.phase {
+        AnalysisPhase::Failed => "failed its analysis",
+        _ => "could not be judged (rollout.analysis.inconclusive: halt)",
+    };
+    let restored = match (ctx.spec.rollout.on_failure, ctx.good) {
+        (OnFailure::Restore, Some(good)) if record.phase == AnalysisPhase::Failed => {
+            format!("; its nodes are restored to build {}", good.build)
+        }
+        _ => String::new(),
+    };
+    let held = if progress.stalled.is_empty() {
+        String::new()
+    } else {
+        format!("; {}", stall_message(ctx, progress, book))
+    };
+    format!(
+        "wave {} of build {} {verdict}: {} ({} measurement(s), {} crossed a bound, {} inconclusive){restored}; no other node gets it until the build changes or spec.retry does{held}",
+        record.wave,
+        record.build,
+        record.message.as_deref().unwrap_or_default(),
+        record.measurements,
+        record.failures,
+        record.inconclusive,
+    )
 }
 
 fn stall_message(ctx: &Context<'_>, progress: &Progress<'_>, book: &FailureBook) -> String {

@@ -66,6 +66,7 @@ pub(super) fn observe(
         waves: i32::try_from(wave_names.len().saturating_sub(1)).ok(),
         baking_until: position.baking_until.and_then(time_at),
         last_progress_time: time_at(last_ms),
+        analysis: None,
     };
 
     // Nodes that run the desired state (down between attempts or not), and
@@ -75,7 +76,8 @@ pub(super) fn observe(
     let nothing_due = ctx.spec.rollout.paused
         || progress.selected == 0
         || settled >= progress.selected
-        || position.baking_until.is_some();
+        || position.baking_until.is_some()
+        || position.analysis.is_some();
     let deadline_ms = ctx
         .spec
         .rollout

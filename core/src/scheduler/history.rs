@@ -12,14 +12,17 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 /// How many entries are kept.
 pub const HISTORY_KEPT: usize = 5;
 
+/// Whether `entry` is `spec`'s desired state.
+pub(super) fn is_desired(entry: &HistoryEntry, spec: &InstanceGenerationSpec) -> bool {
+    entry.build == spec.build.id
+        && entry.sha256 == spec.build.sha256
+        && entry.config_rev == spec.config_rev
+        && entry.restart_id == spec.restart_id
+}
+
 /// Records that every selected node serves `spec`'s desired state now.
 pub(super) fn record(history: &mut Vec<HistoryEntry>, spec: &InstanceGenerationSpec, now: &Time) {
-    let same = |entry: &HistoryEntry| {
-        entry.build == spec.build.id
-            && entry.sha256 == spec.build.sha256
-            && entry.config_rev == spec.config_rev
-            && entry.restart_id == spec.restart_id
-    };
+    let same = |entry: &HistoryEntry| is_desired(entry, spec);
     if history.first().is_some_and(same) {
         return;
     }

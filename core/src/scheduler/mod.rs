@@ -47,6 +47,7 @@
 //!   superseded node included; outcomes are still read, attempts in flight
 //!   finish, and `Reconciling` says `Paused` while nodes wait for it.
 
+pub mod analysis;
 mod conditions;
 mod deadline;
 mod failure_book;
@@ -65,13 +66,15 @@ use std::borrow::Borrow;
 use std::time::Duration;
 
 use genswap_crds::{
-    ConditionType, DesiredState, InstanceGeneration, InstanceGenerationSpec,
-    InstanceGenerationStatus, Mode, NodeGeneration, NodeRecord, Outcome, SwapAttempt,
+    AnalysisStatus, ConditionType, DesiredState, HistoryEntry, InstanceGeneration,
+    InstanceGenerationSpec, InstanceGenerationStatus, Mode, NodeGeneration, NodeRecord, Outcome,
+    RolloutStatus, SwapAttempt,
 };
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 
+pub use analysis::{AnalysisRequest, Answer, RenderedQuery, Verdict, judge, measured};
 pub use conditions::reasons;
 pub use history::HISTORY_KEPT;
 pub use naming::{
@@ -121,6 +124,9 @@ pub struct Plan {
     pub events: Vec<PlanEvent>,
     /// When to look again even if nothing changes (abandoned-attempt backoff).
     pub requeue_after: Option<Duration>,
+    /// A measurement of `rollout.analysis` due now: the adapter takes it,
+    /// folds it in with [`measured`] and plans again.
+    pub analysis: Option<AnalysisRequest>,
 }
 
 /// A node record to write onto an attempt.
@@ -243,6 +249,7 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
     for issue in &decisions.issues {
         let sched_rev = issuer.issue();
         let slot = &slots[issue.slot];
+        let restore = ctx.good.filter(|_| issue.restore);
         events.push(PlanEvent {
             warning: false,
             reason: "AttemptIssued".into(),
@@ -251,7 +258,7 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
                 slot.name,
                 issue.cause.as_str(),
                 ctx.spec.mode.as_str(),
-                ctx.desired.build,
+                restore.map_or(ctx.desired.build.as_str(), |good| good.build.as_str()),
                 if slot.canary { ", canary" } else { "" },
             ),
         });
@@ -261,6 +268,7 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
             sched_rev,
             issue.cause,
             slot.canary,
+            restore,
         ));
     }
 
@@ -296,7 +304,12 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
             ),
         });
     }
-    status.rollout = Some(rollout_status);
+    let (analysis_record, analysis_request) =
+        analysis_of(&ctx, &decisions.progress.position, &waves.names, &slots);
+    status.rollout = Some(RolloutStatus {
+        analysis: analysis_record,
+        ..rollout_status
+    });
     let progress = &decisions.progress;
     let (records, carried) = records::writes(&slots, book.entries());
     status.good_build = good_build(&slots).or(status.good_build);
@@ -324,7 +337,34 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         },
+        analysis: analysis_request,
     }
+}
+
+/// The analysis record the status carries, and the measurement due now.
+fn analysis_of(
+    ctx: &Context<'_>,
+    position: &rollout::Position,
+    wave_names: &[String],
+    slots: &[NodeSlot<'_>],
+) -> (Option<AnalysisStatus>, Option<AnalysisRequest>) {
+    let (Some(wave), Some(analysis::Gate::Measuring { due })) = (position.wave, position.analysis)
+    else {
+        return (ctx.analysis.cloned(), None);
+    };
+    let name = wave_names.get(wave).map_or("", String::as_str);
+    let record = analysis::record_for(ctx, wave, name);
+    let request = (due <= ctx.now.0.as_millisecond())
+        .then(|| {
+            let nodes: Vec<&str> = slots
+                .iter()
+                .filter(|slot| slot.wave == wave)
+                .map(|slot| slot.name)
+                .collect();
+            analysis::request(ctx, &record, &nodes)
+        })
+        .flatten();
+    (Some(record), request)
 }
 
 /// What every step needs to know about the InstanceGeneration being planned.
@@ -340,6 +380,11 @@ struct Context<'a> {
     mode: Mode,
     halt: bool,
     now: Time,
+    /// The stored analysis that counts for the desired build.
+    analysis: Option<&'a AnalysisStatus>,
+    /// What `rollout.onFailure: restore` takes a node back to: the newest
+    /// state every node served, when it is not the desired one.
+    good: Option<&'a HistoryEntry>,
 }
 
 impl<'a> Context<'a> {
@@ -355,6 +400,12 @@ impl<'a> Context<'a> {
             mode: effective_mode(spec.mode, spec.demand, spec.socket.layout, spec.kind),
             halt: spec.rollout.halt_on_failure,
             now: Time(now),
+            analysis: analysis::current(ig),
+            good: ig
+                .status
+                .as_ref()
+                .and_then(|status| status.history.first())
+                .filter(|good| !history::is_desired(good, spec)),
         }
     }
 }

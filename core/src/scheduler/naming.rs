@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use genswap_crds::{Cause, GROUP, SwapAttempt, SwapAttemptSpec, VERSION};
+use genswap_crds::{BuildSpec, Cause, GROUP, HistoryEntry, SwapAttempt, SwapAttemptSpec, VERSION};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
 use super::Context;
@@ -122,8 +122,27 @@ pub(super) fn build_attempt(
     sched_rev: i64,
     cause: Cause,
     canary: bool,
+    restore: Option<&HistoryEntry>,
 ) -> SwapAttempt {
     let spec = ctx.spec;
+    // A restore runs the good build as it was, with today's settings.
+    let (build, config_rev, restart_id) = match restore {
+        Some(good) => (
+            BuildSpec {
+                id: good.build.clone(),
+                artifact: (&good.artifact).into(),
+                sha256: good.sha256.clone(),
+                entrypoint: good.entrypoint.clone(),
+            },
+            good.config_rev.clone(),
+            good.restart_id.clone(),
+        ),
+        None => (
+            spec.build.clone(),
+            spec.config_rev.clone(),
+            spec.restart_id.clone(),
+        ),
+    };
     let labels = BTreeMap::from([
         (LABEL_INSTANCE.to_string(), label_value(ctx.name)),
         (LABEL_NODE.to_string(), label_value(node)),
@@ -154,11 +173,11 @@ pub(super) fn build_attempt(
             sched_rev,
             cause,
             kind: spec.kind,
-            build: spec.build.clone(),
+            build,
             mode: spec.mode,
             demand: spec.demand,
-            config_rev: spec.config_rev.clone(),
-            restart_id: spec.restart_id.clone(),
+            config_rev,
+            restart_id,
             canary,
             process: spec.process.clone(),
             health: spec.health.clone(),

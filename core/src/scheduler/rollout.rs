@@ -6,11 +6,12 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use genswap_crds::{
-    Cause, Demand, DesiredState, InstanceKind, Mode, NodeGeneration, NodeSelector, Outcome,
-    SocketLayout, SwapAttempt, SwapAttemptSpec,
+    AnalysisPhase, Cause, Demand, DesiredState, HistoryEntry, InstanceKind, Mode, NodeGeneration,
+    NodeSelector, OnFailure, Outcome, SocketLayout, SwapAttempt, SwapAttemptSpec,
 };
 use k8s_openapi::api::core::v1::Node;
 
+use super::analysis::{self, Gate};
 use super::failure_book::FailureBook;
 use super::supervision::Down;
 use super::{ABANDONED_RUN_KEPT, Context, NodeSlot};
@@ -96,6 +97,8 @@ pub(super) struct Issue {
     /// Index into the slots.
     pub slot: usize,
     pub cause: Cause,
+    /// Toward the restore target ([`Context::good`]), not the desired state.
+    pub restore: bool,
 }
 
 /// Where the rollout stands after this plan, for the status.
@@ -147,6 +150,8 @@ pub(super) struct Position {
     pub wave: Option<usize>,
     /// When the baking wave's bake ends (ms since the epoch).
     pub baking_until: Option<i64>,
+    /// The finished wave's analysis, while it holds the next wave back.
+    pub analysis: Option<Gate>,
 }
 
 pub(super) struct Decisions<'a> {
@@ -210,6 +215,20 @@ fn position(
     wave_count: usize,
     now_ms: i64,
 ) -> Position {
+    // A failed or inconclusive analysis halts the rollout at the wave it
+    // judged, whatever its nodes do since (a restore takes them off it).
+    if let Some(record) = ctx.analysis
+        && matches!(
+            record.phase,
+            AnalysisPhase::Failed | AnalysisPhase::Inconclusive
+        )
+    {
+        return Position {
+            wave: usize::try_from(record.wave_index).ok(),
+            baking_until: None,
+            analysis: Some(Gate::Halted(record.phase)),
+        };
+    }
     let mut finished = vec![true; wave_count];
     let mut finished_at: Vec<Option<i64>> = vec![None; wave_count];
     for (slot, f) in slots.iter().zip(facts) {
@@ -236,18 +255,30 @@ fn position(
         if !finished[wave] {
             return Position {
                 wave: Some(wave),
-                baking_until: None,
+                ..Position::default()
             };
         }
         let later_waits = finished[wave + 1..].iter().any(|done| !done);
-        if let Some(at) = finished_at[wave]
-            && bake_ms > 0
-            && later_waits
-            && at.saturating_add(bake_ms) > now_ms
-        {
+        let Some(at) = finished_at[wave].filter(|_| later_waits) else {
+            continue;
+        };
+        let baking_until =
+            Some(at.saturating_add(bake_ms)).filter(|until| bake_ms > 0 && *until > now_ms);
+        if analysis::applies(ctx.spec, wave) {
+            let gate = analysis::gate(ctx, wave, at);
+            if gate != Gate::Open {
+                return Position {
+                    wave: Some(wave),
+                    baking_until,
+                    analysis: Some(gate),
+                };
+            }
+        }
+        if baking_until.is_some() {
             return Position {
                 wave: Some(wave),
-                baking_until: Some(at.saturating_add(bake_ms)),
+                baking_until,
+                analysis: None,
             };
         }
     }
@@ -271,9 +302,21 @@ pub(super) fn decide<'a>(
     let open_through = position.wave.unwrap_or(usize::MAX);
     let retry_targets = retry_targets(ctx, slots, &facts, book);
 
+    let analysis_halted = matches!(position.analysis, Some(Gate::Halted(_)));
+    let analysis_failed = position.analysis == Some(Gate::Halted(AnalysisPhase::Failed));
+    let restore = (ctx.spec.rollout.on_failure == OnFailure::Restore)
+        .then(|| ctx.good.map(|good| RestoreTarget::new(good, ctx)))
+        .flatten();
     let mut in_flight = facts.iter().filter(|f| f.in_flight).count();
     let mut issues = Vec::new();
-    let mut earliest_due: Option<i64> = position.baking_until;
+    let measuring = match position.analysis {
+        Some(Gate::Measuring { due }) => Some(due.max(now_ms)),
+        _ => None,
+    };
+    let mut earliest_due: Option<i64> = match (position.baking_until, measuring) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
     let mut progress = Progress {
         selected: slots.len(),
         position,
@@ -282,6 +325,26 @@ pub(super) fn decide<'a>(
 
     for (index, (slot, f)) in slots.iter().zip(&facts).enumerate() {
         let pending_backoff = f.backoff_until.filter(|due| *due > now_ms);
+        if analysis_failed && f.serves {
+            progress.not_ready.push(slot.name);
+            if let Some(restore) = restore.as_ref() {
+                match restore.step(slot, book, now_ms) {
+                    Restore::Issue => {
+                        in_flight += 1;
+                        issues.push(Issue {
+                            slot: index,
+                            cause: Cause::Rollback,
+                            restore: true,
+                        });
+                    }
+                    Restore::Wait(due) => {
+                        earliest_due = Some(earliest_due.map_or(due, |e| e.min(due)));
+                    }
+                    Restore::Nothing => {}
+                }
+            }
+            continue;
+        }
         if f.serves {
             match &slot.down {
                 Some(down) => {
@@ -319,6 +382,7 @@ pub(super) fn decide<'a>(
                     issues.push(Issue {
                         slot: index,
                         cause: cause_for(&slot.entry, desired, ctx.spec.cause),
+                        restore: false,
                     });
                 }
             }
@@ -336,6 +400,23 @@ pub(super) fn decide<'a>(
                 progress.stalled.push(slot.name);
                 if is_down(&slot.entry) {
                     progress.down.push(slot.name);
+                }
+                let failed_here = book.blocks(&desired.build, ctx.mode, slot.name, false);
+                if let Some(restore) = restore.as_ref().filter(|_| failed_here) {
+                    match restore.step(slot, book, now_ms) {
+                        Restore::Issue => {
+                            in_flight += 1;
+                            issues.push(Issue {
+                                slot: index,
+                                cause: Cause::Rollback,
+                                restore: true,
+                            });
+                        }
+                        Restore::Wait(due) => {
+                            earliest_due = Some(earliest_due.map_or(due, |e| e.min(due)));
+                        }
+                        Restore::Nothing => {}
+                    }
                 }
                 continue;
             }
@@ -355,7 +436,13 @@ pub(super) fn decide<'a>(
             issues.push(Issue {
                 slot: index,
                 cause: Cause::Retry,
+                restore: false,
             });
+            continue;
+        }
+        if analysis_halted {
+            // Nothing of the judged build starts until a new build or a
+            // new spec.retry.
             continue;
         }
         if let Some(reason) = &f.refused {
@@ -385,6 +472,7 @@ pub(super) fn decide<'a>(
         issues.push(Issue {
             slot: index,
             cause: cause_for(&slot.entry, desired, ctx.spec.cause),
+            restore: false,
         });
     }
     if ctx.spec.rollout.paused && !issues.is_empty() {
@@ -405,6 +493,63 @@ pub(super) fn decide<'a>(
         requeue_after: earliest_due
             .map(|due| Duration::from_millis(u64::try_from(due - now_ms).unwrap_or(0))),
         progress,
+    }
+}
+
+/// `rollout.onFailure: restore`: the last desired state every node served,
+/// which a node the desired build failed on gets back.
+struct RestoreTarget {
+    target: DesiredState,
+    mode: Mode,
+}
+
+/// What a node to restore needs now.
+enum Restore {
+    Issue,
+    /// An abandoned restore waits for its backoff (ms since the epoch).
+    Wait(i64),
+    /// It serves the target, one is in flight, or the target failed there too.
+    Nothing,
+}
+
+impl RestoreTarget {
+    fn new(good: &HistoryEntry, ctx: &Context<'_>) -> Self {
+        Self {
+            target: DesiredState {
+                build: good.build.clone(),
+                sha256: good.sha256.clone(),
+                config_rev: good.config_rev.clone(),
+                restart_id: good.restart_id.clone(),
+                mode: ctx.desired.mode,
+            },
+            mode: ctx.mode,
+        }
+    }
+
+    fn step(&self, slot: &NodeSlot<'_>, book: &FailureBook, now_ms: i64) -> Restore {
+        if serves(&slot.entry, &self.target)
+            || book.blocks(&self.target.build, self.mode, slot.name, false)
+        {
+            return Restore::Nothing;
+        }
+        let newest = slot.attempts.last();
+        let outcome = newest
+            .and_then(|a| a.status.as_ref())
+            .and_then(|s| s.outcome);
+        if newest.is_some_and(|a| aims_at(&a.spec, &self.target)) {
+            match outcome {
+                None => return Restore::Nothing,
+                Some(Outcome::Abandoned) => {
+                    if let Some(due) =
+                        backoff_until(slot.attempts, &self.target).filter(|due| *due > now_ms)
+                    {
+                        return Restore::Wait(due);
+                    }
+                }
+                Some(_) => {}
+            }
+        }
+        Restore::Issue
     }
 }
 

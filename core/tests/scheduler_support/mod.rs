@@ -227,6 +227,35 @@ impl World {
         plan
     }
 
+    /// One reconcile as the adapters make it with `rollout.analysis`: when
+    /// the plan asks for a measurement, `answer` gives Prometheus's answers
+    /// to its queries, and the plan is made again from the record that
+    /// carries the measurement.
+    pub fn reconcile_measuring(
+        &mut self,
+        mut answer: impl FnMut(&scheduler::AnalysisRequest) -> Vec<scheduler::Answer>,
+    ) -> Plan {
+        let first = self.plan();
+        let Some(request) = first.analysis.clone() else {
+            return self.reconcile();
+        };
+        let verdict = scheduler::judge(&request.queries, &answer(&request));
+        let ig = self.ig.clone();
+        let plan = scheduler::measured(first, &verdict, &ig, &time(self.now), |measured| {
+            let stored = std::mem::replace(&mut self.ig, measured.clone());
+            let plan = self.plan();
+            self.ig = stored;
+            plan
+        });
+        self.write_records(&plan);
+        self.write_status(&plan);
+        for attempt in &plan.create {
+            self.store(attempt.clone());
+        }
+        self.delete(&plan.delete);
+        plan
+    }
+
     /// A reconcile whose status write (the reservation) succeeds and whose
     /// creates all fail: the revisions are burned.
     pub fn reconcile_dropping_creates(&mut self) -> Plan {
