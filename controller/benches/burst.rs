@@ -175,6 +175,7 @@ fn burst(igs: usize, write_latency: Duration, window: Duration, rt: &Runtimes) -
             // The in-memory server keeps genswap objects only; the real
             // server's run (genswap-bench cluster) counts inbox writes.
             inbox_namespace: None,
+            prometheus: None,
         },
         metrics.clone(),
         leadership,

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use genswap_runtime::prometheus::{Prometheus, PrometheusError};
 use kube::Config;
 use kube::config::{InferConfigError, KubeConfigOptions, Kubeconfig, KubeconfigError};
 use thiserror::Error;
@@ -62,6 +63,14 @@ pub struct Args {
     /// status at once.
     #[arg(long, env = "GENSWAP_PROGRESS_HOLD_SECONDS", default_value_t = PROGRESS_HOLD.as_secs())]
     pub progress_hold_seconds: u64,
+    /// The Prometheus `rollout.analysis` queries run against (its root
+    /// URL, http or https). Without it an analysis is inconclusive: its
+    /// rollout halts or proceeds as `analysis.inconclusive` says.
+    #[arg(long, env = "GENSWAP_PROMETHEUS_URL", value_name = "URL")]
+    pub prometheus_url: Option<String>,
+    /// Longest wait for one analysis query.
+    #[arg(long, env = "GENSWAP_PROMETHEUS_TIMEOUT_SECONDS", default_value_t = 10)]
+    pub prometheus_timeout_seconds: u64,
     /// Log line format.
     #[arg(long, env = "GENSWAP_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -95,6 +104,8 @@ pub enum SetupError {
     },
     #[error("no Kubernetes configuration found (kubeconfig nor in-cluster): {0}")]
     Infer(#[source] InferConfigError),
+    #[error(transparent)]
+    Prometheus(#[from] PrometheusError),
 }
 
 /// Timeout of each write request (status, create, delete, Event). Without
@@ -116,6 +127,18 @@ impl Args {
     /// How long a progress-only status write may be put off.
     pub fn progress_hold(&self) -> Duration {
         Duration::from_secs(self.progress_hold_seconds)
+    }
+
+    /// The client of --prometheus-url, if given (an empty value is none,
+    /// as the chart passes an unset value).
+    pub fn prometheus(&self) -> Result<Option<Prometheus>, SetupError> {
+        let timeout = Duration::from_secs(self.prometheus_timeout_seconds.max(1));
+        self.prometheus_url
+            .as_deref()
+            .filter(|url| !url.is_empty())
+            .map(|url| Prometheus::new(url, timeout))
+            .transpose()
+            .map_err(SetupError::from)
     }
 
     /// The identity from the flag or POD_NAME, else the host name.

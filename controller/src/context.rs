@@ -17,6 +17,8 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, ResourceExt};
 use tokio::sync::Semaphore;
 
+use genswap_runtime::prometheus::Prometheus;
+
 use crate::attempt_index::AttemptIndex;
 use crate::cache_sync::CacheSync;
 use crate::events::EventQueue;
@@ -74,6 +76,8 @@ pub struct Context {
     pub expectations: Expectations,
     pub(crate) planner: Planner,
     pub(crate) clock: Clock,
+    /// Where `rollout.analysis` is measured.
+    pub(crate) prometheus: Option<Prometheus>,
     failures: Mutex<HashMap<ObjectRef<WatchedIg>, u32>>,
     /// Revisions this replica reserved ahead and has not issued, by IG.
     reservations: Mutex<HashMap<IgKey, OwnReservation>>,
@@ -110,6 +114,7 @@ impl Context {
             expectations: Expectations::default(),
             planner: Arc::new(scheduler::plan_with::<SwapAttempt>),
             clock: Arc::new(Timestamp::now),
+            prometheus: None,
             failures: Mutex::new(HashMap::new()),
             reservations: Mutex::new(HashMap::new()),
             held: Mutex::new(HashMap::new()),
@@ -117,6 +122,12 @@ impl Context {
             progress_hold: PROGRESS_HOLD,
             create_permits: Arc::new(Semaphore::new(CREATES_AT_ONCE)),
         }
+    }
+
+    /// Sets the Prometheus `rollout.analysis` asks.
+    pub fn with_prometheus(mut self, prometheus: Option<Prometheus>) -> Self {
+        self.prometheus = prometheus;
+        self
     }
 
     /// Replaces how long a progress-only status write may be put off

@@ -109,6 +109,7 @@ async fn run(args: Args) -> Result<(), MainError> {
             event_window: args.event_window(),
             progress_hold: args.progress_hold(),
             inbox_namespace: Some(lease_settings.namespace.clone()),
+            prometheus: args.prometheus()?,
         },
         metrics,
         leadership,

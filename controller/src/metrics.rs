@@ -5,6 +5,7 @@
 
 use std::time::Instant;
 
+use genswap_core::scheduler::Verdict;
 use genswap_crds::{Cause, Mode, Outcome};
 use genswap_runtime::http::Exposition;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -42,6 +43,12 @@ struct OutcomeLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DeferLabels {
     reason: String,
+}
+
+/// Labels of `analysis_measurements_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct VerdictLabels {
+    verdict: String,
 }
 
 /// Why a reconcile put off planning until its caches caught up.
@@ -89,6 +96,7 @@ pub struct Metrics {
     status_writes_put_off: Counter,
     waves_started: Counter,
     progress_deadlines_exceeded: Counter,
+    analysis_measurements: Family<VerdictLabels, Counter>,
     reconcile_duration: Histogram,
     leader: Gauge,
     attempts_cached: Gauge,
@@ -118,6 +126,7 @@ impl Metrics {
         let status_writes_put_off = Counter::default();
         let waves_started = Counter::default();
         let progress_deadlines_exceeded = Counter::default();
+        let analysis_measurements = Family::<VerdictLabels, Counter>::default();
         // 1 ms .. ~16 s: a reconcile is a few API calls at most.
         let reconcile_duration = Histogram::new(exponential_buckets(0.001, 2.0, 15));
         let leader = Gauge::default();
@@ -164,6 +173,11 @@ impl Metrics {
             "Rollouts that turned Stalled with ProgressDeadlineExceeded",
             progress_deadlines_exceeded.clone(),
         );
+        registry.register(
+            "analysis_measurements",
+            "rollout.analysis measurements taken, by verdict (pass, fail, inconclusive)",
+            analysis_measurements.clone(),
+        );
         registry.register_with_unit(
             "reconcile_duration",
             "Time one reconcile took, reads and writes included",
@@ -202,6 +216,7 @@ impl Metrics {
             status_writes_put_off,
             waves_started,
             progress_deadlines_exceeded,
+            analysis_measurements,
             reconcile_duration,
             leader,
             attempts_cached,
@@ -243,6 +258,20 @@ impl Metrics {
         self.reconcile_errors
             .get_or_create(&ErrorLabels {
                 error: error.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts one `rollout.analysis` measurement by its verdict.
+    pub fn analysis_measured(&self, verdict: &Verdict) {
+        let verdict = match verdict {
+            Verdict::Pass => "pass",
+            Verdict::Fail(_) => "fail",
+            Verdict::Inconclusive(_) => "inconclusive",
+        };
+        self.analysis_measurements
+            .get_or_create(&VerdictLabels {
+                verdict: verdict.to_string(),
             })
             .inc();
     }

@@ -4,8 +4,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use genswap_core::scheduler;
 use genswap_crds::{InstanceGeneration, SwapAttempt};
 use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::core::error_boundary::InvalidObject;
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
@@ -87,7 +89,16 @@ pub async fn reconcile(
     }
     let attempts = ctx.attempts.attempts_of(ig);
     let nodes = observe::nodes(&ctx.nodes);
-    let plan = (ctx.planner)(ig, &attempts, &nodes, (ctx.clock)(), ctx.revisions(ig));
+    let now = (ctx.clock)();
+    let mut plan = (ctx.planner)(ig, &attempts, &nodes, now, ctx.revisions(ig));
+    if let Some(request) = plan.analysis.take() {
+        let verdict = crate::analysis::measure(ctx.prometheus.as_ref(), &request).await;
+        info!(ig = %ig.name_any(), wave = %request.wave, number = request.number, ?verdict, "analysis measured");
+        ctx.metrics.analysis_measured(&verdict);
+        plan = scheduler::measured(plan, &verdict, ig, &Time(now), |measured| {
+            (ctx.planner)(measured, &attempts, &nodes, now, ctx.revisions(ig))
+        });
+    }
     // Copies of the cache, built for the plan: applying it can take
     // minutes (a release's creates are paced across every reconcile), and
     // with every IG's copies held that long they were most of the peak.

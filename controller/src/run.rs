@@ -42,6 +42,7 @@ use crate::observe::{trim_instance_generation, trim_node};
 use crate::reconciler::{error_policy, reconcile};
 use genswap_core::scheduler::LABEL_INSTANCE;
 use genswap_runtime::http::Readiness;
+use genswap_runtime::prometheus::Prometheus;
 use genswap_runtime::watch_backoff::{reconnecting, watch_backoff};
 
 /// The name this controller records Events under.
@@ -64,6 +65,9 @@ pub struct Settings {
     /// Where the per-node inboxes are kept ([`crate::inbox`]); none are
     /// written when `None`.
     pub inbox_namespace: Option<String>,
+    /// The Prometheus `rollout.analysis` asks; without one every
+    /// measurement is inconclusive.
+    pub prometheus: Option<Prometheus>,
 }
 
 /// Runs the controller until `shutdown` resolves, in-flight reconciles
@@ -165,7 +169,8 @@ pub async fn run_controller(
             node_store,
             caches,
         )
-        .with_progress_hold(settings.progress_hold),
+        .with_progress_hold(settings.progress_hold)
+        .with_prometheus(settings.prometheus),
     );
 
     // Before the first reconcile can see this replica lead.

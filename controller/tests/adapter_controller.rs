@@ -178,6 +178,7 @@ fn start(
             // The fake serves genswap objects only; the inboxes are
             // tested against the real API server (tests/inbox_apiserver.rs).
             inbox_namespace: None,
+            prometheus: None,
         },
         metrics.clone(),
         leadership.clone(),

@@ -162,6 +162,7 @@ async fn a_rollout_goes_canary_first_then_one_zone_at_a_time_each_after_its_bake
             // Every status goes out as planned: the test reads each wave.
             progress_hold: Duration::ZERO,
             inbox_namespace: None,
+            prometheus: None,
         },
         metrics,
         leadership,

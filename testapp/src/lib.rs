@@ -19,7 +19,10 @@
 //! (or `TESTAPP_STATUS`), `content-type: text/plain; charset=utf-8`, the headers
 //! `x-genswap-build` and `x-genswap-generation`, and the body
 //! `build=<GENSWAP_BUILD> generation=<GENSWAP_GENERATION> pid=<pid>\n`
-//! (see [`identity_body`]).
+//! (see [`identity_body`]); except `GET /metrics`, which answers the
+//! requests answered so far in Prometheus's text format,
+//! `http_requests_total{build="<GENSWAP_BUILD>",generation="<GENSWAP_GENERATION>",code="<status>"}`,
+//! not counting itself.
 //!
 //! ## Knobs
 //!
@@ -51,6 +54,7 @@
 //! | `TESTAPP_PID_FILE=path` | write the serving process's pid to `path` once it serves (a daemon's pid file) |
 //! | `TESTAPP_WATCHDOG=1` | with `WATCHDOG_USEC` set, send `WATCHDOG=1` on `NOTIFY_SOCKET` every half of it (`sd_watchdog_enabled`) |
 //! | `TESTAPP_TERM_LOG=path` | append `SIGTERM` to `path` when SIGTERM arrives (to order it against a hook) |
+//! | `TESTAPP_ERROR_PERCENT=N` | answer N of every 100 requests (evenly spread; never `/healthz` or `/metrics`) with `500`: a build whose health check passes while it fails its users |
 //! | `TESTAPP_TRY=a,b,…` | try each forbidden thing named (`mount`, `ptrace`, `unshare-user`, `raw-socket`, `packet-socket`, `netlink-socket`, `vsock-socket`, `kexec`, `init-module`, `personality`, `realtime`, `setuid-chmod:DIR`, `setuid-create:DIR`, `write:PATH`, `read:PATH`, `list:DIR`), print `tried <thing>: ok` or `tried <thing>: <error>` for each on stdout (for `list:DIR` the sorted names instead of `ok`), and exit 0 (the sandbox's tests) |
 //!
 //! ## As a sidecar
@@ -173,9 +177,13 @@ pub mod knob {
     pub const SIDECAR_REPORT: &str = "TESTAPP_SIDECAR_REPORT";
     /// Forbidden things to try, comma-separated; then exit.
     pub const TRY: &str = "TESTAPP_TRY";
+    /// Answer this many of every 100 requests with a 500 (never
+    /// `/healthz`): a build that passes its health check and still fails
+    /// its users.
+    pub const ERROR_PERCENT: &str = "TESTAPP_ERROR_PERCENT";
 
     /// Every knob, for flag parsing.
-    pub const ALL: [&str; 23] = [
+    pub const ALL: [&str; 24] = [
         BOOT_DELAY_MS,
         STATUS,
         EXIT_AFTER_MS,
@@ -199,6 +207,7 @@ pub mod knob {
         TERM_LOG,
         SIDECAR_REPORT,
         TRY,
+        ERROR_PERCENT,
     ];
 }
 

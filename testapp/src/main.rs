@@ -3,6 +3,7 @@
 
 mod forbidden;
 
+use std::collections::BTreeMap;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::ffi::OsString;
@@ -11,7 +12,8 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -35,6 +37,10 @@ const DEFAULT_EXIT_CODE: i32 = 1;
 /// Pause after a failed accept, so a persistent failure (EMFILE) neither
 /// spins nor floods the log.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// Answers with the request counters, never counted nor failed.
+const METRICS_PATH: &str = "/metrics";
+/// Never answered with `TESTAPP_ERROR_PERCENT`'s 500: the health check's.
+const HEALTH_PATH: &str = "/healthz";
 const X_GENSWAP_BUILD: HeaderName = HeaderName::from_static("x-genswap-build");
 const X_GENSWAP_GENERATION: HeaderName = HeaderName::from_static("x-genswap-generation");
 const TEXT_PLAIN: HeaderValue = HeaderValue::from_static("text/plain; charset=utf-8");
@@ -194,6 +200,7 @@ struct Config {
     pid_file: Option<PathBuf>,
     watchdog: bool,
     term_log: Option<PathBuf>,
+    error_percent: u8,
 }
 
 /// What the process says on `NOTIFY_SOCKET`.
@@ -248,6 +255,19 @@ impl Config {
             pid_file: knobs.raw(knob::PID_FILE).map(PathBuf::from),
             watchdog: knobs.switch(knob::WATCHDOG)?,
             term_log: knobs.raw(knob::TERM_LOG).map(PathBuf::from),
+            error_percent: match knobs
+                .parsed::<u8>(knob::ERROR_PERCENT, "a percentage from 0 to 100")?
+            {
+                None => 0,
+                Some(percent) if percent <= 100 => percent,
+                Some(percent) => {
+                    return Err(ConfigError::Invalid {
+                        name: knob::ERROR_PERCENT,
+                        value: percent.to_string(),
+                        expected: "a percentage from 0 to 100",
+                    });
+                }
+            },
             notify: match knobs.raw(knob::NOTIFY).as_deref() {
                 None | Some("") => Notify::Off,
                 Some("ready") => Notify::Ready,
@@ -284,6 +304,10 @@ struct Responder {
     generation: HeaderValue,
     slow: Option<Duration>,
     hang: bool,
+    error_percent: u64,
+    /// Requests answered (`/metrics` aside), and how many with each status.
+    answered: AtomicU64,
+    by_status: Mutex<BTreeMap<u16, u64>>,
 }
 
 impl Responder {
@@ -306,22 +330,71 @@ impl Responder {
             generation: header(env::GENERATION, &config.generation)?,
             slow: config.slow,
             hang: config.hang,
+            error_percent: u64::from(config.error_percent),
+            answered: AtomicU64::new(0),
+            by_status: Mutex::new(BTreeMap::new()),
         })
     }
 
-    async fn respond(&self) -> Response<Full<Bytes>> {
+    async fn respond(&self, path: &str) -> Response<Full<Bytes>> {
+        if path == METRICS_PATH {
+            return self.metrics();
+        }
         if self.hang {
             std::future::pending::<()>().await;
         }
         if let Some(delay) = self.slow {
             sleep(delay).await;
         }
+        // N of every 100 requests, evenly spread; never the health path.
+        let n = self.answered.fetch_add(1, Ordering::Relaxed);
+        let fails = path != HEALTH_PATH
+            && (n + 1) * self.error_percent / 100 > n * self.error_percent / 100;
+        let status = if fails {
+            StatusCode::INTERNAL_SERVER_ERROR
+        } else {
+            self.status
+        };
+        *self
+            .by_status
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(status.as_u16())
+            .or_default() += 1;
         let mut response = Response::new(Full::new(self.body.clone()));
-        *response.status_mut() = self.status;
+        *response.status_mut() = status;
         let headers = response.headers_mut();
         headers.insert(CONTENT_TYPE, TEXT_PLAIN);
         headers.insert(X_GENSWAP_BUILD, self.build.clone());
         headers.insert(X_GENSWAP_GENERATION, self.generation.clone());
+        response
+    }
+}
+
+impl Responder {
+    /// Prometheus's text format: the requests answered by status code,
+    /// labelled with this generation's build and number.
+    fn metrics(&self) -> Response<Full<Bytes>> {
+        let mut text = String::from(
+            "# HELP http_requests_total Requests answered, by status code.\n# TYPE http_requests_total counter\n",
+        );
+        let counts = self
+            .by_status
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let build = self.build.to_str().unwrap_or_default();
+        let generation = self.generation.to_str().unwrap_or_default();
+        for (code, count) in counts {
+            text.push_str(&format!(
+                "http_requests_total{{build=\"{build}\",generation=\"{generation}\",code=\"{code}\"}} {count}\n"
+            ));
+        }
+        let mut response = Response::new(Full::new(Bytes::from(text)));
+        response.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        );
         response
     }
 }
@@ -909,13 +982,14 @@ where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let draining = shutdown.clone();
-    let service = service_fn(move |_: Request<Incoming>| {
+    let service = service_fn(move |request: Request<Incoming>| {
         let responder = Arc::clone(&responder);
+        let path = request.uri().path().to_string();
         // Once the drain began, every answer says the connection closes, so
         // a keep-alive client reconnects (to the next generation) after it.
         let closing = draining.has_changed().unwrap_or(true);
         async move {
-            let mut response = responder.respond().await;
+            let mut response = responder.respond(&path).await;
             if closing {
                 response.headers_mut().insert(CONNECTION, CLOSE);
             }

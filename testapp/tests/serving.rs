@@ -132,3 +132,36 @@ fn hang_reads_requests_but_never_answers() {
     assert_eq!(app.wait_exit().code(), Some(0));
     app.wait_for_log("timed_out=true");
 }
+
+#[test]
+fn fails_its_share_of_requests_but_never_its_health_check_and_counts_each_code() {
+    let mut app = AppSpec::new().knob(knob::ERROR_PERCENT, "5").spawn();
+    app.wait_for_socket();
+    let mut stream = app.connect();
+    let failed = (0..200)
+        .filter(|_| get(&mut stream, "/").status == 500)
+        .count();
+    assert_eq!(failed, 10, "5 of every 100");
+    for _ in 0..40 {
+        assert_eq!(get(&mut stream, "/healthz").status, 200);
+    }
+    let metrics = get(&mut stream, "/metrics");
+    assert_eq!(metrics.status, 200);
+    let series = |code: u16, count: usize| {
+        format!(
+            "http_requests_total{{build=\"{BUILD}\",generation=\"{GENERATION}\",code=\"{code}\"}} {count}\n"
+        )
+    };
+    assert!(
+        metrics.body.contains(&series(500, 10)) && metrics.body.contains(&series(200, 230)),
+        "the health checks count, /metrics does not:\n{}",
+        metrics.body
+    );
+}
+
+#[test]
+fn an_error_share_above_100_is_refused() {
+    let mut app = AppSpec::new().knob(knob::ERROR_PERCENT, "101").spawn();
+    assert_eq!(app.wait_exit().code(), Some(2));
+    assert!(app.wait_for_log("error").contains(knob::ERROR_PERCENT));
+}

@@ -57,6 +57,15 @@ pub enum Answer {
     Unanswered(String),
 }
 
+impl<E: std::fmt::Display> From<Result<Vec<(String, f64)>, E>> for Answer {
+    fn from(result: Result<Vec<(String, f64)>, E>) -> Self {
+        match result {
+            Ok(samples) => Answer::Samples(samples),
+            Err(error) => Answer::Unanswered(error.to_string()),
+        }
+    }
+}
+
 /// One measurement's verdict.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Verdict {
