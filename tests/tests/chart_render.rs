@@ -199,6 +199,10 @@ fn the_controller_runs_two_hardened_leader_electing_replicas() {
         genswap_controller::events::DEFAULT_WINDOW,
         "the chart's Event window is the binary's default"
     );
+    assert_eq!(
+        parsed.prometheus_url, None,
+        "no Prometheus unless one is named"
+    );
 
     // Probes and the metrics port.
     let ports = controller.ports.as_deref().unwrap_or_default();
@@ -700,6 +704,24 @@ fn exposed_agent_metrics_get_a_headless_service_and_the_dashboard_ships() {
     let pod = daemonset.spec.template.spec.expect("pod spec");
     let run = parse_agent_args(container(&pod, "node-agent"));
     assert_eq!(run.kube.metrics_addr.to_string(), "0.0.0.0:9100");
+    let deployment: Deployment = typed(&docs);
+    let controller_pod = deployment.spec.template.spec.expect("pod spec");
+    let args = container(&controller_pod, "controller")
+        .args
+        .clone()
+        .unwrap_or_default();
+    let parsed = genswap_controller::cli::Args::try_parse_from(
+        std::iter::once("genswap-controller".to_string()).chain(args.iter().cloned()),
+    )
+    .unwrap_or_else(|e| panic!("genswap-controller refuses the chart's flags {args:?}: {e}"));
+    let prometheus = parsed
+        .prometheus()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .expect("controller.prometheusURL reaches the controller");
+    assert_eq!(
+        prometheus.endpoint(),
+        "http://prometheus-operated.monitoring.svc:9090/api/v1/query"
+    );
     let agent_service = docs
         .iter()
         .find(|d| d.kind == "Service" && d.name.contains("node-agent"))

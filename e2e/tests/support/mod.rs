@@ -132,10 +132,16 @@ impl Cluster {
     /// one (`e2e-<tag>-<unique>`); on a cluster, `GENSWAP_E2E_NODE` or the
     /// first Ready one.
     pub async fn node(&self, tag: &str) -> Node {
+        self.node_with(tag, &[]).await
+    }
+
+    /// [`Cluster::node`], labelled with `labels` on the suite's own control
+    /// plane (a cluster's node is taken as it is).
+    pub async fn node_with(&self, tag: &str, labels: &[(&str, &str)]) -> Node {
         match self.own {
             Some((plane, _)) => {
                 plane
-                    .create_node(&format!("e2e-{tag}-{}", unique()), &[])
+                    .create_node(&format!("e2e-{tag}-{}", unique()), labels)
                     .await
             }
             None => pick_node(&self.client().await).await,
@@ -402,9 +408,20 @@ impl Stack {
 
     /// [`Stack::start`], the agent given `extra` flags too.
     pub async fn start_with(cluster: &Cluster, tag: &str, extra: Vec<OsString>) -> Stack {
+        Stack::start_full(cluster, tag, extra, Vec::new(), &[]).await
+    }
+
+    /// [`Stack::start`], the agent given `extra` flags, the controller
+    /// `controller_extra`, and the Node `labels`.
+    pub async fn start_full(
+        cluster: &Cluster,
+        tag: &str,
+        extra: Vec<OsString>,
+        controller_extra: Vec<OsString>,
+        labels: &[(&str, &str)],
+    ) -> Stack {
         let cgroup_mount = host_requirements();
-        let binaries = build_binaries();
-        let node = cluster.node(tag).await;
+        let node = cluster.node_with(tag, labels).await;
         let hostname = node
             .metadata
             .labels
@@ -421,41 +438,15 @@ impl Stack {
             CgroupGuard::create(&cgroup_mount, &format!("genswap-e2e-{tag}-{}", unique()));
         let namespace = cluster.namespace(tag).await;
 
-        let controller_cmd = cluster.controller_command(
+        let mut controller_cmd = cluster.controller_command(
             &namespace.name,
             &format!("genswap-e2e-{tag}"),
             &format!("genswap-e2e-controller-{tag}"),
         );
-        let mut agent_cmd = Command::new(&binaries.agent);
-        agent_cmd
-            .args([
-                "run",
-                "--node-name",
-                &node_name,
-                "--namespace",
-                &namespace.name,
-                // As the chart runs it: the controller keeps the inboxes
-                // where its Lease is.
-                "--inbox-namespace",
-                cluster.lease_namespace(&namespace.name),
-                "--no-host-namespaces",
-                "--metrics-addr",
-                "127.0.0.1:0",
-                "--shutdown-timeout-seconds",
-                "20",
-            ])
-            .args(cluster.agent_args(&node))
-            .arg("--cgroup-root")
-            .arg(&cgroups.root)
-            .arg("--run-dir")
-            .arg(&run_dir)
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
-            .arg("--staging-root")
-            .arg(&staging)
-            .arg("--log-dir")
-            .arg(dir.path().join("logs"))
-            .args(extra);
+        controller_cmd.args(controller_extra);
+        let mut agent_cmd = agent_command(cluster, &node, &namespace.name, &cgroups, dir.path());
+        agent_cmd.arg("--staging-root").arg(&staging);
+        agent_cmd.args(extra);
         let controller = ChildGuard::spawn(
             "genswap-controller",
             controller_cmd,
@@ -471,6 +462,34 @@ impl Stack {
             node_name,
             staging,
             run_dir,
+            dir,
+        }
+    }
+
+    /// Another agent in this stack's namespace, acting as a new Node
+    /// labelled `labels`, with a cgroup subtree and directories of its own.
+    pub async fn second_agent(
+        &self,
+        cluster: &Cluster,
+        tag: &str,
+        labels: &[(&str, &str)],
+    ) -> SecondAgent {
+        let node = cluster.node_with(tag, labels).await;
+        let node_name = node.metadata.name.clone().expect("a node name");
+        let dir = host_dir();
+        let cgroups = CgroupGuard::create(
+            &host_requirements(),
+            &format!("genswap-e2e-{tag}-{}", unique()),
+        );
+        let mut command = agent_command(cluster, &node, &self.namespace.name, &cgroups, dir.path());
+        // The builds' paths are the same on every node.
+        command.arg("--staging-root").arg(&self.staging);
+        let agent = ChildGuard::spawn("node-agent", command, dir.path().join("agent.log"));
+        SecondAgent {
+            agent,
+            run_dir: dir.path().join("run"),
+            node_name,
+            cgroups,
             dir,
         }
     }
@@ -535,6 +554,57 @@ impl Stack {
             self.agent.tail(40)
         )
     }
+}
+
+/// A further agent of a [`Stack`] ([`Stack::second_agent`]). Fields drop
+/// in order: the agent, then its cgroups and dirs.
+pub struct SecondAgent {
+    pub agent: ChildGuard,
+    pub node_name: String,
+    pub run_dir: PathBuf,
+    pub cgroups: CgroupGuard,
+    pub dir: tempfile::TempDir,
+}
+
+/// `node-agent run` as `node` for `namespace`, its instances in `cgroups`,
+/// its run, state and log directories under `dir` (the staging root is the
+/// caller's to add).
+fn agent_command(
+    cluster: &Cluster,
+    node: &Node,
+    namespace: &str,
+    cgroups: &CgroupGuard,
+    dir: &Path,
+) -> Command {
+    let node_name = node.metadata.name.as_deref().expect("a node name");
+    let mut command = Command::new(&build_binaries().agent);
+    command
+        .args([
+            "run",
+            "--node-name",
+            node_name,
+            "--namespace",
+            namespace,
+            // As the chart runs it: the controller keeps the inboxes where
+            // its Lease is.
+            "--inbox-namespace",
+            cluster.lease_namespace(namespace),
+            "--no-host-namespaces",
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--shutdown-timeout-seconds",
+            "20",
+        ])
+        .args(cluster.agent_args(node))
+        .arg("--cgroup-root")
+        .arg(&cgroups.root)
+        .arg("--run-dir")
+        .arg(dir.join("run"))
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .arg("--log-dir")
+        .arg(dir.join("logs"));
+    command
 }
 
 /// A fresh cgroup subtree for the agent's instances; on drop every process
