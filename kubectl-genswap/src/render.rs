@@ -5,7 +5,7 @@ use std::fmt::Write;
 use anstyle::{AnsiColor, Style};
 
 use crate::tree::{AttemptView, NodeView, SidecarView, Tree};
-use genswap_crds::RolloutStatus;
+use genswap_crds::{AnalysisPhase, AnalysisStatus, RolloutStatus};
 
 /// Whether the text carries ANSI styles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,6 +56,9 @@ pub fn text(tree: &Tree, colour: Colour) -> String {
 
     if let Some(line) = tree.rollout.as_ref().and_then(rollout_line) {
         let _ = writeln!(out, "  {line}");
+    }
+    if let Some(analysis) = tree.rollout.as_ref().and_then(|r| r.analysis.as_ref()) {
+        let _ = writeln!(out, "  {}", analysis_line(analysis, &paint));
     }
 
     let width = tree
@@ -216,6 +219,33 @@ impl Painter {
             Colour::Off => text.to_string(),
         }
     }
+}
+
+/// `analysis of wave canary  Failed  2 measurements, 1 crossed a bound: …`.
+fn analysis_line(analysis: &AnalysisStatus, painter: &Painter) -> String {
+    let phase = match analysis.phase {
+        AnalysisPhase::Passed => painter.style(AnsiColor::Green, analysis.phase.as_str()),
+        AnalysisPhase::Running => analysis.phase.as_str().to_string(),
+        AnalysisPhase::Failed | AnalysisPhase::Inconclusive => {
+            painter.style(AnsiColor::Red, analysis.phase.as_str())
+        }
+    };
+    let mut line = format!(
+        "analysis of wave {}  {phase}  {} measurement{}",
+        analysis.wave,
+        analysis.measurements,
+        if analysis.measurements == 1 { "" } else { "s" }
+    );
+    if analysis.failures > 0 {
+        line.push_str(&format!(", {} crossed a bound", analysis.failures));
+    }
+    if analysis.inconclusive > 0 {
+        line.push_str(&format!(", {} inconclusive", analysis.inconclusive));
+    }
+    if let Some(message) = &analysis.message {
+        line.push_str(&format!(": {message}"));
+    }
+    line
 }
 
 /// `wave zone-c (1 of 3)  bakes until …`, when a wave is under way.

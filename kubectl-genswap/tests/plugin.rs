@@ -73,7 +73,10 @@ fn mid_rollout() -> Value {
                                "message": "exit code 1, 3 in a row; starting it again in 40.0s"}]},
                 {"name": "c", "generation": 3, "build": "b1", "serving": true}
             ],
-            "rollout": {"wave": "zone-b", "waveIndex": 2, "waves": 3, "lastProgressTime": at(60)},
+            "rollout": {"wave": "zone-b", "waveIndex": 2, "waves": 3, "lastProgressTime": at(60),
+                        "analysis": {"build": "b2", "wave": "zone-a", "waveIndex": 1, "phase": "Passed",
+                                     "measurements": 3, "failures": 1, "lastMeasuredTime": at(70),
+                                     "message": "query error-rate gave 0.02 for {}, above its max 0.01"}},
             "conditions": [
                 {"type": "Ready", "status": "False", "reason": "RolloutInProgress", "message": "1/3 nodes serve build b2; not yet: b, c", "lastTransitionTime": at(60)},
                 {"type": "Reconciling", "status": "True", "reason": "RolloutInProgress", "message": "moving to build b2: 1 attempt(s) in flight, 1 node(s) waiting their turn", "lastTransitionTime": at(60)},

@@ -81,6 +81,7 @@ fn controller_exposition() -> String {
     metrics.outcome_recorded(Outcome::Done, Mode::Overlap);
     metrics.plan_deferred(genswap_controller::metrics::Deferral::OwnCreateUnseen);
     metrics.set_leader(true);
+    metrics.analysis_measured(&genswap_core::scheduler::Verdict::Pass);
     metrics.encode().expect("the controller's metrics encode")
 }
 
