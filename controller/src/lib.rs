@@ -26,7 +26,6 @@
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 
-pub mod analysis;
 pub mod apply;
 pub mod attempt_index;
 pub mod cache_sync;

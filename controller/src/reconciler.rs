@@ -92,7 +92,12 @@ pub async fn reconcile(
     let now = (ctx.clock)();
     let mut plan = (ctx.planner)(ig, &attempts, &nodes, now, ctx.revisions(ig));
     if let Some(request) = plan.analysis.take() {
-        let verdict = crate::analysis::measure(ctx.prometheus.as_ref(), &request).await;
+        let verdict = genswap_runtime::prometheus::measure(
+            ctx.prometheus.as_ref(),
+            &request,
+            "the controller has no Prometheus to ask (--prometheus-url, the chart's controller.prometheusURL)",
+        )
+        .await;
         info!(ig = %ig.name_any(), wave = %request.wave, number = request.number, ?verdict, "analysis measured");
         ctx.metrics.analysis_measured(&verdict);
         plan = scheduler::measured(plan, &verdict, ig, &Time(now), |measured| {

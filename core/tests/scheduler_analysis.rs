@@ -330,3 +330,65 @@ fn every_wave_is_judged_with_every_wave_and_a_wave_passed_stays_passed() {
     let plan = world.reconcile_measuring(unasked);
     assert_eq!(plan.status.ready.as_deref(), Some("3/3"));
 }
+
+#[test]
+fn a_single_node_is_judged_too_and_not_ready_until_it_passes() {
+    let mut world = World::new(ig(spec("b1")), nodes(&["only"]));
+    world.roll_out();
+    world.edit(|spec| {
+        spec.build = scheduler_support::spec("b2").build;
+        spec.rollout.analysis = Some(analysis(2));
+        spec.rollout.on_failure = OnFailure::Restore;
+    });
+    world.reconcile();
+    world.finish_all_done();
+    let plan = world.reconcile_measuring(unasked);
+    assert_eq!(
+        kstatus(&plan.status),
+        "Ready=False AnalysisRunning | Reconciling=True AnalysisRunning | Stalled=False AnalysisRunning"
+    );
+    assert!(
+        message(&plan.status, "Ready").contains("all 1 nodes serve build b2"),
+        "{}",
+        message(&plan.status, "Ready")
+    );
+    assert_eq!(
+        plan.status.history.first().map(|h| h.build.as_str()),
+        Some("b1"),
+        "b2 is not a good build before its analysis passed"
+    );
+    world.advance(31);
+    world.reconcile_measuring(answering(0.0));
+    world.advance(30);
+    let plan = world.reconcile_measuring(answering(0.0));
+    assert!(condition(&plan.status, "Ready").starts_with("True AllNodesReady"));
+    assert_eq!(
+        plan.status.history.first().map(|h| h.build.as_str()),
+        Some("b2")
+    );
+}
+
+#[test]
+fn a_single_node_that_fails_its_analysis_gets_the_good_build_back() {
+    let mut world = World::new(ig(spec("b1")), nodes(&["only"]));
+    world.roll_out();
+    world.edit(|spec| {
+        spec.build = scheduler_support::spec("b2").build;
+        spec.rollout.analysis = Some(analysis(2));
+        spec.rollout.on_failure = OnFailure::Restore;
+    });
+    world.reconcile();
+    world.finish_all_done();
+    world.reconcile_measuring(unasked);
+    world.advance(31);
+    let plan = world.reconcile_measuring(answering(1.0));
+    assert_eq!(causes(&plan), [Cause::Rollback]);
+    assert_eq!(plan.create[0].spec.build.id, "b1");
+    world.finish_all_done();
+    let plan = world.reconcile_measuring(unasked);
+    assert_eq!(entry(&plan.status, "only").build.as_deref(), Some("b1"));
+    assert_eq!(
+        kstatus(&plan.status),
+        "Ready=False AnalysisFailed | Reconciling=False AnalysisFailed | Stalled=True AnalysisFailed"
+    );
+}

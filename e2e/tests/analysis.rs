@@ -22,9 +22,7 @@
 
 mod support;
 
-use std::net::TcpListener as StdListener;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -34,7 +32,7 @@ use k8s_openapi::api::core::v1::Event;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::{Value, json};
 use support::{Cluster, INSTANCE_ID, Stack, apply_crds, get_over, path_str};
-use test_cluster::process::ChildGuard;
+use test_cluster::prometheus::{Forwarder, Server, erroring_build};
 
 const IG: &str = "web";
 const FIELD_MANAGER: &str = "genswap-e2e";
@@ -43,7 +41,7 @@ const GROUP_LABEL: &str = "e2e.genswap.dev/analysis";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_canary_that_fails_its_users_is_halted_by_its_metrics_and_restored() {
-    let Some(prometheus_binary) = prometheus_binary() else {
+    let Some(prometheus_binary) = test_cluster::prometheus::binary() else {
         return;
     };
     let Some(cluster) = Cluster::find().await else {
@@ -55,8 +53,7 @@ async fn a_canary_that_fails_its_users_is_halted_by_its_metrics_and_restored() {
     }
     apply_crds(&cluster);
 
-    let prometheus_dir = support::host_dir();
-    let port = free_port();
+    let port = test_cluster::prometheus::free_port();
     let url = format!("http://127.0.0.1:{port}");
     let group = support::unique();
     let labels = [(GROUP_LABEL, group.as_str())];
@@ -87,36 +84,14 @@ async fn a_canary_that_fails_its_users_is_halted_by_its_metrics_and_restored() {
 
     // Prometheus scrapes each node's instance every second, labelled with
     // the node's name, as a cluster's relabelling would.
-    let mut targets = Vec::new();
     let mut forwarders = Vec::new();
+    let mut targets = Vec::new();
     for (node, socket) in &sockets {
-        let (address, task) = forward(socket.clone()).await;
-        forwarders.push(task);
-        targets.push(json!({"targets": [address], "labels": {"node": node}}));
+        let forwarder = Forwarder::start(socket.clone()).await;
+        targets.push((forwarder.address.clone(), vec![("node", node.as_str())]));
+        forwarders.push(forwarder);
     }
-    let config = prometheus_dir.path().join("prometheus.yml");
-    std::fs::write(
-        &config,
-        format!(
-            "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nscrape_configs:\n  - job_name: instances\n    static_configs: {}\n",
-            Value::Array(targets)
-        ),
-    )
-    .expect("write prometheus.yml");
-    let mut prometheus_cmd = Command::new(&prometheus_binary);
-    prometheus_cmd
-        .arg(format!("--config.file={}", path_str(&config)))
-        .arg(format!(
-            "--storage.tsdb.path={}",
-            path_str(&prometheus_dir.path().join("data"))
-        ))
-        .arg(format!("--web.listen-address=127.0.0.1:{port}"));
-    let mut prometheus = ChildGuard::spawn(
-        "prometheus",
-        prometheus_cmd,
-        prometheus_dir.path().join("prometheus.log"),
-    );
-    wait_ready(&url, &mut prometheus).await;
+    let mut prometheus = Server::start(&prometheus_binary, port, &targets).await;
 
     // Requests to both nodes all along; a body not naming the build a node
     // should serve is counted.
@@ -125,7 +100,7 @@ async fn a_canary_that_fails_its_users_is_halted_by_its_metrics_and_restored() {
     let igs: Api<InstanceGeneration> =
         Api::namespaced(cluster.client().await, &stack.namespace.name);
     let good = testapp::make_build(&stack.staging, "b1").expect("stage b1");
-    let bad = erroring_build(&stack.staging, &good.path, "b2");
+    let bad = erroring_build(&stack.staging, &good.path, "b2", 5);
     let analysis = example_analysis();
 
     // 1. The install: the canary passes on real samples.
@@ -239,73 +214,14 @@ async fn a_canary_that_fails_its_users_is_halted_by_its_metrics_and_restored() {
         0,
         "the second node answered with b1 throughout"
     );
-    for task in forwarders {
-        task.abort();
-    }
+    drop(forwarders);
     drop(second);
     drop(stack);
 }
 
-/// `prometheus` on PATH; `None` (the test skipped) without it, unless
-/// `GENSWAP_PROMETHEUS=required`.
-fn prometheus_binary() -> Option<PathBuf> {
-    let found = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
-        .map(|dir| dir.join("prometheus"))
-        .find(|path| path.is_file());
-    if found.is_none() {
-        assert!(
-            std::env::var("GENSWAP_PROMETHEUS").as_deref() != Ok("required"),
-            "GENSWAP_PROMETHEUS=required and no prometheus on PATH (Debian's prometheus package)"
-        );
-        println!("skipped: no prometheus on PATH (Debian's prometheus package)");
-    }
-    found
-}
-
-/// A port free on loopback now, for Prometheus to listen on.
-fn free_port() -> u16 {
-    let listener = StdListener::bind("127.0.0.1:0").expect("bind loopback");
-    listener.local_addr().expect("its address").port()
-}
-
-/// A TCP listener on loopback whose every connection is carried to
-/// `socket`: the scrape target of one node's instance.
-async fn forward(socket: PathBuf) -> (String, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind the forwarder");
-    let address = listener.local_addr().expect("its address").to_string();
-    let task = tokio::spawn(async move {
-        while let Ok((mut tcp, _)) = listener.accept().await {
-            let socket = socket.clone();
-            tokio::spawn(async move {
-                if let Ok(mut unix) = tokio::net::UnixStream::connect(&socket).await {
-                    let _ = tokio::io::copy_bidirectional(&mut tcp, &mut unix).await;
-                }
-            });
-        }
-    });
-    (address, task)
-}
-
-async fn wait_ready(url: &str, prometheus: &mut ChildGuard) {
-    let ready = format!("{url}/-/ready");
-    wait_for(prometheus, "Prometheus ready", || {
-        let ready = ready.clone();
-        async move {
-            let output = Command::new("curl")
-                .args(["-sf", "-o", "/dev/null", &ready])
-                .status()
-                .ok()?;
-            output.success().then_some(())
-        }
-    })
-    .await;
-}
-
 /// Polls `check` until it gives a value; panics with Prometheus's log
 /// after [`STEP_DEADLINE`] or when Prometheus exited.
-async fn wait_for<T, F, Fut>(prometheus: &mut ChildGuard, what: &str, mut check: F) -> T
+async fn wait_for<T, F, Fut>(prometheus: &mut Server, what: &str, mut check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
@@ -323,7 +239,7 @@ where
 
 async fn wait_ig(
     igs: &Api<InstanceGeneration>,
-    prometheus: &mut ChildGuard,
+    prometheus: &mut Server,
     what: &str,
     done: impl Fn(&InstanceGeneration) -> bool,
 ) -> InstanceGeneration {
@@ -384,23 +300,6 @@ async fn apply(
     )
     .await
     .unwrap_or_else(|e| panic!("apply the InstanceGeneration: {e}"));
-}
-
-/// A build that runs the test app at `server` with 5 % of its answers
-/// 500: a shell script, its path and sha256.
-fn erroring_build(dir: &Path, server: &Path, name: &str) -> (PathBuf, String) {
-    use sha2::Digest;
-    use std::os::unix::fs::PermissionsExt;
-    let path = dir.join(name);
-    let script = format!(
-        "#!/bin/sh\nexec {} --error-percent=5 \"$@\"\n",
-        path_str(server)
-    );
-    std::fs::write(&path, &script).expect("write the script");
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
-        .expect("make it executable");
-    let digest = hex::encode(sha2::Sha256::digest(script.as_bytes()));
-    (path, digest)
 }
 
 fn condition(ig: &InstanceGeneration, kind: &str) -> Option<(String, String, String)> {

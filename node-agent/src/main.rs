@@ -7,11 +7,15 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
+use genswap_runtime::prometheus::{Prometheus, PrometheusError};
 use node_agent::demo::{self, DemoError, DemoOptions};
 use node_agent::host::{self, Host, HostArgs, HostError};
 use node_agent::kube::{self, KubeAgentError, KubeArgs};
 use node_agent::ownership::{self, NodeLock, OwnershipError};
 use node_agent::standalone::{self, NodeIdentity, StandaloneConfig, StandaloneError};
+
+/// Longest wait for one `rollout.analysis` query in standalone mode.
+const PROMETHEUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 use thiserror::Error;
 use tracing::{error, info};
 
@@ -89,6 +93,10 @@ struct StandaloneArgs {
     /// agent leaves them.
     #[arg(long, env = "GENSWAP_STOP_ON_EXIT")]
     stop_on_exit: bool,
+    /// The Prometheus `rollout.analysis` queries run against (its root
+    /// URL). Without it an analysis is inconclusive.
+    #[arg(long, env = "GENSWAP_PROMETHEUS_URL", value_name = "URL")]
+    prometheus_url: Option<String>,
     /// Join PID 1's mount and cgroup namespaces at start, as `run` does:
     /// for standalone mode in a pod (hostPID, CAP_SYS_ADMIN) rather than on
     /// the host.
@@ -164,6 +172,8 @@ enum MainError {
     Host(#[from] HostError),
     #[error(transparent)]
     Standalone(#[from] StandaloneError),
+    #[error(transparent)]
+    Prometheus(#[from] PrometheusError),
     #[error(transparent)]
     Demo(#[from] DemoError),
     #[error("cannot take the node lock: {0}")]
@@ -355,10 +365,17 @@ async fn run_standalone(args: StandaloneArgs) -> Result<(), MainError> {
         .or_else(host::host_name)
         .unwrap_or_else(|| "localhost".into());
     let labels: BTreeMap<String, String> = args.node_labels.iter().cloned().collect();
+    let prometheus = args
+        .prometheus_url
+        .as_deref()
+        .filter(|url| !url.is_empty())
+        .map(|url| Prometheus::new(url, PROMETHEUS_TIMEOUT))
+        .transpose()?;
     let config = StandaloneConfig {
         dir: args.dir.clone(),
         node: NodeIdentity::new(name, labels),
         stop_on_exit: args.stop_on_exit,
+        prometheus,
     };
     info!(
         dir = %config.dir.display(),

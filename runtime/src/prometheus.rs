@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use genswap_core::scheduler::{AnalysisRequest, Answer, Verdict, judge};
 use serde::Deserialize;
 use thiserror::Error;
 
@@ -36,6 +37,16 @@ pub struct Prometheus {
     endpoint: reqwest::Url,
     http: reqwest::Client,
 }
+
+/// The same Prometheus: the same endpoint (the HTTP client is no part of
+/// what a configuration means).
+impl PartialEq for Prometheus {
+    fn eq(&self, other: &Self) -> bool {
+        self.endpoint == other.endpoint
+    }
+}
+
+impl Eq for Prometheus {}
 
 #[derive(Deserialize)]
 struct Reply {
@@ -153,6 +164,26 @@ impl Prometheus {
     ) -> Vec<Result<Vec<(String, f64)>, QueryError>> {
         futures::future::join_all(queries.into_iter().map(|promql| self.query(promql))).await
     }
+}
+
+/// What the measurement `request` of `rollout.analysis` finds: every query
+/// asked at once, the answers judged by the core; without a Prometheus,
+/// inconclusive (`unconfigured` says why).
+pub async fn measure(
+    prometheus: Option<&Prometheus>,
+    request: &AnalysisRequest,
+    unconfigured: &str,
+) -> Verdict {
+    let Some(prometheus) = prometheus else {
+        return Verdict::Inconclusive(unconfigured.to_string());
+    };
+    let answers: Vec<Answer> = prometheus
+        .query_all(request.queries.iter().map(|query| query.promql.as_str()))
+        .await
+        .into_iter()
+        .map(Answer::from)
+        .collect();
+    judge(&request.queries, &answers)
 }
 
 /// Prometheus writes sample values as strings: numbers, `NaN`, `+Inf`,

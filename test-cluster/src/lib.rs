@@ -12,7 +12,8 @@
 //! turns that into a failure.
 //!
 //! Beside it, a real OCI registry and images pushed by real tools
-//! ([`registry`]).
+//! ([`registry`]), and a real Prometheus scraping test instances
+//! ([`prometheus`]).
 //!
 //! Around it: the credentials of a chart's ServiceAccounts
 //! ([`ControlPlane::service_account_kubeconfig`]), a real helm
@@ -28,6 +29,7 @@ pub mod helm;
 mod namespace;
 pub mod objects;
 pub mod process;
+pub mod prometheus;
 pub mod registry;
 
 pub use control_plane::{ControlPlane, SKIP_LINE, client_for, workspace};

@@ -25,6 +25,8 @@ pub mod reasons {
     pub const ANALYSIS_INCONCLUSIVE: &str = "AnalysisInconclusive";
     /// Every measurement of a wave stayed within its bounds.
     pub const ANALYSIS_PASSED: &str = "AnalysisPassed";
+    /// Ready=False, Reconciling=True: a finished wave is being measured.
+    pub const ANALYSIS_RUNNING: &str = "AnalysisRunning";
 }
 
 /// One query as sent: its variables replaced.

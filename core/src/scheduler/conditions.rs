@@ -67,7 +67,11 @@ pub(super) fn write(
     let now = &ctx.now;
     let target = describe(&ctx.desired);
     let none_selected = progress.selected == 0;
-    let all_ready = !none_selected && progress.ready == progress.selected;
+    let measuring = matches!(progress.position.analysis, Some(Gate::Measuring { .. }));
+    let all_serve = !none_selected && progress.ready == progress.selected;
+    // Not Ready while the metrics judge what every node runs, nor when
+    // they halted it.
+    let all_ready = all_serve && progress.position.analysis.is_none();
     let left_down: Vec<(&str, Down)> = progress
         .down_between
         .iter()
@@ -110,9 +114,11 @@ pub(super) fn write(
     } else if all_ready {
         reasons::ALL_NODES_READY
     } else {
-        stall_reason
-            .or(between_reason)
-            .unwrap_or(reasons::ROLLOUT_IN_PROGRESS)
+        stall_reason.or(between_reason).unwrap_or(if measuring {
+            analysis::reasons::ANALYSIS_RUNNING
+        } else {
+            reasons::ROLLOUT_IN_PROGRESS
+        })
     };
 
     let (ready_reason, ready_message) = if none_selected {
@@ -153,6 +159,19 @@ pub(super) fn write(
             reasons::ALL_NODES_READY,
             format!("all {} nodes serve {target}", progress.selected),
         )
+    } else if all_serve {
+        (
+            idle_reason,
+            format!(
+                "all {} nodes serve {target}{}",
+                progress.selected,
+                if measuring {
+                    wave_note(ctx, progress, wave_names)
+                } else {
+                    "; rollout.analysis halted it (see Stalled)".to_string()
+                }
+            ),
+        )
     } else if !progress.down_between.is_empty() {
         (
             idle_reason,
@@ -184,7 +203,7 @@ pub(super) fn write(
         now,
     );
 
-    let reconciling = progress.in_flight > 0 || progress.waiting > 0;
+    let reconciling = progress.in_flight > 0 || progress.waiting > 0 || measuring;
     let (reconciling_reason, reconciling_message) = if reconciling && ctx.spec.rollout.paused {
         (
             reasons::PAUSED,
@@ -194,7 +213,9 @@ pub(super) fn write(
             ),
         )
     } else if reconciling {
-        let reason = if progress.superseding {
+        let reason = if progress.in_flight == 0 && measuring {
+            analysis::reasons::ANALYSIS_RUNNING
+        } else if progress.superseding {
             reasons::SUPERSEDING
         } else if progress.retrying_held {
             reasons::RETRYING_HELD_BUILD

@@ -313,7 +313,11 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
     let progress = &decisions.progress;
     let (records, carried) = records::writes(&slots, book.entries());
     status.good_build = good_build(&slots).or(status.good_build);
-    if progress.selected > 0 && progress.ready == progress.selected {
+    // A build is good once every node serves it and no analysis holds it.
+    if progress.selected > 0
+        && progress.ready == progress.selected
+        && progress.position.analysis.is_none()
+    {
         history::record(&mut status.history, ctx.spec, &ctx.now);
     }
     status.ready = Some(format!("{}/{}", progress.ready, progress.selected));

@@ -259,11 +259,13 @@ fn position(
             };
         }
         let later_waits = finished[wave + 1..].iter().any(|done| !done);
-        let Some(at) = finished_at[wave].filter(|_| later_waits) else {
+        let Some(at) = finished_at[wave] else {
             continue;
         };
-        let baking_until =
-            Some(at.saturating_add(bake_ms)).filter(|until| bake_ms > 0 && *until > now_ms);
+        let baking_until = Some(at.saturating_add(bake_ms))
+            .filter(|until| later_waits && bake_ms > 0 && *until > now_ms);
+        // Judged even when no wave waits (one node, standalone, the last
+        // wave with everyWave): a failure there still halts and restores.
         if analysis::applies(ctx.spec, wave) {
             let gate = analysis::gate(ctx, wave, at);
             if gate != Gate::Open {

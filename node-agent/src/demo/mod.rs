@@ -308,6 +308,7 @@ async fn run_in(sandbox: &Sandbox, helper: &HelperProgram) -> Result<DemoReport,
         dir: manifests.clone(),
         node,
         stop_on_exit: true,
+        prometheus: None,
     };
     let mut runner = tokio::spawn({
         let engine = host.engine.clone();

@@ -58,6 +58,7 @@ use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
 
+use genswap_runtime::prometheus::Prometheus;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use thiserror::Error;
@@ -82,6 +83,9 @@ pub struct StandaloneConfig {
     /// files removed), so nothing of it is left. Off: serving generations
     /// keep running, as the agent leaves them.
     pub stop_on_exit: bool,
+    /// The Prometheus `rollout.analysis` asks; without one every
+    /// measurement is inconclusive.
+    pub prometheus: Option<Prometheus>,
 }
 
 /// The host as the scheduler sees it: one node.

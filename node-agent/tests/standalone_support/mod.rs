@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use genswap_crds::ConditionType;
+use genswap_runtime::prometheus::Prometheus;
 use node_agent::engine::EngineConfig;
 use node_agent::gate::InstanceKey;
 use node_agent::host::{Host, HostSettings};
@@ -54,6 +55,7 @@ pub struct StandaloneHost {
     // Dropped after the tree: nothing runs from them by then.
     temp: tempfile::TempDir,
     run: tempfile::TempDir,
+    prometheus: Option<Prometheus>,
 }
 
 impl StandaloneHost {
@@ -88,6 +90,24 @@ impl StandaloneHost {
         labels: BTreeMap<String, String>,
         prepare: impl FnOnce(&Path) -> Option<Box<dyn Send>>,
     ) -> StandaloneHost {
+        StandaloneHost::start_full(tag, stop_on_exit, labels, prepare, None)
+    }
+
+    /// [`StandaloneHost::start`], `rollout.analysis` asking the Prometheus
+    /// at `prometheus_url`.
+    pub fn start_measured(tag: &str, prometheus_url: &str) -> StandaloneHost {
+        let prometheus = Prometheus::new(prometheus_url, Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("{e}"));
+        StandaloneHost::start_full(tag, true, BTreeMap::new(), |_| None, Some(prometheus))
+    }
+
+    fn start_full(
+        tag: &str,
+        stop_on_exit: bool,
+        labels: BTreeMap<String, String>,
+        prepare: impl FnOnce(&Path) -> Option<Box<dyn Send>>,
+        prometheus: Option<Prometheus>,
+    ) -> StandaloneHost {
         let temp = tempfile::Builder::new()
             .prefix(&format!("genswap-standalone-{tag}-"))
             .tempdir()
@@ -118,7 +138,8 @@ impl StandaloneHost {
                 env!("CARGO_BIN_EXE_genswap-helper"),
             ),
         };
-        let (host, stop, runner) = launch(&settings, &dir, stop_on_exit, &labels);
+        let (host, stop, runner) =
+            launch(&settings, &dir, stop_on_exit, &labels, prometheus.clone());
         StandaloneHost {
             dir,
             staging,
@@ -130,6 +151,7 @@ impl StandaloneHost {
             prepared,
             temp,
             run,
+            prometheus,
         }
     }
 
@@ -156,7 +178,13 @@ impl StandaloneHost {
 
     fn relaunch(&mut self, labels: BTreeMap<String, String>) {
         self.labels = labels;
-        let (host, stop, runner) = launch(&self.host.settings, &self.dir, true, &self.labels);
+        let (host, stop, runner) = launch(
+            &self.host.settings,
+            &self.dir,
+            true,
+            &self.labels,
+            self.prometheus.clone(),
+        );
         self.host = host;
         self.stop = Some(stop);
         self.runner = Some(runner);
@@ -307,6 +335,7 @@ fn launch(
     dir: &Path,
     stop_on_exit: bool,
     labels: &BTreeMap<String, String>,
+    prometheus: Option<Prometheus>,
 ) -> (Host, oneshot::Sender<()>, Runner) {
     let host = Host::build(settings).expect("the host parts");
     let (stop, stopped) = oneshot::channel::<()>();
@@ -314,6 +343,7 @@ fn launch(
         dir: dir.to_path_buf(),
         node: NodeIdentity::new(NODE, labels.clone()),
         stop_on_exit,
+        prometheus,
     };
     let runner = tokio::spawn({
         let host = host.clone();
@@ -355,6 +385,13 @@ pub struct Manifest {
     pub writable: Vec<PathBuf>,
     /// `process.root: build`.
     pub root_build: bool,
+    /// `health.path`.
+    pub health_path: Option<String>,
+    /// `process.filesystem: Host` (a script build that runs the test app
+    /// from the test's dirs).
+    pub host_filesystem: bool,
+    /// `spec.rollout` as a YAML flow mapping.
+    pub rollout: Option<String>,
 }
 
 impl Manifest {
@@ -378,6 +415,9 @@ impl Manifest {
             tree: None,
             writable: Vec::new(),
             root_build: false,
+            health_path: None,
+            host_filesystem: false,
+            rollout: None,
         }
     }
 
@@ -431,16 +471,29 @@ spec:{node_selector}
   process:
     args: [{args}]
     env: [{env}]
-    writablePaths: [{writable}]{root}
+    writablePaths: [{writable}]{root}{filesystem}
     user: {NOBODY}
     group: {NOBODY}
   health:
-    timeoutSeconds: {health}
+    timeoutSeconds: {health}{health_path}
   settle:
     seconds: 0
   stop:
     timeoutSeconds: 10
-{resources}{listeners}",
+{resources}{listeners}{rollout}",
+            filesystem = if self.host_filesystem {
+                "\n    filesystem: Host"
+            } else {
+                ""
+            },
+            health_path = self
+                .health_path
+                .as_ref()
+                .map_or_else(String::new, |p| format!("\n    path: {p}")),
+            rollout = self
+                .rollout
+                .as_ref()
+                .map_or_else(String::new, |r| format!("  rollout: {r}\n")),
             root = if self.root_build {
                 "\n    root: build"
             } else {

@@ -16,6 +16,7 @@ use std::time::{Duration, SystemTime};
 
 use genswap_core::scheduler;
 use genswap_crds::{ConditionType, InstanceGeneration, SwapAttempt, set_condition};
+use genswap_runtime::prometheus::Prometheus;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use tokio::sync::mpsc;
@@ -131,6 +132,7 @@ pub(super) struct Runner {
     store: StateStore,
     node: Node,
     stop_on_exit: bool,
+    prometheus: Option<Prometheus>,
     watch: DirWatch,
     files: BTreeMap<String, ManifestFile>,
     instances: BTreeMap<InstanceKey, Instance>,
@@ -200,6 +202,7 @@ impl Runner {
             store,
             node: config.node.node(),
             stop_on_exit: config.stop_on_exit,
+            prometheus: config.prometheus,
             watch,
             files: BTreeMap::new(),
             instances: BTreeMap::new(),
