@@ -331,8 +331,9 @@ fn every_wave_is_judged_with_every_wave_and_a_wave_passed_stays_passed() {
     assert_eq!(plan.status.ready.as_deref(), Some("3/3"));
 }
 
-#[test]
-fn a_single_node_is_judged_too_and_not_ready_until_it_passes() {
+/// One node serving b1, then b2 released to it, judged twice, restored
+/// on failure; b2's attempt done.
+fn one_node_released() -> World {
     let mut world = World::new(ig(spec("b1")), nodes(&["only"]));
     world.roll_out();
     world.edit(|spec| {
@@ -342,6 +343,12 @@ fn a_single_node_is_judged_too_and_not_ready_until_it_passes() {
     });
     world.reconcile();
     world.finish_all_done();
+    world
+}
+
+#[test]
+fn a_single_node_is_judged_too_and_not_ready_until_it_passes() {
+    let mut world = one_node_released();
     let plan = world.reconcile_measuring(unasked);
     assert_eq!(
         kstatus(&plan.status),
@@ -370,15 +377,7 @@ fn a_single_node_is_judged_too_and_not_ready_until_it_passes() {
 
 #[test]
 fn a_single_node_that_fails_its_analysis_gets_the_good_build_back() {
-    let mut world = World::new(ig(spec("b1")), nodes(&["only"]));
-    world.roll_out();
-    world.edit(|spec| {
-        spec.build = scheduler_support::spec("b2").build;
-        spec.rollout.analysis = Some(analysis(2));
-        spec.rollout.on_failure = OnFailure::Restore;
-    });
-    world.reconcile();
-    world.finish_all_done();
+    let mut world = one_node_released();
     world.reconcile_measuring(unasked);
     world.advance(31);
     let plan = world.reconcile_measuring(answering(1.0));

@@ -36,13 +36,22 @@ fn example_analysis() -> String {
     )
 }
 
-fn condition(doc: &node_agent::standalone::status::StatusDocument, kind: &str) -> (String, String) {
+/// A condition's status, reason and message.
+fn condition(
+    doc: &node_agent::standalone::status::StatusDocument,
+    kind: &str,
+) -> (String, String, String) {
     doc.status
         .conditions
         .iter()
         .find(|c| c.type_ == kind)
-        .map(|c| (c.status.clone(), c.reason.clone()))
+        .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
         .unwrap_or_default()
+}
+
+fn stalled_by(doc: &node_agent::standalone::status::StatusDocument, reason: &str) -> bool {
+    let (status, actual, _) = condition(doc, "Stalled");
+    status == "True" && actual == reason
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -98,16 +107,10 @@ async fn the_one_node_is_judged_by_its_metrics_and_a_failing_build_is_restored()
     host.write("web.yaml", &manifest.yaml());
     let doc = host
         .status("web.yaml", "b2 halted by its analysis", |doc| {
-            condition(doc, "Stalled") == ("True".into(), "AnalysisFailed".into())
+            stalled_by(doc, "AnalysisFailed")
         })
         .await;
-    let message = doc
-        .status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Stalled")
-        .map(|c| c.message.clone())
-        .unwrap_or_default();
+    let message = condition(&doc, "Stalled").2;
     assert!(
         message.contains("query error-rate gave") && message.contains("above its max 0.01"),
         "{message}"
@@ -145,7 +148,7 @@ async fn a_rollout_that_does_not_move_is_stalled_at_its_deadline_then_moves_on()
     host.write("slow.yaml", &manifest.yaml());
     let doc = host
         .status("slow.yaml", "the deadline passed", |doc| {
-            condition(doc, "Stalled") == ("True".into(), "ProgressDeadlineExceeded".into())
+            stalled_by(doc, "ProgressDeadlineExceeded")
         })
         .await;
     let rollout = doc.status.rollout.clone().expect("status.rollout");
@@ -154,13 +157,7 @@ async fn a_rollout_that_does_not_move_is_stalled_at_its_deadline_then_moves_on()
         Some("canary"),
         "the one node is the canary wave"
     );
-    let message = doc
-        .status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Stalled")
-        .map(|c| c.message.clone())
-        .unwrap_or_default();
+    let message = condition(&doc, "Stalled").2;
     assert!(
         message.contains(&format!("attempts in flight on: {NODE}")),
         "{message}"

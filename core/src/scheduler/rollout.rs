@@ -330,20 +330,8 @@ pub(super) fn decide<'a>(
         if analysis_failed && f.serves {
             progress.not_ready.push(slot.name);
             if let Some(restore) = restore.as_ref() {
-                match restore.step(slot, book, now_ms) {
-                    Restore::Issue => {
-                        in_flight += 1;
-                        issues.push(Issue {
-                            slot: index,
-                            cause: Cause::Rollback,
-                            restore: true,
-                        });
-                    }
-                    Restore::Wait(due) => {
-                        earliest_due = Some(earliest_due.map_or(due, |e| e.min(due)));
-                    }
-                    Restore::Nothing => {}
-                }
+                let step = restore.step(slot, book, now_ms);
+                take_restore(step, index, &mut in_flight, &mut issues, &mut earliest_due);
             }
             continue;
         }
@@ -405,20 +393,8 @@ pub(super) fn decide<'a>(
                 }
                 let failed_here = book.blocks(&desired.build, ctx.mode, slot.name, false);
                 if let Some(restore) = restore.as_ref().filter(|_| failed_here) {
-                    match restore.step(slot, book, now_ms) {
-                        Restore::Issue => {
-                            in_flight += 1;
-                            issues.push(Issue {
-                                slot: index,
-                                cause: Cause::Rollback,
-                                restore: true,
-                            });
-                        }
-                        Restore::Wait(due) => {
-                            earliest_due = Some(earliest_due.map_or(due, |e| e.min(due)));
-                        }
-                        Restore::Nothing => {}
-                    }
+                    let step = restore.step(slot, book, now_ms);
+                    take_restore(step, index, &mut in_flight, &mut issues, &mut earliest_due);
                 }
                 continue;
             }
@@ -552,6 +528,28 @@ impl RestoreTarget {
             }
         }
         Restore::Issue
+    }
+}
+
+/// Takes one node's restore step into the plan.
+fn take_restore(
+    step: Restore,
+    slot: usize,
+    in_flight: &mut usize,
+    issues: &mut Vec<Issue>,
+    earliest_due: &mut Option<i64>,
+) {
+    match step {
+        Restore::Issue => {
+            *in_flight += 1;
+            issues.push(Issue {
+                slot,
+                cause: Cause::Rollback,
+                restore: true,
+            });
+        }
+        Restore::Wait(due) => *earliest_due = Some(earliest_due.map_or(due, |e| e.min(due))),
+        Restore::Nothing => {}
     }
 }
 

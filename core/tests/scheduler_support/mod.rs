@@ -218,13 +218,18 @@ impl World {
     /// One reconcile: plan, write records, status, create, delete.
     pub fn reconcile(&mut self) -> Plan {
         let plan = self.plan();
-        self.write_records(&plan);
-        self.write_status(&plan);
+        self.apply(&plan);
+        plan
+    }
+
+    /// Applies `plan` as the adapters do: records, status, creates, deletes.
+    fn apply(&mut self, plan: &Plan) {
+        self.write_records(plan);
+        self.write_status(plan);
         for attempt in &plan.create {
             self.store(attempt.clone());
         }
         self.delete(&plan.delete);
-        plan
     }
 
     /// One reconcile as the adapters make it with `rollout.analysis`: when
@@ -247,12 +252,7 @@ impl World {
             self.ig = stored;
             plan
         });
-        self.write_records(&plan);
-        self.write_status(&plan);
-        for attempt in &plan.create {
-            self.store(attempt.clone());
-        }
-        self.delete(&plan.delete);
+        self.apply(&plan);
         plan
     }
 
