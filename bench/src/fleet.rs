@@ -113,6 +113,10 @@ pub struct FleetPhase {
     /// requests that were refused or failed (by HTTP status).
     pub attempts_created: usize,
     pub creates_refused: std::collections::BTreeMap<u16, usize>,
+    /// The controller's deletes of SwapAttempts by HTTP status: a 404 is
+    /// one of an attempt already gone.
+    #[serde(default)]
+    pub deletes_by_status: std::collections::BTreeMap<u16, usize>,
     pub controller: Tally,
     pub controller_cpu_ms: f64,
     pub api_server_cpu_ms: f64,
@@ -388,6 +392,15 @@ async fn run_phase(
     {
         *creates.entry(request.code.unwrap_or(0)).or_insert(0) += 1;
     }
+    let mut deletes_by_status = std::collections::BTreeMap::new();
+    for request in requests
+        .iter()
+        .filter(|r| r.verb == "delete" && r.resource == "swapattempts" && controller_user(&r.user))
+    {
+        *deletes_by_status
+            .entry(request.code.unwrap_or(0))
+            .or_insert(0) += 1;
+    }
 
     let listed = fleet
         .attempts
@@ -424,6 +437,7 @@ async fn run_phase(
             .into_iter()
             .filter(|(code, _)| *code != 201)
             .collect(),
+        deletes_by_status,
         issued_twice: fleet.agents.issued_twice().saturating_sub(twice_before),
         controller_cpu_ms: cpu_after[0] - cpu_before[0],
         api_server_cpu_ms: cpu_after[1] - cpu_before[1],
@@ -459,6 +473,10 @@ async fn run_phase(
         counter(&after, "genswap_controller_reconciles_total")
             .saturating_sub(counter(&before, "genswap_controller_reconciles_total")),
         dropped_events(&after).saturating_sub(dropped_events(&before)),
+    );
+    println!(
+        "    controller deletes of attempts by status: {:?}",
+        phase.deletes_by_status
     );
     Ok(phase)
 }

@@ -391,3 +391,19 @@ fn a_single_node_that_fails_its_analysis_gets_the_good_build_back() {
         "Ready=False AnalysisFailed | Reconciling=False AnalysisFailed | Stalled=True AnalysisFailed"
     );
 }
+
+#[test]
+fn an_abandoned_restore_after_a_failed_analysis_is_issued_again() {
+    let mut world = one_node_released();
+    world.reconcile_measuring(unasked);
+    world.advance(31);
+    let plan = world.reconcile_measuring(answering(1.0));
+    assert_eq!(causes(&plan), [Cause::Rollback]);
+    world.finish("only", abandoned(false));
+    let plan = world.reconcile_measuring(unasked);
+    assert!(plan.create.is_empty(), "the backoff first");
+    world.advance(6);
+    let plan = world.reconcile_measuring(unasked);
+    assert_eq!(causes(&plan), [Cause::Rollback]);
+    assert_eq!(plan.create[0].spec.build.id, "b1");
+}

@@ -420,7 +420,12 @@ pub(super) fn decide<'a>(
         }
         if analysis_halted {
             // Nothing of the judged build starts until a new build or a
-            // new spec.retry.
+            // new spec.retry; a restore already begun is seen through (an
+            // abandoned one is issued again after its backoff).
+            if let Some(restore) = restore.as_ref().filter(|r| r.begun(slot)) {
+                let step = restore.step(slot, book, now_ms);
+                take_restore(step, index, &mut in_flight, &mut issues, &mut earliest_due);
+            }
             continue;
         }
         if let Some(reason) = &f.refused {
@@ -502,6 +507,13 @@ impl RestoreTarget {
             },
             mode: ctx.mode,
         }
+    }
+
+    /// The node's newest attempt is a restore.
+    fn begun(&self, slot: &NodeSlot<'_>) -> bool {
+        slot.attempts
+            .last()
+            .is_some_and(|a| aims_at(&a.spec, &self.target))
     }
 
     fn step(&self, slot: &NodeSlot<'_>, book: &FailureBook, now_ms: i64) -> Restore {
