@@ -407,3 +407,15 @@ fn an_abandoned_restore_after_a_failed_analysis_is_issued_again() {
     assert_eq!(causes(&plan), [Cause::Rollback]);
     assert_eq!(plan.create[0].spec.build.id, "b1");
 }
+
+#[test]
+fn removing_the_analysis_lifts_its_halt() {
+    let mut world = released(analysis(1), OnFailure::Hold);
+    world.reconcile_measuring(unasked);
+    world.advance(31);
+    world.reconcile_measuring(answering(0.5));
+    world.edit(|spec| spec.rollout.analysis = None);
+    let plan = world.reconcile_measuring(unasked);
+    assert_eq!(created(&plan).len(), 2, "the rest go: {:?}", created(&plan));
+    assert!(condition(&plan.status, "Stalled").starts_with("False "));
+}

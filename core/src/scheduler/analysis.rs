@@ -248,8 +248,10 @@ fn ended(spec: &AnalysisSpec, record: &AnalysisStatus) -> Option<PlanEvent> {
 
 /// The stored analysis that still counts for the desired build: not one of
 /// an older build, nor a failed or inconclusive one that a new
-/// `spec.retry` token starts again.
+/// `spec.retry` token starts again, nor any once the spec asks for none
+/// (removing `rollout.analysis` lifts its halt).
 pub(super) fn current(ig: &InstanceGeneration) -> Option<&AnalysisStatus> {
+    ig.spec.rollout.analysis.as_ref()?;
     let record = ig.status.as_ref()?.rollout.as_ref()?.analysis.as_ref()?;
     let ended_badly = matches!(
         record.phase,
