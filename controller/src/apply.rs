@@ -320,17 +320,21 @@ pub async fn apply_plan(
     if !plan.delete.is_empty() && !ctx.leadership.is_leader() {
         return Ok(stepped_down(Write::Delete, done));
     }
+    let to_delete = ctx.still_to_delete(ig, &plan.delete);
     let deleted = paced(
         &ctx.create_permits,
         &ctx.leadership,
-        &plan.delete,
+        &to_delete,
         |attempt| delete_attempt(&attempts, attempt),
     )
     .await;
     let mut unsent = 0;
-    for result in deleted {
+    for (result, name) in deleted.into_iter().zip(&to_delete) {
         match result {
-            Some(Ok(())) => done.deleted += 1,
+            Some(Ok(())) => {
+                ctx.note_deleted(ig, name);
+                done.deleted += 1;
+            }
             None => unsent += 1,
             Some(Err(error)) => failures.push(error),
         }

@@ -177,6 +177,25 @@ impl Context {
             .created(&key_of(ig), attempt, Instant::now());
     }
 
+    /// Records that `attempt` of `ig` is deleted (or was already gone).
+    pub(crate) fn note_deleted(&self, ig: &InstanceGeneration, attempt: &str) {
+        self.expectations.deleted(&key_of(ig), attempt);
+    }
+
+    /// Those of the plan's `deletes` this replica has not deleted already
+    /// (a plan made before the watch showed a deletion lists it again).
+    pub(crate) fn still_to_delete(
+        &self,
+        ig: &InstanceGeneration,
+        deletes: &[String],
+    ) -> Vec<String> {
+        let namespace = ig.namespace().unwrap_or_default();
+        self.expectations
+            .still_to_delete(&key_of(ig), deletes, |name| {
+                self.attempts.contains(&namespace, name)
+            })
+    }
+
     /// Records that our patch wrote `record` onto `attempt` of `ig`.
     pub(crate) fn note_record(&self, ig: &InstanceGeneration, attempt: &str, record: String) {
         self.expectations

@@ -16,6 +16,12 @@
 //! (`genswap.dev/record`): a plan made before the cache shows one would
 //! read the node's older record and announce its outcome a second time.
 //!
+//! And for deletes: an attempt this replica deleted stays in the cache
+//! until the watch delivers its deletion, and a plan made before then lists
+//! it again. Its second delete is a 404, harmless but a request: the fleet
+//! bench's 5,000-node release sent 229 of them. So a deleted name is kept
+//! here until the cache no longer shows it, and not sent again meanwhile.
+//!
 //! An expectation that the cache never meets (the attempt was deleted before
 //! the watch delivered it, or the watch is stuck) lapses after a patience, so
 //! one lost event cannot stop an InstanceGeneration for good.
@@ -65,6 +71,8 @@ struct Pending {
 pub struct Expectations {
     patience: Duration,
     pending: Mutex<HashMap<IgKey, Pending>>,
+    /// Attempts deleted that the cache may still show, by IG.
+    deleted: Mutex<HashMap<IgKey, HashSet<String>>>,
 }
 
 impl Default for Expectations {
@@ -78,7 +86,43 @@ impl Expectations {
         Self {
             patience,
             pending: Mutex::new(HashMap::new()),
+            deleted: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Records that `attempt` of `ig` is deleted (or was already gone).
+    pub fn deleted(&self, ig: &IgKey, attempt: &str) {
+        self.deleted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(ig.clone())
+            .or_default()
+            .insert(attempt.to_string());
+    }
+
+    /// Those of `names` to delete: not the ones this replica deleted
+    /// already. Forgets a deleted name once `cached` says the cache no
+    /// longer holds it.
+    pub fn still_to_delete(
+        &self,
+        ig: &IgKey,
+        names: &[String],
+        cached: impl Fn(&str) -> bool,
+    ) -> Vec<String> {
+        let mut deleted = self.deleted.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(gone) = deleted.get_mut(ig) else {
+            return names.to_vec();
+        };
+        gone.retain(|name| cached(name));
+        let left = names
+            .iter()
+            .filter(|name| !gone.contains(name.as_str()))
+            .cloned()
+            .collect();
+        if gone.is_empty() {
+            deleted.remove(ig);
+        }
+        left
     }
 
     /// Records that our status write replaced `ig` at `version`.
@@ -190,6 +234,10 @@ impl Expectations {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(ig);
+        self.deleted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(ig);
     }
 }
 
@@ -199,6 +247,35 @@ mod tests {
 
     fn web() -> IgKey {
         ("apps".into(), "web".into())
+    }
+
+    #[test]
+    fn a_deleted_attempt_is_not_deleted_again_while_the_cache_still_shows_it() {
+        let expectations = Expectations::default();
+        let names = vec!["web-a-1".to_string(), "web-b-2".to_string()];
+        assert_eq!(
+            expectations.still_to_delete(&web(), &names, |_| true),
+            names
+        );
+        expectations.deleted(&web(), "web-a-1");
+        assert_eq!(
+            expectations.still_to_delete(&web(), &names, |_| true),
+            ["web-b-2"],
+            "the cache still shows web-a-1: a plan lists it again, it is not sent"
+        );
+        assert_eq!(
+            expectations.still_to_delete(&web(), &names, |name| name != "web-a-1"),
+            names,
+            "once the cache no longer shows it, it is forgotten"
+        );
+        assert!(
+            expectations
+                .deleted
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_empty(),
+            "nothing kept"
+        );
     }
 
     #[test]
