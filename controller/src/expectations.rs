@@ -102,7 +102,9 @@ impl Expectations {
 
     /// Those of `names` to delete: not the ones this replica deleted
     /// already. Forgets a deleted name once `cached` says the cache no
-    /// longer holds it.
+    /// longer holds it and the plan no longer lists it: a plan is made from
+    /// a copy of the cache, and its deletes go out seconds later, after its
+    /// creates, so the cache may have dropped a name the plan still lists.
     pub fn still_to_delete(
         &self,
         ig: &IgKey,
@@ -113,7 +115,7 @@ impl Expectations {
         let Some(gone) = deleted.get_mut(ig) else {
             return names.to_vec();
         };
-        gone.retain(|name| cached(name));
+        gone.retain(|name| cached(name) || names.contains(name));
         let left = names
             .iter()
             .filter(|name| !gone.contains(name.as_str()))
@@ -265,8 +267,14 @@ mod tests {
         );
         assert_eq!(
             expectations.still_to_delete(&web(), &names, |name| name != "web-a-1"),
-            names,
-            "once the cache no longer shows it, it is forgotten"
+            ["web-b-2"],
+            "a plan made from a copy taken before the cache dropped it lists it: not sent"
+        );
+        let later = vec!["web-b-2".to_string()];
+        assert_eq!(
+            expectations.still_to_delete(&web(), &later, |name| name != "web-a-1"),
+            later,
+            "gone from the cache and from the plan: forgotten"
         );
         assert!(
             expectations
