@@ -166,10 +166,10 @@ pub fn fold(
 }
 
 /// The plan after the measurement `first` asked for was judged `verdict`:
-/// the measurement folded into the record, and `planner` (the scheduler's
-/// plan) run again on the InstanceGeneration that carries it, with the
-/// Event that says how the analysis ended. Its status is never put off:
-/// the record is what a restarted controller goes on from.
+/// the measurement folded into the record, and `replan` (the adapter's
+/// call of the scheduler) run again on the InstanceGeneration that carries
+/// it, with the Event that says how the analysis ended. Its status is
+/// never put off: the record is what a restarted controller goes on from.
 pub fn measured(
     first: Plan,
     verdict: &Verdict,
