@@ -84,6 +84,8 @@ pub async fn stage_image(args: &StageImageArgs) -> Result<StageImageReport, Benc
     let stager =
         genswap_store::Stager::new(store, config).map_err(|e| BenchError::Agent(e.to_string()))?;
     let build = genswap_crds::BuildSpec {
+        signed_by: None,
+        signature: None,
         id: "bench".into(),
         artifact: genswap_crds::Artifact {
             path: None,

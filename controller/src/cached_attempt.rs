@@ -169,6 +169,8 @@ impl CachedAttempt {
                 cause: self.cause,
                 kind: self.kind,
                 build: BuildSpec {
+                    signed_by: None,
+                    signature: None,
                     id: self.build_id.to_string(),
                     sha256: self.sha256.to_string(),
                     artifact: Artifact::default(),

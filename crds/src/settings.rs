@@ -209,6 +209,8 @@ pub enum StopSignal {
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("has(self.entrypoint) ? (has(self.artifact.unpack) || has(self.artifact.image)) : !has(self.artifact.unpack)").message("build.entrypoint names what to run in a tree: required for an archive (artifact.unpack), optional for an image, not allowed for a single file"))]
 #[x_kube(validation = Rule::new("!has(self.artifact.image) || self.artifact.image.endsWith('@sha256:' + self.sha256)").message("build.sha256 must be the digest the image reference is pinned by"))]
+#[x_kube(validation = Rule::new("!has(self.signature) || has(self.signedBy)").message("build.signature needs build.signedBy: the key it is checked with"))]
+#[x_kube(validation = Rule::new("!has(self.signature) || !has(self.artifact.image)").message("build.signature is for files and archives: an image's signatures are in its registry"))]
 pub struct BuildSpec {
     /// The build's name, reported in status and to the process as GENSWAP_BUILD.
     #[schemars(length(max = 128))]
@@ -231,6 +233,22 @@ pub struct BuildSpec {
     #[schemars(length(max = 4096))]
     #[x_kube(validation = Rule::new("self.size() > 0 && !self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')").message("build.entrypoint must be a relative path inside the tree, without '..'"))]
     pub entrypoint: Option<String>,
+    /// The name of the node's trust key the build must be signed by (a
+    /// file `<name>.pub` or `<name>.pem` in the agent's `--trust-keys`):
+    /// an image by cosign's keyed signature, a file by a detached
+    /// `cosign sign-blob` signature (`signature`, else `<url>.sig` or
+    /// `<path>.sig`). A build whose signature is missing, by another key
+    /// or over other bytes fails before anything of it runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    #[x_kube(validation = Rule::new("self.matches('^[A-Za-z0-9][A-Za-z0-9._-]*$')").message("build.signedBy must name a trust key: letters, digits, '.', '_' and '-', starting with a letter or digit"))]
+    pub signed_by: Option<String>,
+    /// A single file's detached signature as `cosign sign-blob` prints it
+    /// (base64), instead of the one fetched beside the artifact.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    #[x_kube(validation = Rule::new("self.matches('^[A-Za-z0-9+/=\\\\s]+$')").message("build.signature must be base64, as cosign sign-blob prints it"))]
+    pub signature: Option<String>,
 }
 
 /// The format of an archive build: the tree it holds is unpacked into the

@@ -455,6 +455,8 @@ async fn lighttpd_from_a_debian_image_runs_in_its_tree_and_is_swapped_dropping_n
         let mut attempt = host.attempt_of(
             rev,
             genswap_crds::BuildSpec {
+                signed_by: None,
+                signature: None,
                 id: name.into(),
                 artifact: genswap_crds::Artifact {
                     image: Some(format!(

@@ -56,6 +56,8 @@ fn image_attempt(host: &SwapHost, rev: i64, id: &str, image: String, digest: &st
     host.attempt_of(
         rev,
         BuildSpec {
+            signed_by: None,
+            signature: None,
             id: id.into(),
             artifact: Artifact {
                 path: None,

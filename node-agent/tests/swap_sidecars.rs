@@ -200,6 +200,8 @@ async fn a_crash_looping_sidecar_backs_off_and_never_touches_its_generation() {
     // the swap does not care.
     let mut unstaged = watcher("unstaged", &once, &[]);
     unstaged.build = Some(BuildSpec {
+        signed_by: None,
+        signature: None,
         id: "w0".into(),
         artifact: Artifact {
             path: Some(b1.path.display().to_string()),

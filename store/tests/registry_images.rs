@@ -50,6 +50,8 @@ fn settings_for(fx: &Fixture, registry: &Registry, password: &str) -> RegistrySe
 
 fn image_build(reference: &str, digest: &str, entrypoint: Option<&str>) -> BuildSpec {
     BuildSpec {
+        signed_by: None,
+        signature: None,
         id: "image-1".into(),
         artifact: Artifact {
             path: None,

@@ -54,6 +54,8 @@ async fn a_download_cut_mid_archive_is_the_sources_fault_and_the_next_one_succee
     let digest = sha256_file(&archive);
     let (url, served) = serve(std::fs::read(&archive).expect("archive"), 1).await;
     let build = BuildSpec {
+        signed_by: None,
+        signature: None,
         id: "tree-1".into(),
         artifact: Artifact {
             path: None,

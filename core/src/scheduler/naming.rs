@@ -129,6 +129,8 @@ pub(super) fn build_attempt(
     let (build, config_rev, restart_id) = match restore {
         Some(good) => (
             BuildSpec {
+                signed_by: None,
+                signature: None,
                 id: good.build.clone(),
                 artifact: (&good.artifact).into(),
                 sha256: good.sha256.clone(),

@@ -442,6 +442,8 @@ pub fn archive_build(
     entrypoint: &str,
 ) -> BuildSpec {
     BuildSpec {
+        signed_by: None,
+        signature: None,
         id: id.into(),
         artifact: Artifact {
             path: Some(archive.display().to_string()),
@@ -464,6 +466,8 @@ pub fn spec(rev: i64, build: &testapp::Build, id: &str) -> SwapAttemptSpec {
         cause: Cause::Release,
         kind: InstanceKind::Instance,
         build: BuildSpec {
+            signed_by: None,
+            signature: None,
             id: id.into(),
             artifact: Artifact {
                 path: Some(build.path.display().to_string()),

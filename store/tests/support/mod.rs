@@ -113,6 +113,8 @@ fn stager_over(staging: &Path, store_dir: &Path, limits: TreeLimits) -> Stager {
 /// A build of the archive at `path`.
 pub fn archive_build(path: &Path, format: Unpack, sha256: &str, entrypoint: &str) -> BuildSpec {
     BuildSpec {
+        signed_by: None,
+        signature: None,
         id: "tree-1".into(),
         artifact: Artifact {
             path: Some(path.display().to_string()),
