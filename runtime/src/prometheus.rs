@@ -89,8 +89,8 @@ impl Prometheus {
         ))
         .map_err(|e| invalid(e.to_string()))?;
         // reqwest brings no TLS provider of its own here (see the
-        // workspace's Cargo.toml): the process's one is ring.
-        let _ = rustls::crypto::ring::default_provider().install_default();
+        // workspace's Cargo.toml): the process's one is aws-lc-rs.
+        let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
         let http = reqwest::Client::builder()
             .timeout(timeout)
             .build()

@@ -582,12 +582,12 @@ fn redacted(url: &reqwest::Url) -> String {
     shown.to_string()
 }
 
-/// Installs ring as the process's rustls crypto provider unless one is
-/// already installed. reqwest is built without a provider of its own (kube
-/// brings ring; two providers make rustls refuse to pick one), so anything
-/// that builds a reqwest client calls this first.
+/// Installs aws-lc-rs as the process's rustls crypto provider unless one
+/// is already installed. reqwest is built without a provider of its own
+/// (see the workspace's Cargo.toml), so anything that builds a reqwest
+/// client calls this first.
 pub fn install_crypto_provider() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
 }
 
 #[cfg(test)]
