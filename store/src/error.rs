@@ -10,6 +10,7 @@ use thiserror::Error;
 use crate::registry::RegistryError;
 use crate::store::StoreError;
 use crate::tree::EntrypointProblem;
+use crate::trust::TrustError;
 use crate::unpack::UnpackError;
 
 /// Why an artifact was refused: nothing of the build ran.
@@ -128,6 +129,8 @@ pub enum StageError {
     },
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error(transparent)]
+    Trust(#[from] TrustError),
     #[error("the staging task ended abnormally: {0}")]
     Task(String),
 }
@@ -144,6 +147,7 @@ impl StageError {
             | StageError::NoEntrypoint { .. }
             | StageError::EntrypointWithoutTree => true,
             StageError::Registry(error) => error.is_build_fault(),
+            StageError::Trust(error) => error.is_build_fault(),
             // A read error that reaches here is the archive's format: an
             // interrupted source is reported as its own error instead.
             StageError::Unpack { error, .. } => {

@@ -11,6 +11,8 @@
 //! - [`registry`]: images and OCI artifacts from a registry (oci-client),
 //!   with the node's credentials;
 //! - [`retention`]: what the store keeps, and the rest removed;
+//! - [`trust`]: the node's trust keys, and the signatures a build must
+//!   carry (sigstore's cosign verification);
 //! - `archive`: one pass from the source through the hash and the
 //!   decompressor into the unpacker.
 //!
@@ -26,6 +28,7 @@ pub mod retention;
 pub mod stager;
 pub mod store;
 pub mod tree;
+pub mod trust;
 pub mod unpack;
 
 pub use archive::format_name;
@@ -38,4 +41,5 @@ pub use stager::{
 };
 pub use store::{ENTRY_MODE, ENTRY_PREFIX, STORE_DIR_MODE, Store, StoreError};
 pub use tree::{EntrypointProblem, TREE_PREFIX};
+pub use trust::{TrustError, TrustPolicy};
 pub use unpack::{DEFAULT_MAX_TREE_BYTES, DEFAULT_MAX_TREE_ENTRIES, Rule, TreeLimits, UnpackError};

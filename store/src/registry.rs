@@ -32,6 +32,10 @@ use sha2::{Digest, Sha256};
 
 use genswap_crds::Unpack;
 
+use crate::trust::{
+    FetchedSignature, REFERRER_ARTIFACT_TYPE, SIGNATURE_ANNOTATION, SIMPLE_SIGNING_MEDIA_TYPE,
+};
+
 /// Where the node's registry settings come from (`--registry-config`,
 /// `--registry-ca`, `--insecure-registry`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -327,6 +331,133 @@ impl Registries {
             config,
             platform,
         })
+    }
+}
+
+/// The largest signature payload read: cosign's are a few hundred bytes.
+const MAX_SIGNATURE_PAYLOAD_BYTES: u64 = 1 << 20;
+/// The most signature manifests and layers looked at for one image.
+const MAX_SIGNATURES: usize = 32;
+
+impl Registries {
+    /// The cosign signatures stored for the image pinned by `expected`:
+    /// its referrers of cosign's signature type where the registry has
+    /// the referrers API, and the layers of the `sha256-<hex>.sig`
+    /// manifest beside it. Each payload is checked against its layer's
+    /// digest. Returns them and where they were looked for; an error is
+    /// a registry that did not answer (not a missing signature).
+    pub(crate) async fn signatures(
+        &self,
+        image: &str,
+        expected: &str,
+    ) -> Result<(Vec<FetchedSignature>, String), String> {
+        let reference: Reference = image
+            .parse()
+            .map_err(|e| format!("{image} is not an image reference: {e}"))?;
+        let registry = reference.resolve_registry().to_string();
+        let auth = self.auth_for(&registry).map_err(|e| e.to_string())?;
+        let client = self.client();
+        let subject = Reference::with_digest(
+            reference.registry().to_string(),
+            reference.repository().to_string(),
+            format!("sha256:{expected}"),
+        );
+        let tag = format!("sha256-{expected}.sig");
+        let sig_reference = Reference::with_tag(
+            reference.registry().to_string(),
+            reference.repository().to_string(),
+            tag.clone(),
+        );
+        let looked = format!(
+            "no referrer of type {REFERRER_ARTIFACT_TYPE} and no tag {}:{tag} in {registry}",
+            reference.repository()
+        );
+
+        let mut manifests = Vec::new();
+        client.store_auth_if_needed(&registry, &auth).await;
+        // A registry without the referrers API (distribution 2.8) answers
+        // 404, and oci-client then reads the referrers tag: nothing there
+        // is an empty index. Any other failure leaves the cosign tag.
+        match client
+            .pull_referrers(&subject, Some(REFERRER_ARTIFACT_TYPE))
+            .await
+        {
+            Ok(index) => {
+                for entry in index.manifests.iter().take(MAX_SIGNATURES) {
+                    manifests.push(subject.clone_with_digest(entry.digest.clone()));
+                }
+            }
+            Err(e) => tracing::debug!(image, error = %e, "no referrers"),
+        }
+        manifests.push(sig_reference);
+
+        let mut found = Vec::new();
+        for manifest_reference in manifests {
+            let body = match client
+                .pull_manifest_raw(
+                    &manifest_reference,
+                    &auth,
+                    &[OCI_IMAGE_MEDIA_TYPE, IMAGE_MANIFEST_MEDIA_TYPE],
+                )
+                .await
+            {
+                Ok((body, _)) => body,
+                Err(e) if is_not_found(&e) => continue,
+                Err(e) => {
+                    return Err(format!("{} {}", manifest_reference.whole(), answer_of(&e)));
+                }
+            };
+            let manifest: OciImageManifest = serde_json::from_slice(&body).map_err(|e| {
+                format!(
+                    "the signature manifest {} cannot be read: {e}",
+                    manifest_reference.whole()
+                )
+            })?;
+            for layer in manifest
+                .layers
+                .iter()
+                .filter(|l| l.media_type == SIMPLE_SIGNING_MEDIA_TYPE)
+                .take(MAX_SIGNATURES)
+            {
+                let payload = blob(
+                    &client,
+                    &manifest_reference,
+                    layer,
+                    MAX_SIGNATURE_PAYLOAD_BYTES,
+                    &auth,
+                )
+                .await?;
+                found.push(FetchedSignature {
+                    layer_digest: layer.digest.clone(),
+                    payload,
+                    signature: layer
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get(SIGNATURE_ANNOTATION))
+                        .cloned(),
+                    source: format!("{} ({})", manifest_reference.whole(), layer.digest),
+                });
+            }
+        }
+        Ok((found, looked))
+    }
+}
+
+/// Whether the registry said that the manifest is not there.
+fn is_not_found(error: &oci_client::errors::OciDistributionError) -> bool {
+    use oci_client::errors::OciDistributionError as E;
+    match error {
+        E::RegistryError { envelope, .. } => envelope.errors.iter().any(|e| {
+            matches!(
+                serde_json::to_string(&e.code)
+                    .unwrap_or_default()
+                    .trim_matches('"'),
+                "MANIFEST_UNKNOWN" | "NAME_UNKNOWN"
+            )
+        }),
+        E::ServerError { code, .. } => *code == 404,
+        E::ImageManifestNotFoundError(_) => true,
+        _ => false,
     }
 }
 

@@ -31,6 +31,7 @@ pub mod objects;
 pub mod process;
 pub mod prometheus;
 pub mod registry;
+pub mod signing;
 
 pub use control_plane::{ControlPlane, SKIP_LINE, client_for, workspace};
 pub use namespace::OwnNamespace;

@@ -449,7 +449,7 @@ impl Blob {
 }
 
 /// Writes `bytes` into the layout's blobs; returns its descriptor JSON.
-fn put_blob(layout: &Path, media_type: &str, bytes: &[u8]) -> serde_json::Value {
+pub(crate) fn put_blob(layout: &Path, media_type: &str, bytes: &[u8]) -> serde_json::Value {
     use sha2::Digest;
     let hex = hex::encode(sha2::Sha256::digest(bytes));
     let dir = layout.join("blobs/sha256");
@@ -514,7 +514,7 @@ pub fn write_manifest(
 
 /// Puts a manifest or index blob into the layout and tags it `name`;
 /// returns its digest (hex).
-fn put_tagged(layout: &Path, media_type: &str, bytes: &[u8], name: &str) -> String {
+pub(crate) fn put_tagged(layout: &Path, media_type: &str, bytes: &[u8], name: &str) -> String {
     let descriptor = put_blob(layout, media_type, bytes);
     let digest = descriptor["digest"]
         .as_str()

@@ -42,12 +42,17 @@ use crate::registry::{Registries, RegistrySettings};
 use crate::retention::{RetentionPolicy, RetentionReport};
 use crate::store::EntryWriter;
 use crate::store::Store;
+use crate::trust::{self, TrustError, TrustPolicy, TrustedKey};
 use crate::unpack::TreeLimits;
 
 /// The default cap on an artifact's size.
 pub const DEFAULT_MAX_ARTIFACT_BYTES: u64 = 1 << 30;
 
 pub(crate) const COPY_BUFFER: usize = 64 * 1024;
+
+/// The largest detached signature read: a base64 ECDSA or RSA signature
+/// is well under 1 KiB.
+const MAX_SIGNATURE_BYTES: u64 = 64 * 1024;
 
 /// What staging produced: the store file the engine executes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -133,6 +138,9 @@ pub struct StagerConfig {
     pub registries: RegistrySettings,
     /// What the store keeps (`--store-keep`, `--store-max-bytes`).
     pub retention: RetentionPolicy,
+    /// The signatures builds must carry (`--trust-keys`,
+    /// `--require-signatures`).
+    pub trust: TrustPolicy,
 }
 
 impl StagerConfig {
@@ -147,6 +155,7 @@ impl StagerConfig {
             tree_limits: TreeLimits::default(),
             registries: RegistrySettings::default(),
             retention: RetentionPolicy::default(),
+            trust: TrustPolicy::default(),
         }
     }
 }
@@ -168,6 +177,9 @@ struct StagerInner {
     /// archive wait for one tree instead of making two.
     tree_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     registries: Registries,
+    /// The builds whose signature this process has verified, by digest and
+    /// key: a swap back to one needs no registry.
+    verified: Mutex<HashSet<(String, [u8; 32])>>,
 }
 
 impl Stager {
@@ -193,6 +205,7 @@ impl Stager {
                 http,
                 tree_locks: Mutex::new(HashMap::new()),
                 registries,
+                verified: Mutex::new(HashSet::new()),
             }),
         })
     }
@@ -210,10 +223,197 @@ impl Stager {
     /// Stages `build` (its path or its URL; a file, or an archive unpacked
     /// into a tree) and verifies it against its pinned digest. The file
     /// I/O runs on tokio's blocking pool.
+    ///
+    /// A build that must be signed (`build.signedBy`, or the node's
+    /// `--require-signatures`) is refused before anything is fetched when
+    /// it names no key or a key the node lacks, and after staging unless
+    /// its signature verifies over the staged bytes.
     pub async fn stage(&self, build: &BuildSpec) -> Result<Staged, StageError> {
+        let key = self.inner.config.trust.requirement(build)?;
+        // An image's signature vouches for the digest its manifest is
+        // pinned by, which staging then holds every byte to: it is checked
+        // first, so nothing of an image signed wrongly is fetched. A file's
+        // signature is over its bytes, checked on the entry that runs.
+        if let (Some(key), Some(image)) = (&key, &build.artifact.image) {
+            self.verify_image_signature(build, image, key).await?;
+        }
         let staged = self.stage_build(build).await?;
+        if let (Some(key), None) = (&key, &build.artifact.image) {
+            self.verify_file_signature(build, &staged, key).await?;
+        }
         self.inner.store.used(&staged.sha256);
         Ok(staged)
+    }
+
+    /// Whether this process verified `sha256` with `key` already.
+    fn verified(&self, sha256: &str, key: &TrustedKey) -> bool {
+        self.inner
+            .verified
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(&(sha256.to_string(), key.fingerprint()))
+    }
+
+    fn remember_verified(&self, sha256: &str, key: &TrustedKey) {
+        self.inner
+            .verified
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert((sha256.to_string(), key.fingerprint()));
+    }
+
+    async fn verify_image_signature(
+        &self,
+        build: &BuildSpec,
+        image: &str,
+        key: &TrustedKey,
+    ) -> Result<(), StageError> {
+        if self.verified(&build.sha256, key) {
+            return Ok(());
+        }
+        let name = format!("image {image}");
+        let (fetched, looked) = self
+            .inner
+            .registries
+            .signatures(image, &build.sha256)
+            .await
+            .map_err(|reason| TrustError::Fetch {
+                build: name.clone(),
+                reason,
+            })?;
+        trust::judge_image(
+            &self.inner.config.trust,
+            &name,
+            key,
+            &build.sha256,
+            fetched,
+            &looked,
+        )?;
+        self.remember_verified(&build.sha256, key);
+        Ok(())
+    }
+
+    async fn verify_file_signature(
+        &self,
+        build: &BuildSpec,
+        staged: &Staged,
+        key: &TrustedKey,
+    ) -> Result<(), StageError> {
+        if self.verified(&staged.sha256, key) {
+            return Ok(());
+        }
+        let (signature, source_name) = self.blob_signature(build).await?;
+        let this = self.clone();
+        let (key, entry) = (key.clone(), staged.path.clone());
+        let name = artifact_name(&build.artifact);
+        let sha256 = staged.sha256.clone();
+        tokio::task::spawn_blocking(move || {
+            let file = File::open(&entry).map_err(|source| StageError::Unreadable {
+                path: entry.display().to_string(),
+                source,
+            })?;
+            // SAFETY: the entry is a finished store file, mode 0555 in a
+            // directory only the agent writes; the store never writes an
+            // entry in place (a new one is renamed over the name), so the
+            // mapped bytes cannot change while they are read.
+            let bytes =
+                unsafe { memmap2::Mmap::map(&file) }.map_err(|source| StageError::Unreadable {
+                    path: entry.display().to_string(),
+                    source,
+                })?;
+            trust::judge_blob(
+                &this.inner.config.trust,
+                &name,
+                &key,
+                &signature,
+                &source_name,
+                &bytes,
+            )?;
+            this.remember_verified(&sha256, &key);
+            Ok::<(), StageError>(())
+        })
+        .await
+        .map_err(|e| StageError::Task(e.to_string()))?
+    }
+
+    /// A file's detached signature: `build.signature`, else the file
+    /// beside the artifact (`<url>.sig`, `<path>.sig`).
+    async fn blob_signature(&self, build: &BuildSpec) -> Result<(String, String), StageError> {
+        if let Some(signature) = &build.signature {
+            return Ok((signature.clone(), "build.signature".into()));
+        }
+        let missing = |looked: String| TrustError::Missing {
+            build: artifact_name(&build.artifact),
+            looked,
+        };
+        if let Some(path) = &build.artifact.path {
+            let sig_path = format!("{path}.sig");
+            let this = self.clone();
+            let read = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, StageError> {
+                let (mut file, _) = this.open_checked(&sig_path, false)?;
+                let mut bytes = Vec::new();
+                (&mut file)
+                    .take(MAX_SIGNATURE_BYTES)
+                    .read_to_end(&mut bytes)
+                    .map_err(|source| StageError::Unreadable {
+                        path: sig_path.clone(),
+                        source,
+                    })?;
+                Ok(bytes)
+            })
+            .await
+            .map_err(|e| StageError::Task(e.to_string()))?;
+            return match read {
+                Ok(bytes) => Ok((
+                    String::from_utf8_lossy(&bytes).into_owned(),
+                    format!("{path}.sig"),
+                )),
+                Err(StageError::Missing { path }) => Err(missing(format!(
+                    "{path} does not exist, and build.signature is not set"
+                ))
+                .into()),
+                Err(other) => Err(other),
+            };
+        }
+        let Some(url) = &build.artifact.url else {
+            return Err(StageError::NoSource);
+        };
+        let (mut parsed, _) = parse_url(url)?;
+        parsed.set_path(&format!("{}.sig", parsed.path()));
+        let shown = redacted(&parsed);
+        let fetch = |reason: String| TrustError::Fetch {
+            build: artifact_name(&build.artifact),
+            reason: format!("{shown}: {reason}"),
+        };
+        let response = self
+            .inner
+            .http
+            .get(parsed.clone())
+            .send()
+            .await
+            .map_err(|e| fetch(e.without_url().to_string()))?;
+        if response.status() == reqwest::StatusCode::NOT_FOUND {
+            return Err(missing(format!(
+                "{shown} answered 404, and build.signature is not set"
+            ))
+            .into());
+        }
+        if !response.status().is_success() {
+            return Err(fetch(format!("answered {}", response.status().as_u16())).into());
+        }
+        let bytes = response
+            .bytes()
+            .await
+            .map_err(|e| fetch(e.without_url().to_string()))?;
+        if bytes.len() as u64 > MAX_SIGNATURE_BYTES {
+            return Err(TrustError::Malformed {
+                build: artifact_name(&build.artifact),
+                source_name: shown,
+                reason: format!("it is larger than {MAX_SIGNATURE_BYTES} bytes"),
+            }
+            .into());
+        }
+        Ok((String::from_utf8_lossy(&bytes).into_owned(), shown))
     }
 
     /// Removes what the store's retention policy does not keep (see
@@ -497,6 +697,18 @@ impl Stager {
         }
         let _ = chunks.send(Chunk::Done).await;
         Ok(())
+    }
+}
+
+/// A path or URL artifact as messages name it.
+fn artifact_name(artifact: &Artifact) -> String {
+    match (&artifact.path, &artifact.url) {
+        (Some(path), _) => format!("artifact {path}"),
+        (None, Some(url)) => match parse_url(url) {
+            Ok((_, shown)) => format!("artifact {shown}"),
+            Err(_) => "the artifact".into(),
+        },
+        (None, None) => "the artifact".into(),
     }
 }
 
