@@ -98,6 +98,16 @@ pub struct HostArgs {
         value_delimiter = ','
     )]
     pub insecure_registry: Vec<String>,
+    /// A directory of PEM public keys (`<name>.pub` or `<name>.pem`) a build
+    /// may name as `build.signedBy`: an image must then carry cosign's
+    /// signature by that key, a file a `cosign sign-blob` signature. Read
+    /// at each verification, so a changed ConfigMap needs no restart.
+    #[arg(long, env = "GENSWAP_TRUST_KEYS", value_name = "DIR")]
+    pub trust_keys: Option<PathBuf>,
+    /// Refuse every build that names no `build.signedBy` key (`failed`,
+    /// nothing of it fetched or run).
+    #[arg(long, env = "GENSWAP_REQUIRE_SIGNATURES")]
+    pub require_signatures: bool,
     /// `off` refuses every attempt (`abandoned`, nothing is spawned).
     #[arg(long, env = "GENSWAP_SWAP", value_enum, default_value_t = Swaps::On)]
     pub swap: Swaps,
@@ -215,6 +225,10 @@ impl HostArgs {
                 ca: self.registry_ca.clone(),
                 insecure: self.insecure_registry.clone(),
             },
+            trust: genswap_store::TrustPolicy {
+                keys: self.trust_keys.clone(),
+                require_signatures: self.require_signatures,
+            },
             engine: EngineConfig {
                 allow_root: self.allow_root_instances,
                 swaps_on: self.swap == Swaps::On,
@@ -276,6 +290,8 @@ pub struct HostSettings {
     pub tree_limits: genswap_store::TreeLimits,
     /// Credentials, CA and plain-HTTP hosts for image builds.
     pub registries: genswap_store::RegistrySettings,
+    /// `--trust-keys`, `--require-signatures`.
+    pub trust: genswap_store::TrustPolicy,
     /// What the store keeps.
     pub retention: genswap_store::RetentionPolicy,
     /// Root instances and swaps on/off.
@@ -431,6 +447,7 @@ impl Host {
         stager_config.tree_limits = settings.tree_limits;
         stager_config.registries = settings.registries.clone();
         stager_config.retention = settings.retention;
+        stager_config.trust = settings.trust.clone();
         let stager = Stager::new(store, stager_config).map_err(HostError::Stager)?;
         let journal = Journal::open(&settings.state_dir).map_err(HostError::Journal)?;
         let logs = LogSink::new(settings.logs.clone(), &cgroups).map_err(HostError::Logs)?;
@@ -732,6 +749,7 @@ mod tests {
             store_dir: None,
             tree_limits: genswap_store::TreeLimits::default(),
             registries: Default::default(),
+            trust: Default::default(),
             retention: Default::default(),
             engine: EngineConfig::default(),
             logs: LogSettings {

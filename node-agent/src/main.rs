@@ -285,9 +285,13 @@ fn run(mut command: Command) -> Result<(), MainError> {
             node_agent::kube::pin_in_cluster_config()?;
         }
         if let Some(host) = command.host_mut() {
-            for path in [&mut host.registry_config, &mut host.registry_ca]
-                .into_iter()
-                .flatten()
+            for path in [
+                &mut host.registry_config,
+                &mut host.registry_ca,
+                &mut host.trust_keys,
+            ]
+            .into_iter()
+            .flatten()
             {
                 *path = host::pin_through_fd(path)?;
             }

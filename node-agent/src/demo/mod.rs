@@ -275,6 +275,7 @@ async fn run_in(sandbox: &Sandbox, helper: &HelperProgram) -> Result<DemoReport,
         store_dir: None,
         tree_limits: genswap_store::TreeLimits::default(),
         registries: Default::default(),
+        trust: Default::default(),
         retention: Default::default(),
         engine: EngineConfig::default(),
         logs: LogSettings {

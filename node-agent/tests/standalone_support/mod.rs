@@ -90,7 +90,13 @@ impl StandaloneHost {
         labels: BTreeMap<String, String>,
         prepare: impl FnOnce(&Path) -> Option<Box<dyn Send>>,
     ) -> StandaloneHost {
-        StandaloneHost::start_full(tag, stop_on_exit, labels, prepare, None)
+        StandaloneHost::start_full(tag, stop_on_exit, labels, prepare, None, Default::default())
+    }
+
+    /// [`StandaloneHost::start`] with the node's trust policy
+    /// (`--trust-keys`, `--require-signatures`).
+    pub fn start_trusting(tag: &str, trust: genswap_store::TrustPolicy) -> StandaloneHost {
+        StandaloneHost::start_full(tag, true, BTreeMap::new(), |_| None, None, trust)
     }
 
     /// [`StandaloneHost::start`], `rollout.analysis` asking the Prometheus
@@ -98,7 +104,14 @@ impl StandaloneHost {
     pub fn start_measured(tag: &str, prometheus_url: &str) -> StandaloneHost {
         let prometheus = Prometheus::new(prometheus_url, Duration::from_secs(10))
             .unwrap_or_else(|e| panic!("{e}"));
-        StandaloneHost::start_full(tag, true, BTreeMap::new(), |_| None, Some(prometheus))
+        StandaloneHost::start_full(
+            tag,
+            true,
+            BTreeMap::new(),
+            |_| None,
+            Some(prometheus),
+            Default::default(),
+        )
     }
 
     fn start_full(
@@ -107,6 +120,7 @@ impl StandaloneHost {
         labels: BTreeMap<String, String>,
         prepare: impl FnOnce(&Path) -> Option<Box<dyn Send>>,
         prometheus: Option<Prometheus>,
+        trust: genswap_store::TrustPolicy,
     ) -> StandaloneHost {
         let temp = tempfile::Builder::new()
             .prefix(&format!("genswap-standalone-{tag}-"))
@@ -131,6 +145,7 @@ impl StandaloneHost {
             store_dir: Some(temp.path().join("store")),
             tree_limits: genswap_store::TreeLimits::default(),
             registries: Default::default(),
+            trust,
             retention: Default::default(),
             engine: EngineConfig::default(),
             logs: LogSettings::in_dir(
@@ -392,6 +407,8 @@ pub struct Manifest {
     pub host_filesystem: bool,
     /// `spec.rollout` as a YAML flow mapping.
     pub rollout: Option<String>,
+    /// `build.signedBy`, and `build.signature` when inline.
+    pub signed: Option<(String, Option<String>)>,
 }
 
 impl Manifest {
@@ -418,6 +435,7 @@ impl Manifest {
             health_path: None,
             host_filesystem: false,
             rollout: None,
+            signed: None,
         }
     }
 
@@ -465,7 +483,7 @@ spec:{node_selector}
     id: {id}
     artifact:
       path: {path}{unpack}
-    sha256: {sha}{entrypoint}
+    sha256: {sha}{entrypoint}{signed}
   mode: {mode}
   retry: \"{retry}\"
   process:
@@ -490,6 +508,13 @@ spec:{node_selector}
                 .health_path
                 .as_ref()
                 .map_or_else(String::new, |p| format!("\n    path: {p}")),
+            signed = match &self.signed {
+                None => String::new(),
+                Some((key, None)) => format!("\n    signedBy: {key}"),
+                Some((key, Some(signature))) => {
+                    format!("\n    signedBy: {key}\n    signature: \"{signature}\"")
+                }
+            },
             rollout = self
                 .rollout
                 .as_ref()
