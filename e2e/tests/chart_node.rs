@@ -6,7 +6,9 @@
 //! the agent's pod started, `kubectl wait` and `kubectl genswap get`, an
 //! image build pulled by the pod from a registry on loopback with the
 //! credentials and CA the chart mounts (a Secret made by `kubectl create
-//! secret docker-registry`, a ConfigMap) and a second image overlapping it
+//! secret docker-registry`, a ConfigMap), verified against the cosign
+//! signature beside it with the key of the trust keys ConfigMap the chart
+//! mounts (`build.signedBy`), and a second image overlapping it
 //! with its tree as its root (`process.root: build`, mounted by the pod's
 //! agent under the runtime's seccomp profile) while a client sends
 //! requests without pause, then
@@ -43,6 +45,7 @@ use serde_json::Value;
 use support::{CgroupGuard, build_binaries, get_over, host_requirements, path_str, unique};
 use test_cluster::ControlPlane;
 use test_cluster::registry::{Access, PASSWORD, Registry, USER};
+use test_cluster::signing::{self, KeyPair};
 
 /// The node `node-up` adds.
 const NODE: &str = "localhost";
@@ -59,6 +62,8 @@ const IMAGE: &str = "img";
 /// chart mounts into the agent.
 const PULL_SECRET: &str = "registry-pull";
 const REGISTRY_CA: &str = "registry-ca";
+/// The ConfigMap of the keys image builds are signed by.
+const TRUST_KEYS: &str = "trust-keys";
 /// Generous: pods start, probes pass and agents recover on a shared
 /// 2-core machine.
 const DEADLINE: Duration = Duration::from_secs(180);
@@ -428,8 +433,9 @@ impl Story {
     }
 
     /// An InstanceGeneration of the image `apps/testapp:<tag>@sha256:<digest>`
-    /// in `registry`, build id `image-<tag>`; run with the image's tree as
-    /// its root when `in_its_tree` (`process.root: build`).
+    /// in `registry`, build id `image-<tag>`, signed by the key `release`;
+    /// run with the image's tree as its root when `in_its_tree`
+    /// (`process.root: build`).
     fn apply_image(
         &self,
         name: &str,
@@ -448,6 +454,7 @@ impl Story {
                 "id": format!("image-{tag}"),
                 "artifact": {"image": format!("{}/apps/testapp:{tag}@sha256:{digest}", registry.addr)},
                 "sha256": digest,
+                "signedBy": "release",
             }),
             process,
         );
@@ -648,6 +655,8 @@ fn the_chart_runs_the_whole_story_on_a_real_node() {
     // A registry on loopback (the agent's pod is on the node's network),
     // TLS from the test's CA and basic auth.
     let registry = Registry::start(Access::TlsWithAuth);
+    // The release key image builds are signed by, as cosign's would be.
+    let release_key = KeyPair::generate(&story.host.path().join("keys"), "release");
 
     // The chart's values for such a node, and what is this run's own: the
     // image's tag, free ports, the host paths.
@@ -680,6 +689,7 @@ fn the_chart_runs_the_whole_story_on_a_real_node() {
     if registry.is_some() {
         values["agent"]["registryConfig"] = serde_json::json!({"secretName": PULL_SECRET});
         values["agent"]["registryCA"] = serde_json::json!({"configMapName": REGISTRY_CA});
+        values["agent"]["trustKeys"] = serde_json::json!({"configMapName": TRUST_KEYS});
     }
     let values_file = story.host.path().join("values.json");
     fs::write(&values_file, values.to_string()).expect("write the values");
@@ -707,6 +717,14 @@ fn the_chart_runs_the_whole_story_on_a_real_node() {
             "-n",
             RELEASE_NAMESPACE,
             &format!("--from-file=ca.crt={}", path_str(&registry.ca)),
+        ]);
+        story.kubectl(&[
+            "create",
+            "configmap",
+            TRUST_KEYS,
+            "-n",
+            RELEASE_NAMESPACE,
+            &format!("--from-file=release.pub={}", path_str(&release_key.public)),
         ]);
     }
     let began = Instant::now();
@@ -770,6 +788,16 @@ fn the_chart_runs_the_whole_story_on_a_real_node() {
         fs::create_dir(&images).expect("an images dir");
         let one = support::push_testapp_image(registry, &images, "one", &static_app);
         let two = support::push_testapp_image(registry, &images, "two", &static_app);
+        for digest in [&one, &two] {
+            signing::sign_image(
+                registry,
+                &images,
+                "apps/testapp",
+                digest,
+                digest,
+                &release_key,
+            );
+        }
         let began = Instant::now();
         story.apply_image(IMAGE, registry, ("one", &one), false);
         story.wait_serving(IMAGE, "image-one");

@@ -468,6 +468,13 @@ fn a_private_registry_reaches_the_agent_as_files_it_mounts_read_only() {
     );
     assert_eq!(settings.registries.insecure, vec!["10.0.0.9:5000"]);
     assert_eq!(
+        settings.trust,
+        genswap_store::TrustPolicy {
+            keys: Some("/etc/genswap/trust-keys".into()),
+            require_signatures: true,
+        }
+    );
+    assert_eq!(
         (settings.retention.keep, settings.retention.max_bytes),
         (2, 20 << 30)
     );
@@ -482,6 +489,7 @@ fn a_private_registry_reaches_the_agent_as_files_it_mounts_read_only() {
     for (name, path) in [
         ("registry-config", "/etc/genswap/registry"),
         ("registry-ca", "/etc/genswap/registry-ca"),
+        ("trust-keys", "/etc/genswap/trust-keys"),
     ] {
         let mount = mounts
             .iter()
@@ -499,6 +507,12 @@ fn a_private_registry_reaches_the_agent_as_files_it_mounts_read_only() {
         .and_then(|v| v.secret.clone())
         .expect("the Secret volume");
     assert_eq!(secret.secret_name.as_deref(), Some("genswap-registry"));
+    let keys = volumes
+        .iter()
+        .find(|v| v.name == "trust-keys")
+        .and_then(|v| v.config_map.clone())
+        .expect("the trust keys' ConfigMap volume");
+    assert_eq!(keys.name, "genswap-trust-keys");
     let items = secret.items.unwrap_or_default();
     assert_eq!(
         items
@@ -518,6 +532,7 @@ fn a_private_registry_reaches_the_agent_as_files_it_mounts_read_only() {
         settings.registries,
         genswap_store::RegistrySettings::default()
     );
+    assert_eq!(settings.trust, genswap_store::TrustPolicy::default());
     assert!(
         !pod.volumes
             .unwrap_or_default()
