@@ -49,6 +49,8 @@ pub struct TrustPolicy {
 pub struct TrustedKey {
     /// Its name (`build.signedBy`).
     pub name: String,
+    /// Its file.
+    pub path: PathBuf,
     pem: Vec<u8>,
 }
 
@@ -165,6 +167,7 @@ impl TrustPolicy {
                 })?;
                 Ok(Some(TrustedKey {
                     name: name.clone(),
+                    path: path.clone(),
                     pem,
                 }))
             }
@@ -189,7 +192,11 @@ impl TrustPolicy {
             .unwrap_or_default()
             .into_iter()
             .filter(|(name, _)| name != except)
-            .filter_map(|(name, path)| fs::read(path).ok().map(|pem| TrustedKey { name, pem }))
+            .filter_map(|(name, path)| {
+                fs::read(&path)
+                    .ok()
+                    .map(|pem| TrustedKey { name, path, pem })
+            })
             .collect()
     }
 }
@@ -235,20 +242,20 @@ impl TrustedKey {
         sha2::Sha256::digest(&self.pem).into()
     }
 
-    fn verifier(&self, dir: &Path) -> Result<PublicKeyVerifier, TrustError> {
-        PublicKeyVerifier::try_from(&self.pem).map_err(|e| TrustError::BadKey {
-            key: self.name.clone(),
-            path: dir.to_path_buf(),
-            reason: e.to_string(),
-        })
+    fn verifier(&self) -> Result<PublicKeyVerifier, TrustError> {
+        PublicKeyVerifier::try_from(&self.pem).map_err(|e| self.bad(e))
     }
 
-    fn verification_key(&self, dir: &Path) -> Result<CosignVerificationKey, TrustError> {
-        CosignVerificationKey::try_from_pem(&self.pem).map_err(|e| TrustError::BadKey {
+    fn verification_key(&self) -> Result<CosignVerificationKey, TrustError> {
+        CosignVerificationKey::try_from_pem(&self.pem).map_err(|e| self.bad(e))
+    }
+
+    fn bad(&self, error: sigstore::errors::SigstoreError) -> TrustError {
+        TrustError::BadKey {
             key: self.name.clone(),
-            path: dir.to_path_buf(),
-            reason: e.to_string(),
-        })
+            path: self.path.clone(),
+            reason: error.to_string(),
+        }
     }
 }
 
@@ -278,8 +285,7 @@ pub(crate) fn judge_image(
             looked: looked.to_string(),
         });
     }
-    let dir = policy.keys.clone().unwrap_or_default();
-    let verifier = key.verifier(&dir)?;
+    let verifier = key.verifier()?;
     let actual = format!("sha256:{expected}");
     let mut layers = Vec::with_capacity(fetched.len());
     for sig in fetched {
@@ -324,7 +330,7 @@ pub(crate) fn judge_image(
         });
     }
     let signer = policy.others(&key.name).into_iter().find_map(|other| {
-        let verifier = other.verifier(&dir).ok()?;
+        let verifier = other.verifier().ok()?;
         layers
             .iter()
             .any(|layer| verifier.verify(layer).unwrap_or(false))
@@ -348,7 +354,6 @@ pub(crate) fn judge_blob(
     source_name: &str,
     bytes: &[u8],
 ) -> Result<(), TrustError> {
-    let dir = policy.keys.clone().unwrap_or_default();
     let signature = signature.trim();
     if signature.is_empty() {
         return Err(TrustError::Missing {
@@ -359,11 +364,11 @@ pub(crate) fn judge_blob(
     let verify = |key: &CosignVerificationKey| {
         key.verify_signature(Signature::Base64Encoded(signature.as_bytes()), bytes)
     };
-    match verify(&key.verification_key(&dir)?) {
+    match verify(&key.verification_key()?) {
         Ok(()) => Ok(()),
         Err(sigstore::errors::SigstoreError::PublicKeyVerificationError) => {
             let signer = policy.others(&key.name).into_iter().find_map(|other| {
-                let other_key = other.verification_key(&dir).ok()?;
+                let other_key = other.verification_key().ok()?;
                 verify(&other_key).is_ok().then_some(other.name)
             });
             match signer {

@@ -362,4 +362,8 @@ async fn keys_the_node_does_not_hold_are_refused_before_any_fetch() {
     let (error, build_fault) = trust_error(empty.stage(&signed_file(&path, &sha256, None)).await);
     assert!(build_fault);
     assert!(matches!(error, TrustError::BadKey { .. }), "{error}");
+    assert!(
+        error.to_string().contains("release.pub"),
+        "names the file: {error}"
+    );
 }
