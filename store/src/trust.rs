@@ -120,8 +120,6 @@ pub enum TrustError {
     },
     #[error("{build}'s signature could not be fetched: {reason}")]
     Fetch { build: String, reason: String },
-    #[error("build.signedBy on an archive is not supported yet: sign the image, or a single file")]
-    ArchiveUnsupported,
 }
 
 fn other_key(signer: &Option<String>) -> String {
@@ -152,9 +150,6 @@ impl TrustPolicy {
             }
             return Ok(None);
         };
-        if build.artifact.unpack.is_some() {
-            return Err(TrustError::ArchiveUnsupported);
-        }
         let Some(dir) = &self.keys else {
             return Err(TrustError::NoTrustKeys { key: name.clone() });
         };

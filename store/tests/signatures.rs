@@ -17,7 +17,7 @@ mod support;
 use std::fs;
 use std::path::Path;
 
-use genswap_crds::{Artifact, BuildSpec};
+use genswap_crds::{Artifact, BuildSpec, Unpack};
 use genswap_store::{
     RegistrySettings, StageError, Stager, StagerConfig, Store, TrustError, TrustPolicy,
 };
@@ -366,4 +366,43 @@ async fn keys_the_node_does_not_hold_are_refused_before_any_fetch() {
         error.to_string().contains("release.pub"),
         "names the file: {error}"
     );
+}
+
+#[tokio::test]
+async fn a_signed_archive_is_verified_over_the_bytes_it_unpacks_and_a_bad_one_unpacks_nothing() {
+    if !test_cluster::registry::tools_installed() {
+        return;
+    }
+    let fx = Fixture::new();
+    let trust = fx.outside("trust");
+    let release = KeyPair::generate(&trust, "release");
+    let stranger = KeyPair::generate(&fx.outside("elsewhere"), "stranger");
+    let src = fx.outside("src");
+    support::app_tree(&src);
+    let archive = fx.staging.join("app.tar.gz");
+    support::gnu_tar(&src, &archive, Unpack::TarGzip);
+    let sha256 = support::sha256_file(&archive);
+    let bytes = fs::read(&archive).expect("archive");
+    let build = |signature: String| BuildSpec {
+        signed_by: Some("release".into()),
+        signature: Some(signature),
+        ..support::archive_build(&archive, Unpack::TarGzip, &sha256, "bin/app")
+    };
+    let stager = stager(&fx, None, trusting(&trust));
+
+    // By another key: refused before anything is unpacked.
+    let (error, build_fault) = trust_error(stager.stage(&build(stranger.sign(&bytes))).await);
+    assert!(build_fault);
+    assert!(matches!(error, TrustError::Unverified { .. }), "{error}");
+    assert!(fx.trees().is_empty(), "nothing unpacked: {:?}", fx.trees());
+
+    // By the named key: the tree is unpacked from the verified entry.
+    let staged = stager
+        .stage(&build(release.sign(&bytes)))
+        .await
+        .expect("a signed archive stages");
+    assert_eq!(staged.sha256, sha256);
+    assert!(staged.tree.is_some());
+    assert_eq!(fx.trees().len(), 1, "{:?}", fx.trees());
+    assert!(fx.leftovers().is_empty(), "{:?}", fx.leftovers());
 }

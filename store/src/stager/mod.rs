@@ -234,11 +234,20 @@ impl Stager {
         // pinned by, which staging then holds every byte to: it is checked
         // first, so nothing of an image signed wrongly is fetched. A file's
         // signature is over its bytes, checked on the entry that runs.
-        if let (Some(key), Some(image)) = (&key, &build.artifact.image) {
-            self.verify_image_signature(build, image, key).await?;
+        // An archive's is over the archive's bytes, which unpacking does
+        // not keep: it is stored whole first, verified, and the tree
+        // unpacked from that entry, so what is verified is what is
+        // unpacked and nothing of a wrongly signed archive is unpacked.
+        let mut verified_archive = None;
+        match (&key, &build.artifact.image, build.artifact.unpack) {
+            (Some(key), Some(image), _) => self.verify_image_signature(build, image, key).await?,
+            (Some(key), None, Some(_)) => {
+                verified_archive = self.verified_archive(build, key).await?;
+            }
+            _ => {}
         }
-        let staged = self.stage_build(build).await?;
-        if let (Some(key), None) = (&key, &build.artifact.image) {
+        let staged = self.stage_build(build, verified_archive.as_deref()).await?;
+        if let (Some(key), None, None) = (&key, &build.artifact.image, build.artifact.unpack) {
             self.verify_file_signature(build, &staged, key).await?;
         }
         self.inner.store.used(&staged.sha256);
@@ -291,6 +300,34 @@ impl Stager {
         )?;
         self.remember_verified(&build.sha256, key);
         Ok(())
+    }
+
+    /// The store entry of a signed archive, verified; none when this
+    /// process verified its digest with `key` already.
+    async fn verified_archive(
+        &self,
+        build: &BuildSpec,
+        key: &TrustedKey,
+    ) -> Result<Option<PathBuf>, StageError> {
+        if self.verified(&build.sha256, key) {
+            return Ok(None);
+        }
+        let entry = match (&build.artifact.path, &build.artifact.url) {
+            (Some(path), None) => {
+                let this = self.clone();
+                let (path, expected) = (path.clone(), build.sha256.clone());
+                tokio::task::spawn_blocking(move || {
+                    this.store_path_blocking(&path, &expected, false)
+                })
+                .await
+                .map_err(|e| StageError::Task(e.to_string()))??
+            }
+            (None, Some(url)) => self.stage_url(url, &build.sha256).await?,
+            (Some(_), Some(_)) => return Err(StageError::BothSources),
+            (None, None) => return Err(StageError::NoSource),
+        };
+        self.verify_file_signature(build, &entry, key).await?;
+        Ok(Some(entry.path))
     }
 
     async fn verify_file_signature(
@@ -438,20 +475,32 @@ impl Stager {
             .collect(&protected, self.inner.config.retention)
     }
 
-    async fn stage_build(&self, build: &BuildSpec) -> Result<Staged, StageError> {
+    /// `verified_archive`: the store entry of an archive whose signature
+    /// was verified, unpacked instead of its source.
+    async fn stage_build(
+        &self,
+        build: &BuildSpec,
+        verified_archive: Option<&Path>,
+    ) -> Result<Staged, StageError> {
         let artifact = &build.artifact;
         let entrypoint = build.entrypoint.as_deref();
         if artifact.image.is_some() {
             return self
-                .stage_tree(artifact, None, &build.sha256, entrypoint)
+                .stage_tree(artifact, None, &build.sha256, entrypoint, None)
                 .await;
         }
         match (artifact.unpack, entrypoint) {
             (None, None) => self.stage_file(artifact, &build.sha256).await,
             (None, Some(_)) => Err(StageError::EntrypointWithoutTree),
             (Some(format), entrypoint) => {
-                self.stage_tree(artifact, Some(format), &build.sha256, entrypoint)
-                    .await
+                self.stage_tree(
+                    artifact,
+                    Some(format),
+                    &build.sha256,
+                    entrypoint,
+                    verified_archive,
+                )
+                .await
             }
         }
     }
@@ -490,8 +539,19 @@ impl Stager {
         path: &str,
         expected_sha256: &str,
     ) -> Result<Staged, StageError> {
+        self.store_path_blocking(path, expected_sha256, true)
+    }
+
+    /// [`Stager::stage_path_blocking`]; an archive (`executable: false`)
+    /// needs no exec bit.
+    fn store_path_blocking(
+        &self,
+        path: &str,
+        expected_sha256: &str,
+        executable: bool,
+    ) -> Result<Staged, StageError> {
         check_digest(expected_sha256)?;
-        let (file, size) = self.open_checked(path, true)?;
+        let (file, size) = self.open_checked(path, executable)?;
         // Every check of the source above still runs; what a hit skips is
         // reading it. The entry, not the source, is what runs, and it still
         // holds the bytes hashed as the pinned digest.

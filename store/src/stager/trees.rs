@@ -28,6 +28,7 @@ impl Stager {
         format: Option<Unpack>,
         expected_sha256: &str,
         entrypoint: Option<&str>,
+        verified_archive: Option<&Path>,
     ) -> Result<Staged, StageError> {
         check_digest(expected_sha256)?;
         let lock = {
@@ -47,9 +48,13 @@ impl Stager {
         let hit = tokio::task::spawn_blocking(move || this.inner.store.tree_hit(&expected))
             .await
             .map_err(|e| StageError::Task(e.to_string()))??;
-        let record = match hit {
-            Some(record) => record,
-            None => match (&artifact.path, &artifact.url, &artifact.image, format) {
+        let record = match (hit, verified_archive, format) {
+            (Some(record), _, _) => record,
+            (None, Some(entry), Some(format)) => {
+                self.unpack_entry(entry, format, expected_sha256, artifact)
+                    .await?
+            }
+            (None, _, _) => match (&artifact.path, &artifact.url, &artifact.image, format) {
                 (Some(path), None, None, Some(format)) => {
                     let this = self.clone();
                     let (path, expected) = (path.clone(), expected_sha256.to_string());
@@ -223,6 +228,34 @@ impl Stager {
                     source,
                 },
             })
+    }
+
+    /// Unpacks an archive already in the store (an entry whose signature
+    /// was verified), named in messages by its source.
+    async fn unpack_entry(
+        &self,
+        entry: &Path,
+        format: Unpack,
+        expected_sha256: &str,
+        artifact: &Artifact,
+    ) -> Result<TreeRecord, StageError> {
+        let source_name = match (&artifact.path, &artifact.url) {
+            (Some(path), _) => path.clone(),
+            (None, Some(url)) => parse_url(url)?.1,
+            (None, None) => return Err(StageError::NoSource),
+        };
+        let this = self.clone();
+        let (entry, expected) = (entry.to_path_buf(), expected_sha256.to_string());
+        tokio::task::spawn_blocking(move || {
+            let file = fs::File::open(&entry).map_err(|source| StageError::Unreadable {
+                path: entry.display().to_string(),
+                source,
+            })?;
+            let source = Hashing::new(file, this.inner.config.max_bytes);
+            this.unpack_blocking(source, format, &expected, &source_name)
+        })
+        .await
+        .map_err(|e| StageError::Task(e.to_string()))?
     }
 
     /// Unpacks an archive at `path` (under the staging root, by the same
