@@ -15,7 +15,7 @@
 mod support;
 
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use genswap_crds::{Artifact, BuildSpec, Unpack};
 use genswap_store::{
@@ -46,53 +46,92 @@ fn trusting(dir: &Path) -> TrustPolicy {
     }
 }
 
-fn image_build(reference: &str, digest: &str, signed_by: Option<&str>) -> BuildSpec {
-    BuildSpec {
-        id: "signed-1".into(),
-        artifact: Artifact {
-            image: Some(format!("{reference}@sha256:{digest}")),
-            ..Artifact::default()
-        },
-        sha256: digest.into(),
-        entrypoint: None,
-        signed_by: signed_by.map(str::to_string),
-        signature: None,
+/// A registry holding a one-layer image `team/app`, a store, and the
+/// node's trust keys directory.
+struct SignedImage {
+    registry: Registry,
+    fx: Fixture,
+    trust: PathBuf,
+    digest: String,
+}
+
+impl SignedImage {
+    /// `None` (after the skip line) where the registry's tools are missing.
+    fn start() -> Option<SignedImage> {
+        let registry = Registry::start(Access::Plain)?;
+        let fx = Fixture::new();
+        let trust = fx.outside("trust");
+        let image = Umoci::new(&fx.outside("build"), "app");
+        let rootfs = image.rootfs();
+        fs::create_dir_all(rootfs.join("app")).expect("app");
+        fs::write(rootfs.join("app/main.sh"), "#!/bin/sh\necho hi\n").expect("main");
+        fs::set_permissions(
+            rootfs.join("app/main.sh"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .expect("chmod");
+        image.layer();
+        image.config(&["--config.entrypoint", "/app/main.sh"]);
+        let digest = registry.push(&image.layout, image.tag(), "team/app", "1.0", &[]);
+        Some(SignedImage {
+            registry,
+            fx,
+            trust,
+            digest,
+        })
     }
-}
 
-/// A one-layer image pushed to `registry` as `team/app:1.0`; its digest.
-fn push_image(fx: &Fixture, registry: &Registry) -> String {
-    let image = Umoci::new(&fx.outside("build"), "app");
-    let rootfs = image.rootfs();
-    fs::create_dir_all(rootfs.join("app")).expect("app");
-    fs::write(rootfs.join("app/main.sh"), "#!/bin/sh\necho hi\n").expect("main");
-    fs::set_permissions(
-        rootfs.join("app/main.sh"),
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .expect("chmod");
-    image.layer();
-    image.config(&["--config.entrypoint", "/app/main.sh"]);
-    registry.push(&image.layout, image.tag(), "team/app", "1.0", &[])
-}
+    /// A key pair the node trusts, `<trust>/<name>.pub`.
+    fn trusted_key(&self, name: &str) -> KeyPair {
+        KeyPair::generate(&self.trust, name)
+    }
 
-/// Pushes a cosign signature for the image `digest` of `team/app`,
-/// vouching for `signed_digest`, made by `key`.
-fn push_signature(
-    fx: &Fixture,
-    registry: &Registry,
-    digest: &str,
-    signed_digest: &str,
-    key: &KeyPair,
-) {
-    signing::sign_image(
-        registry,
-        &fx.outside("signatures"),
-        "team/app",
-        digest,
-        signed_digest,
-        key,
-    );
+    /// Pushes cosign's signature manifest for the image, vouching for
+    /// `signed_digest`, made by `key`.
+    fn sign(&self, signed_digest: &str, key: &KeyPair) {
+        signing::sign_image(
+            &self.registry,
+            &self.fx.outside("signatures"),
+            "team/app",
+            &self.digest,
+            signed_digest,
+            key,
+        );
+    }
+
+    /// A stager trusting the keys, and requiring signatures when `require`.
+    fn stager(&self, require: bool) -> Stager {
+        stager(
+            &self.fx,
+            Some(&self.registry),
+            TrustPolicy {
+                keys: Some(self.trust.clone()),
+                require_signatures: require,
+            },
+        )
+    }
+
+    /// Stages the image, naming `signed_by`.
+    async fn stage(
+        &self,
+        stager: &Stager,
+        signed_by: Option<&str>,
+    ) -> Result<genswap_store::Staged, StageError> {
+        let reference = format!("{}/team/app@sha256:{}", self.registry.addr, self.digest);
+        stager
+            .stage(&BuildSpec {
+                id: "signed-1".into(),
+                artifact: Artifact {
+                    image: Some(reference),
+                    ..Artifact::default()
+                },
+                sha256: self.digest.clone(),
+                entrypoint: None,
+                signed_by: signed_by.map(str::to_string),
+                signature: None,
+            })
+            .await
+    }
 }
 
 /// The signature refusal `result` is, and whether it is the build's fault.
@@ -110,28 +149,24 @@ fn trust_error(result: Result<genswap_store::Staged, StageError>) -> (TrustError
 
 #[tokio::test]
 async fn an_image_signed_by_the_named_key_stages_and_is_not_fetched_again_to_swap_back() {
-    let Some(registry) = Registry::start(Access::Plain) else {
+    let Some(mut case) = SignedImage::start() else {
         return;
     };
-    let fx = Fixture::new();
-    let trust = fx.outside("trust");
-    let release = KeyPair::generate(&trust, "release");
-    let digest = push_image(&fx, &registry);
-    push_signature(&fx, &registry, &digest, &digest, &release);
-    let stager = stager(&fx, Some(&registry), trusting(&trust));
-    let reference = format!("{}/team/app", registry.addr);
+    let release = case.trusted_key("release");
+    case.sign(&case.digest, &release);
+    let stager = case.stager(false);
 
-    let staged = stager
-        .stage(&image_build(&reference, &digest, Some("release")))
+    let staged = case
+        .stage(&stager, Some("release"))
         .await
         .expect("a signed image stages");
-    assert_eq!(staged.sha256, digest);
+    assert_eq!(staged.sha256, case.digest);
 
     // The registry gone: the image is stored and its signature was
     // verified by this process, so swapping back to it needs no network.
-    drop(registry);
-    let again = stager
-        .stage(&image_build(&reference, &digest, Some("release")))
+    case.registry.stop();
+    let again = case
+        .stage(&stager, Some("release"))
         .await
         .expect("staged again without the registry");
     assert_eq!(again, staged);
@@ -139,56 +174,39 @@ async fn an_image_signed_by_the_named_key_stages_and_is_not_fetched_again_to_swa
 
 #[tokio::test]
 async fn a_signature_made_for_another_digest_is_refused_as_over_other_bytes() {
-    let Some(registry) = Registry::start(Access::Plain) else {
+    let Some(case) = SignedImage::start() else {
         return;
     };
-    let fx = Fixture::new();
-    let trust = fx.outside("trust");
-    let release = KeyPair::generate(&trust, "release");
-    let digest = push_image(&fx, &registry);
+    let release = case.trusted_key("release");
     let other = "0".repeat(64);
     // A real signature by the right key, stored under this image's tag,
     // vouching for another manifest.
-    push_signature(&fx, &registry, &digest, &other, &release);
-    let stager = stager(&fx, Some(&registry), trusting(&trust));
-    let reference = format!("{}/team/app", registry.addr);
+    case.sign(&other, &release);
 
-    let (error, build_fault) = trust_error(
-        stager
-            .stage(&image_build(&reference, &digest, Some("release")))
-            .await,
-    );
+    let (error, build_fault) = trust_error(case.stage(&case.stager(false), Some("release")).await);
     assert!(build_fault, "{error}");
     let TrustError::OtherBytes { signed, actual, .. } = &error else {
         panic!("expected over other bytes: {error}");
     };
     assert_eq!(signed, &format!("sha256:{other}"));
-    assert_eq!(actual, &format!("sha256:{digest}"));
+    assert_eq!(actual, &format!("sha256:{}", case.digest));
     assert!(error.to_string().contains("over other bytes"), "{error}");
 }
 
 #[tokio::test]
 async fn a_signature_by_another_key_is_refused_and_names_the_key_that_made_it() {
-    let Some(registry) = Registry::start(Access::Plain) else {
+    let Some(case) = SignedImage::start() else {
         return;
     };
-    let fx = Fixture::new();
-    let trust = fx.outside("trust");
-    let _release = KeyPair::generate(&trust, "release");
+    let _release = case.trusted_key("release");
     // Another key the node also trusts, for other builds.
-    let staging_key = KeyPair::generate(&trust, "staging");
+    let staging_key = case.trusted_key("staging");
     // And one it does not know at all.
-    let stranger = KeyPair::generate(&fx.outside("elsewhere"), "stranger");
-    let digest = push_image(&fx, &registry);
-    push_signature(&fx, &registry, &digest, &digest, &staging_key);
-    let stager = stager(&fx, Some(&registry), trusting(&trust));
-    let reference = format!("{}/team/app", registry.addr);
+    let stranger = KeyPair::generate(&case.fx.outside("elsewhere"), "stranger");
+    case.sign(&case.digest, &staging_key);
+    let stager = case.stager(false);
 
-    let (error, build_fault) = trust_error(
-        stager
-            .stage(&image_build(&reference, &digest, Some("release")))
-            .await,
-    );
+    let (error, build_fault) = trust_error(case.stage(&stager, Some("release")).await);
     assert!(build_fault, "{error}");
     let TrustError::OtherKey { key, signer, .. } = &error else {
         panic!("expected another key: {error}");
@@ -197,12 +215,8 @@ async fn a_signature_by_another_key_is_refused_and_names_the_key_that_made_it() 
     assert_eq!(signer.as_deref(), Some("staging"), "{error}");
 
     // Signed by a key the node does not hold: still another key, unnamed.
-    push_signature(&fx, &registry, &digest, &digest, &stranger);
-    let (error, _) = trust_error(
-        stager
-            .stage(&image_build(&reference, &digest, Some("release")))
-            .await,
-    );
+    case.sign(&case.digest, &stranger);
+    let (error, _) = trust_error(case.stage(&stager, Some("release")).await);
     assert!(
         matches!(&error, TrustError::OtherKey { signer: None, .. }),
         "{error}"
@@ -211,47 +225,37 @@ async fn a_signature_by_another_key_is_refused_and_names_the_key_that_made_it() 
 
 #[tokio::test]
 async fn an_image_with_no_signature_is_refused_and_unsigned_builds_never_reach_the_registry() {
-    let Some(registry) = Registry::start(Access::Plain) else {
+    let Some(mut case) = SignedImage::start() else {
         return;
     };
-    let fx = Fixture::new();
-    let trust = fx.outside("trust");
-    let _release = KeyPair::generate(&trust, "release");
-    let digest = push_image(&fx, &registry);
-    let required = TrustPolicy {
-        keys: Some(trust.clone()),
-        require_signatures: true,
-    };
-    let stager = stager(&fx, Some(&registry), required.clone());
-    let reference = format!("{}/team/app", registry.addr);
+    let _release = case.trusted_key("release");
+    let stager = case.stager(true);
 
-    let (error, build_fault) = trust_error(
-        stager
-            .stage(&image_build(&reference, &digest, Some("release")))
-            .await,
-    );
+    let (error, build_fault) = trust_error(case.stage(&stager, Some("release")).await);
     assert!(build_fault, "{error}");
     let TrustError::Missing { looked, .. } = &error else {
         panic!("expected no signature: {error}");
     };
-    assert!(looked.contains(&format!("sha256-{digest}.sig")), "{looked}");
     assert!(
-        fx.trees().is_empty(),
+        looked.contains(&format!("sha256-{}.sig", case.digest)),
+        "{looked}"
+    );
+    assert!(
+        case.fx.trees().is_empty(),
         "the signature is checked before the layers are fetched: {:?}",
-        fx.trees()
+        case.fx.trees()
     );
 
     // Naming no key under --require-signatures is refused before any
     // fetch: the registry is stopped and the refusal is the same.
-    drop(registry);
-    let (error, build_fault) =
-        trust_error(stager.stage(&image_build(&reference, &digest, None)).await);
+    case.registry.stop();
+    let (error, build_fault) = trust_error(case.stage(&stager, None).await);
     assert!(build_fault);
     assert!(matches!(error, TrustError::Unsigned { .. }), "{error}");
     assert!(
-        fx.trees().is_empty(),
+        case.fx.trees().is_empty(),
         "nothing of it was fetched: {:?}",
-        fx.trees()
+        case.fx.trees()
     );
 }
 
