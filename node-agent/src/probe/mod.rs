@@ -337,8 +337,14 @@ impl Probe {
             }
         };
         // A command bounds itself: past its limit it is killed with proof,
-        // which a timeout dropping its future could not wait for.
-        if matches!(self, Probe::Exec { .. }) {
+        // which a timeout dropping its future could not wait for. A notify
+        // wait bounds itself too, and then says the last STATUS= it saw:
+        // a second timer of the same limit, set a moment earlier, could
+        // fire first and report a hang instead.
+        if matches!(
+            self,
+            Probe::Exec { .. } | Probe::Notify(_) | Probe::Watchdog { .. }
+        ) {
             return bounded.await;
         }
         match tokio::time::timeout(limit, bounded).await {
