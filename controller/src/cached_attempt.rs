@@ -14,8 +14,8 @@
 
 use genswap_crds::{
     ANNOTATION_RECORD, Artifact, BuildSpec, Cause, Demand, InstanceKind, Mode, Outcome,
-    RestartPolicy, ServingStatus, SocketLayout, SocketSpec, SwapAttempt, SwapAttemptSpec,
-    SwapAttemptStatus,
+    RestartPolicy, ServingStatus, SocketLayout, SocketSpec, StageProgress, SwapAttempt,
+    SwapAttemptSpec, SwapAttemptStatus,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 
@@ -39,6 +39,7 @@ pub struct CachedAttempt {
     mode: Mode,
     demand: Demand,
     canary: bool,
+    stage_only: bool,
     restart_policy: Option<RestartPolicy>,
     socket_layout: SocketLayout,
     /// Boxed: an attempt not yet taken by its agent has none.
@@ -58,6 +59,8 @@ struct CachedStatus {
     drain_ms: Option<i64>,
     reason: Option<Box<str>>,
     finished_at: Option<Time>,
+    /// Bytes staging fetched (a `stageOnly` attempt's progress).
+    stage: Option<StageProgress>,
     /// Boxed: only the node's newest `done` attempt has one.
     serving: Option<Box<ServingStatus>>,
 }
@@ -73,6 +76,7 @@ impl CachedStatus {
             drain_ms: status.drain_ms,
             reason: status.reason.as_deref().map(Box::from),
             finished_at: status.finished_at.clone(),
+            stage: status.stage,
             serving: status.serving.clone().map(Box::new),
         }
     }
@@ -91,6 +95,7 @@ impl CachedStatus {
             listener_handover: None,
             steps: Vec::new(),
             conditions: Vec::new(),
+            stage: self.stage,
             serving: self.serving.as_deref().cloned(),
         }
     }
@@ -121,6 +126,7 @@ impl CachedAttempt {
             mode: spec.mode,
             demand: spec.demand,
             canary: spec.canary,
+            stage_only: spec.stage_only,
             restart_policy: spec.restart_policy,
             socket_layout: spec.socket.layout,
             status: attempt
@@ -194,6 +200,7 @@ impl CachedAttempt {
                 resources: Default::default(),
                 listeners: Default::default(),
                 sidecars: Default::default(),
+                stage_only: self.stage_only,
             },
             status: self.status.as_deref().map(CachedStatus::to_status),
         }

@@ -168,6 +168,17 @@ pub struct RolloutSpec {
     /// back).
     #[serde(default)]
     pub on_failure: OnFailure,
+    /// Every selected node that serves another build stages the desired
+    /// one (fetch, verify, unpack) before the first swap of its rollout,
+    /// so no wave waits on a download (SPEC 5.15).
+    #[serde(default = "yes")]
+    pub prestage: bool,
+    /// Pre-staging that has not finished on every node this long after it
+    /// began is `Stalled` with reason `PrestageDeadlineExceeded`; the
+    /// rollout keeps waiting for it.
+    #[serde(default = "progress_deadline_seconds")]
+    #[x_kube(validation = Rule::new("self >= 1").message("rollout.prestageDeadlineSeconds must be at least 1"))]
+    pub prestage_deadline_seconds: i64,
 }
 
 /// Waves by a node label (SPEC 3.1 `rollout.waves`).
@@ -198,6 +209,8 @@ impl Default for RolloutSpec {
             progress_deadline_seconds: progress_deadline_seconds(),
             analysis: None,
             on_failure: OnFailure::default(),
+            prestage: yes(),
+            prestage_deadline_seconds: progress_deadline_seconds(),
         }
     }
 }
@@ -344,6 +357,76 @@ pub struct RolloutStatus {
     /// The newest wave's analysis (`rollout.analysis`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub analysis: Option<AnalysisStatus>,
+    /// The nodes staging the desired build ahead of its first swap
+    /// (`rollout.prestage`); kept once they all hold it, until the next
+    /// build.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prestage: Option<PrestageStatus>,
+}
+
+/// Pre-staging of one build across the selected nodes (SPEC 5.15).
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct PrestageStatus {
+    /// The build staged ahead.
+    #[schemars(length(max = 253))]
+    pub build: String,
+    /// When the nodes were first asked to stage it.
+    pub since: Time,
+    /// When the last of them held it; absent while any stages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub done_at: Option<Time>,
+    /// Nodes that hold it, of `needed`.
+    pub staged: i64,
+    /// Nodes that serve another build and must hold this one first.
+    pub needed: i64,
+    /// At most 100 nodes that do not hold it yet, those that cannot
+    /// first, with the bytes fetched so far.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 100))]
+    pub nodes: Vec<StagingNode>,
+}
+
+/// One node that does not hold the build yet.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct StagingNode {
+    #[schemars(length(max = 253))]
+    pub name: String,
+    /// `Waiting` (asked, not begun), `Staging`, `Failed` (the build's fault:
+    /// waits for a new build or `spec.retry`) or `Abandoned` (the source's
+    /// or host's: tried again with backoff).
+    pub state: StagingState,
+    #[serde(default)]
+    pub fetched_bytes: i64,
+    /// What the fetch needs in all, once the source has said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_bytes: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub reason: Option<String>,
+}
+
+/// Where one node's pre-staging stands.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum StagingState {
+    #[default]
+    Waiting,
+    Staging,
+    Failed,
+    Abandoned,
+}
+
+impl StagingState {
+    /// As status and messages spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StagingState::Waiting => "Waiting",
+            StagingState::Staging => "Staging",
+            StagingState::Failed => "Failed",
+            StagingState::Abandoned => "Abandoned",
+        }
+    }
 }
 
 /// The desired tuple the controller compares every node against.
@@ -388,6 +471,10 @@ pub struct NodeCounts {
     pub held_down: i64,
     /// Nodes that need attention, listed or not.
     pub attention: i64,
+    /// Nodes that hold the desired build: serve it, or staged it ahead
+    /// (`rollout.prestage`).
+    #[serde(default)]
+    pub staged: i64,
 }
 
 /// What the controller remembers of one node, kept on the node's newest

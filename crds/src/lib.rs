@@ -29,7 +29,8 @@ pub use conditions::{ConditionType, set_condition};
 pub use instance_generation::{
     ANNOTATION_RECORD, DesiredState, HeldDown, HistoryArtifact, HistoryEntry, InstanceGeneration,
     InstanceGenerationSpec, InstanceGenerationStatus, LastAttempt, NODES_LISTED, NodeCounts,
-    NodeGeneration, NodeRecord, RolloutSpec, RolloutStatus, WavesSpec, scaled_count,
+    NodeGeneration, NodeRecord, PrestageStatus, RolloutSpec, RolloutStatus, StagingNode,
+    StagingState, WavesSpec, scaled_count,
 };
 pub use probes::*;
 pub use sandbox::{
@@ -41,8 +42,9 @@ pub use sidecars::{
     SIDECAR_LISTENERS_RULE, SidecarExit, SidecarSpec, SidecarState, SidecarStatus, Sidecars,
 };
 pub use swap_attempt::{
-    HeldListener, LastExit, ListenerHandover, ServingState, ServingStatus, StepTiming, SwapAttempt,
-    SwapAttemptSpec, SwapAttemptStatus, describe_exit, exit_text, exited_clean, signal_name,
+    HeldListener, LastExit, ListenerHandover, ServingState, ServingStatus, StageProgress,
+    StepTiming, SwapAttempt, SwapAttemptSpec, SwapAttemptStatus, describe_exit, exit_text,
+    exited_clean, signal_name,
 };
 
 /// The API group of every genswap resource.

@@ -92,6 +92,10 @@ pub struct SwapAttemptSpec {
     #[schemars(length(max = 4))]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
     pub sidecars: Sidecars,
+    /// Only stage the build into the node's store and report it: nothing
+    /// starts, stops or is superseded (`rollout.prestage`, SPEC 5.15).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stage_only: bool,
 }
 
 /// What the node agent reports. Written only by the agent.
@@ -134,10 +138,25 @@ pub struct SwapAttemptStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
+    /// What staging the build fetched: while a `stageOnly` attempt runs,
+    /// written at most every few seconds; on an outcome, the bytes fetched
+    /// in all (0: the node's store held the build).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<StageProgress>,
     /// On the node's newest `done` attempt: the generation it installed and
     /// the agent's restarts since, kept current between attempts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serving: Option<ServingStatus>,
+}
+
+/// Bytes an attempt's stage step fetched.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct StageProgress {
+    pub fetched_bytes: i64,
+    /// What the fetch needs in all, once the source has said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_bytes: Option<i64>,
 }
 
 /// The state of what a `done` attempt installed (SPEC 5.10).

@@ -76,6 +76,7 @@ fn attempt() -> SwapAttempt {
         listeners: ig.spec.listeners.clone(),
         restart_policy: ig.spec.restart_policy,
         sidecars: ig.spec.sidecars.clone(),
+        stage_only: false,
     };
     SwapAttempt::new("app-node-a-3", spec)
 }

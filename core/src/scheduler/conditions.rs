@@ -41,6 +41,12 @@ pub mod reasons {
     pub const LIVENESS_FAILED: &str = "LivenessFailed";
     /// `spec.rollout.paused`: nodes wait for the rollout to resume.
     pub const PAUSED: &str = "Paused";
+    /// `rollout.prestage`: the nodes stage the desired build before its
+    /// first swap.
+    pub const PRESTAGING: &str = "Prestaging";
+    /// Stalled: pre-staging has not finished on every node within
+    /// `rollout.prestageDeadlineSeconds`.
+    pub const PRESTAGE_DEADLINE_EXCEEDED: &str = "PrestageDeadlineExceeded";
     /// Ready=True, and a sidecar of a serving generation is not running
     /// (exited, backing off): the instance serves, its helper does not.
     pub const SIDECAR_DOWN: &str = "SidecarDown";
@@ -92,6 +98,10 @@ pub(super) fn write(
         .or(held)
         .or((!left_down.is_empty()).then_some(reasons::GENERATION_EXITED))
         .or((!progress.refused.is_empty()).then_some(reasons::REPEATED_REFUSAL))
+        .or(progress
+            .prestage
+            .deadline_exceeded
+            .map(|_| reasons::PRESTAGE_DEADLINE_EXCEEDED))
         .or(progress
             .deadline_exceeded
             .map(|_| reasons::PROGRESS_DEADLINE_EXCEEDED));
@@ -203,7 +213,8 @@ pub(super) fn write(
         now,
     );
 
-    let reconciling = progress.in_flight > 0 || progress.waiting > 0 || measuring;
+    let prestaging = progress.prestage.closed;
+    let reconciling = progress.in_flight > 0 || progress.waiting > 0 || measuring || prestaging;
     let (reconciling_reason, reconciling_message) = if reconciling && ctx.spec.rollout.paused {
         (
             reasons::PAUSED,
@@ -212,6 +223,8 @@ pub(super) fn write(
                 progress.in_flight, progress.waiting
             ),
         )
+    } else if prestaging && progress.in_flight == 0 {
+        (reasons::PRESTAGING, prestage_message(&target, progress))
     } else if reconciling {
         let reason = if progress.in_flight == 0 && measuring {
             analysis::reasons::ANALYSIS_RUNNING
@@ -271,6 +284,14 @@ pub(super) fn write(
                         names(&progress.in_flight_nodes)
                     )
                 }
+            ),
+        ),
+        (None, Some(reasons::PRESTAGE_DEADLINE_EXCEEDED)) => (
+            reasons::PRESTAGE_DEADLINE_EXCEEDED,
+            format!(
+                "not every node holds the build within rollout.prestageDeadlineSeconds {}, and the rollout waits for them; {}",
+                ctx.spec.rollout.prestage_deadline_seconds,
+                prestage_message(&target, progress)
             ),
         ),
         (None, Some(reasons::REPEATED_REFUSAL)) => (
@@ -411,6 +432,22 @@ fn stall_message(ctx: &Context<'_>, progress: &Progress<'_>, book: &FailureBook)
 }
 
 /// `build b2` with the configRev and restartID when they are set.
+/// Where pre-staging stands: how many nodes hold the build, and those
+/// that cannot stage it with why (the rest stage; their bytes are in
+/// `status.rollout.prestage`).
+fn prestage_message(target: &str, progress: &Progress<'_>) -> String {
+    let prestage = &progress.prestage;
+    let mut message = format!(
+        "staging {target} before its first swap: {}/{} nodes hold it",
+        prestage.staged, prestage.needed
+    );
+    if !prestage.failing.is_empty() {
+        message.push_str("; cannot stage: ");
+        message.push_str(&refusal_list(&prestage.failing));
+    }
+    message
+}
+
 fn describe(desired: &DesiredState) -> String {
     let mut text = format!("build {}", desired.build);
     if !desired.config_rev.is_empty() {

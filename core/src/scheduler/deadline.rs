@@ -67,6 +67,7 @@ pub(super) fn observe(
         baking_until: position.baking_until.and_then(time_at),
         last_progress_time: time_at(last_ms),
         analysis: None,
+        prestage: None,
     };
 
     // Nodes that run the desired state (down between attempts or not), and
@@ -77,7 +78,9 @@ pub(super) fn observe(
         || progress.selected == 0
         || settled >= progress.selected
         || position.baking_until.is_some()
-        || position.analysis.is_some();
+        || position.analysis.is_some()
+        // Pre-staging has a deadline of its own.
+        || progress.prestage.closed;
     let deadline_ms = ctx
         .spec
         .rollout

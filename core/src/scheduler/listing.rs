@@ -35,6 +35,7 @@ impl List {
         progress: &Progress<'_>,
         mut book: Vec<HeldDown>,
         carried: &BTreeSet<&str>,
+        staged: usize,
     ) -> Self {
         let attention = attention(progress, &book);
         let first = slots
@@ -75,6 +76,7 @@ impl List {
                 stalled: count(progress.stalled.len()),
                 held_down: count(held_total),
                 attention: count(attention.len()),
+                staged: count(staged),
             },
             nodes,
             held_down: book,

@@ -56,6 +56,7 @@ mod listing;
 mod naming;
 mod outcomes;
 mod pacing;
+mod prestage;
 mod records;
 mod revisions;
 mod rollout;
@@ -66,7 +67,7 @@ use std::borrow::Borrow;
 use std::time::Duration;
 
 use genswap_crds::{
-    AnalysisStatus, ConditionType, DesiredState, HistoryEntry, InstanceGeneration,
+    AnalysisStatus, Cause, ConditionType, DesiredState, HistoryEntry, InstanceGeneration,
     InstanceGenerationSpec, InstanceGenerationStatus, Mode, NodeGeneration, NodeRecord, Outcome,
     RolloutStatus, SwapAttempt,
 };
@@ -209,7 +210,7 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
         &values,
         ctx.spec.rollout.canaries(selected.len()),
     );
-    let (sorted_attempts, newest_rev) = sort_attempts(&ctx, attempts);
+    let (sorted_attempts, stage_attempts, newest_rev) = sort_attempts(&ctx, attempts);
     let (mut slots, strays) = gather(
         &selected,
         &waves.of_node,
@@ -242,7 +243,15 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
         }
     }
 
-    let mut decisions = rollout::decide(&ctx, &slots, &book, waves.names.len());
+    let prestage = prestage::observe(&ctx, &slots, &stage_attempts, retry_changed);
+    let mut decisions = rollout::decide(&ctx, &slots, &book, waves.names.len(), prestage.closed);
+    decisions.progress.prestage = rollout::PrestageProgress {
+        closed: prestage.closed,
+        staged: prestage.status.as_ref().map_or(0, |p| p.staged),
+        needed: prestage.status.as_ref().map_or(0, |p| p.needed),
+        failing: prestage.failing.clone(),
+        deadline_exceeded: prestage.deadline_exceeded,
+    };
 
     let mut issuer = revisions::Issuer::new(revisions, status.sched_rev, newest_rev);
     let mut create = Vec::with_capacity(decisions.issues.len());
@@ -269,10 +278,55 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
             issue.cause,
             slot.canary,
             restore,
+            false,
         ));
+    }
+    for &index in &prestage.issue {
+        let sched_rev = issuer.issue();
+        let slot = &slots[index];
+        create.push(naming::build_attempt(
+            &ctx,
+            slot.name,
+            sched_rev,
+            Cause::Release,
+            false,
+            None,
+            true,
+        ));
+    }
+    if prestage.status.is_some()
+        && previous
+            .and_then(|status| status.rollout.as_ref())
+            .and_then(|rollout| rollout.prestage.as_ref())
+            .is_none_or(|before| before.build != ctx.desired.build)
+    {
+        events.push(PlanEvent {
+            warning: false,
+            reason: reasons::PRESTAGING.into(),
+            message: format!(
+                "every node that serves another build stages {} before its first swap (rollout.prestage)",
+                ctx.desired.build
+            ),
+        });
+    }
+    if let Some(after) = prestage.deadline_exceeded
+        && !previous.is_some_and(|status| {
+            genswap_crds::conditions::true_reason(&status.conditions, ConditionType::Stalled)
+                == Some(reasons::PRESTAGE_DEADLINE_EXCEEDED)
+        })
+    {
+        events.push(PlanEvent {
+            warning: true,
+            reason: reasons::PRESTAGE_DEADLINE_EXCEEDED.into(),
+            message: format!(
+                "build {} is not staged on every node after {after} s (rollout.prestageDeadlineSeconds {})",
+                ctx.desired.build, ctx.spec.rollout.prestage_deadline_seconds
+            ),
+        });
     }
 
     let mut delete = strays;
+    delete.extend(prestage.delete.iter().cloned());
     // `stalled` is in node order, as the slots are.
     let mut stalled = decisions.progress.stalled.iter().peekable();
     for slot in &slots {
@@ -308,6 +362,7 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
         analysis_of(&ctx, &decisions.progress.position, &waves.names, &slots);
     status.rollout = Some(RolloutStatus {
         analysis: analysis_record,
+        prestage: prestage.status.clone(),
         ..rollout_status
     });
     let progress = &decisions.progress;
@@ -326,7 +381,13 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
     status.observed_generation = ctx.generation;
     status.desired = Some(ctx.desired.clone());
     conditions::write(&mut status.conditions, &ctx, progress, &book, &waves.names);
-    let listing = listing::List::new(&slots, progress, book.into_entries(), &carried);
+    let listing = listing::List::new(
+        &slots,
+        progress,
+        book.into_entries(),
+        &carried,
+        prestage.staged,
+    );
     listing.write(&mut status);
     let status_may_wait = pacing::status_may_wait(previous, &status, progress.in_flight, &events);
 
@@ -337,10 +398,14 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
         status,
         status_may_wait,
         events,
-        requeue_after: match (decisions.requeue_after, deadline.due_in) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        },
+        requeue_after: [
+            decisions.requeue_after,
+            deadline.due_in,
+            prestage.requeue_after,
+        ]
+        .into_iter()
+        .flatten()
+        .min(),
         analysis: analysis_request,
     }
 }
@@ -386,6 +451,8 @@ struct Context<'a> {
     now: Time,
     /// The stored analysis that counts for the desired build.
     analysis: Option<&'a AnalysisStatus>,
+    /// `status.rollout` as the previous plan wrote it.
+    previous_rollout: Option<&'a RolloutStatus>,
     /// What `rollout.onFailure: restore` takes a node back to: the newest
     /// state every node served, when it is not the desired one.
     good: Option<&'a HistoryEntry>,
@@ -405,6 +472,7 @@ impl<'a> Context<'a> {
             halt: spec.rollout.halt_on_failure,
             now: Time(now),
             analysis: analysis::current(ig),
+            previous_rollout: ig.status.as_ref().and_then(|s| s.rollout.as_ref()),
             good: ig
                 .status
                 .as_ref()
@@ -431,24 +499,30 @@ struct NodeSlot<'a> {
     down: Option<supervision::Down>,
 }
 
-/// This instance's attempts sorted by (node, revision), so each node's are
-/// one run, and the highest revision among them. Attempts of another
-/// instance are not ours to count or delete.
+/// This instance's swap attempts sorted by (node, revision), so each
+/// node's are one run; its stage-only attempts ([`prestage`]), apart; and
+/// the highest revision among all of them. Attempts of another instance
+/// are not ours to count or delete.
 fn sort_attempts<'a, A: Borrow<SwapAttempt>>(
     ctx: &Context<'_>,
     attempts: &'a [A],
-) -> (Vec<&'a SwapAttempt>, i64) {
-    let mut ours: Vec<&SwapAttempt> = attempts
+) -> (Vec<&'a SwapAttempt>, Vec<&'a SwapAttempt>, i64) {
+    let (stage, mut ours): (Vec<&SwapAttempt>, Vec<&SwapAttempt>) = attempts
         .iter()
         .map(Borrow::borrow)
         .filter(|a| a.spec.instance == ctx.name)
-        .collect();
+        .partition(|a| prestage::is_stage_only(a));
     ours.sort_unstable_by(|a, b| {
         (a.spec.node_name.as_str(), a.spec.sched_rev)
             .cmp(&(b.spec.node_name.as_str(), b.spec.sched_rev))
     });
-    let newest_rev = ours.iter().map(|a| a.spec.sched_rev).max().unwrap_or(0);
-    (ours, newest_rev)
+    let newest_rev = ours
+        .iter()
+        .chain(&stage)
+        .map(|a| a.spec.sched_rev)
+        .max()
+        .unwrap_or(0);
+    (ours, stage, newest_rev)
 }
 
 /// Pairs each selected node with its attempts and its record by walking the

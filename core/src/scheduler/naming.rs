@@ -123,6 +123,7 @@ pub(super) fn build_attempt(
     cause: Cause,
     canary: bool,
     restore: Option<&HistoryEntry>,
+    stage_only: bool,
 ) -> SwapAttempt {
     let spec = ctx.spec;
     // A restore runs the good build as it was, with today's settings.
@@ -192,6 +193,7 @@ pub(super) fn build_attempt(
             listeners: spec.listeners.clone(),
             restart_policy: spec.restart_policy,
             sidecars: spec.sidecars.clone(),
+            stage_only,
         },
         status: None,
     }

@@ -141,6 +141,21 @@ pub(super) struct Progress<'a> {
     pub deadline_exceeded: Option<i64>,
     /// When the rollout last moved (ms since the epoch).
     pub last_progress: Option<i64>,
+    /// The desired build staged ahead of its rollout; set by the plan.
+    pub prestage: PrestageProgress<'a>,
+}
+
+/// Pre-staging as the conditions tell it (`prestage`).
+#[derive(Default)]
+pub(super) struct PrestageProgress<'a> {
+    /// Attempts toward the desired build wait for it.
+    pub closed: bool,
+    pub staged: i64,
+    pub needed: i64,
+    /// Nodes that cannot stage it, with why.
+    pub failing: Vec<(&'a str, String)>,
+    /// Seconds since it began, once past its deadline.
+    pub deadline_exceeded: Option<i64>,
 }
 
 /// Where the waves stand.
@@ -293,6 +308,7 @@ pub(super) fn decide<'a>(
     slots: &[NodeSlot<'a>],
     book: &FailureBook,
     wave_count: usize,
+    prestaging: bool,
 ) -> Decisions<'a> {
     let desired = &ctx.desired;
     let now_ms = ctx.now.0.as_millisecond();
@@ -457,6 +473,19 @@ pub(super) fn decide<'a>(
             cause: cause_for(&slot.entry, desired, ctx.spec.cause),
             restore: false,
         });
+    }
+    if prestaging {
+        // Nothing that would fetch the desired build goes before every
+        // node holds it; a restore, or a node that holds it already
+        // (a config or restart change), may.
+        let before = issues.len();
+        issues.retain(|issue| issue.restore || super::prestage::holds(&slots[issue.slot], desired));
+        let withheld = before - issues.len();
+        if withheld > 0 {
+            progress.waiting += withheld;
+            in_flight = facts.iter().filter(|f| f.in_flight).count()
+                + issues.iter().filter(|i| !facts[i.slot].in_flight).count();
+        }
     }
     if ctx.spec.rollout.paused && !issues.is_empty() {
         progress.paused = issues.len();

@@ -62,6 +62,10 @@ pub fn sha(build: &str) -> String {
 
 /// A spec as `kubectl apply` of the smallest object would give: every
 /// default filled in by serde, as the API server's defaulting would.
+///
+/// Without `rollout.prestage`: these scenarios are about the swaps that
+/// follow it, and count their revisions; `scheduler_prestage.rs` plans
+/// with it, as the default is.
 pub fn spec(build: &str) -> InstanceGenerationSpec {
     serde_json::from_value(json!({
         "build": {
@@ -69,6 +73,7 @@ pub fn spec(build: &str) -> InstanceGenerationSpec {
             "artifact": { "path": format!("/srv/builds/{build}") },
             "sha256": sha(build),
         },
+        "rollout": { "prestage": false },
     }))
     .expect("a valid spec")
 }
