@@ -13,6 +13,7 @@
 //! - [`retention`]: what the store keeps, and the rest removed;
 //! - [`trust`]: the node's trust keys, and the signatures a build must
 //!   carry (sigstore's cosign verification);
+//! - [`progress`]: the bytes a stage fetched, as they arrive;
 //! - `archive`: one pass from the source through the hash and the
 //!   decompressor into the unpacker.
 //!
@@ -23,6 +24,7 @@
 mod archive;
 mod error;
 mod fs_util;
+pub mod progress;
 pub mod registry;
 pub mod retention;
 pub mod stager;
@@ -33,6 +35,7 @@ pub mod unpack;
 
 pub use archive::format_name;
 pub use error::StageError;
+pub use progress::FetchProgress;
 pub use registry::{ImageConfig, RegistryError, RegistrySettings};
 pub use retention::{RetentionPolicy, RetentionReport};
 pub use stager::RunDefaults;

@@ -164,6 +164,7 @@ impl Store {
             bytes: size,
             tree: None,
             run: RunDefaults::default(),
+            fetched: 0,
         })
     }
 
@@ -508,6 +509,7 @@ impl EntryWriter<'_> {
             bytes: self.bytes,
             tree: None,
             run: RunDefaults::default(),
+            fetched: 0,
         })
     }
 }

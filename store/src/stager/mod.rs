@@ -38,6 +38,7 @@ use tokio::sync::mpsc;
 
 use crate::archive::Chunk;
 use crate::error::StageError;
+use crate::progress::{self, FetchProgress};
 use crate::registry::{Registries, RegistrySettings};
 use crate::retention::{RetentionPolicy, RetentionReport};
 use crate::store::EntryWriter;
@@ -68,6 +69,9 @@ pub struct Staged {
     pub tree: Option<PathBuf>,
     /// What an image's config adds to the spec's process.
     pub run: RunDefaults,
+    /// Bytes this stage fetched from a URL or a registry: 0 when the store
+    /// held the build (or it was read from a path on the node).
+    pub fetched: u64,
 }
 
 /// What an image's config gives a generation unless the spec says
@@ -229,6 +233,23 @@ impl Stager {
     /// it names no key or a key the node lacks, and after staging unless
     /// its signature verifies over the staged bytes.
     pub async fn stage(&self, build: &BuildSpec) -> Result<Staged, StageError> {
+        self.stage_watched(build, &FetchProgress::new()).await
+    }
+
+    /// [`Stager::stage`], counting what it fetches into `progress` as the
+    /// bytes arrive.
+    pub async fn stage_watched(
+        &self,
+        build: &BuildSpec,
+        progress: &FetchProgress,
+    ) -> Result<Staged, StageError> {
+        let before = progress.fetched();
+        let mut staged = progress.scope(self.stage_counted(build)).await?;
+        staged.fetched = progress.fetched().saturating_sub(before);
+        Ok(staged)
+    }
+
+    async fn stage_counted(&self, build: &BuildSpec) -> Result<Staged, StageError> {
         let key = self.inner.config.trust.requirement(build)?;
         // An image's signature vouches for the digest its manifest is
         // pinned by, which staging then holds every byte to: it is checked
@@ -726,6 +747,9 @@ impl Stager {
                 status: status.as_u16(),
             });
         }
+        if let Some(declared) = response.content_length() {
+            progress::expect(declared);
+        }
         if let Some(declared) = response.content_length()
             && declared > limit
         {
@@ -737,6 +761,7 @@ impl Stager {
         }
         let mut total = 0u64;
         while let Some(bytes) = response.chunk().await.map_err(fail)? {
+            progress::fetched(bytes.len());
             total = total.saturating_add(u64::try_from(bytes.len()).unwrap_or(u64::MAX));
             if total > limit {
                 return Err(StageError::TooLarge {

@@ -12,6 +12,7 @@ use tokio::sync::mpsc;
 
 use crate::archive::{self, Chunk, ChunkReader, Hashing};
 use crate::error::StageError;
+use crate::progress;
 use crate::registry::{ImageConfig, RegistryError, Resolved};
 use crate::tree::{self, TreeBuild, TreeRecord};
 use crate::unpack::UnpackError;
@@ -87,6 +88,7 @@ impl Stager {
             bytes: record.bytes,
             tree: Some(rootfs),
             run,
+            fetched: 0,
         })
     }
 
@@ -125,6 +127,9 @@ impl Stager {
         };
         let after = self.inner.config.download_timeout;
         for layer in layers {
+            progress::expect(u64::try_from(layer.descriptor.size).unwrap_or(0));
+        }
+        for layer in layers {
             let size = u64::try_from(layer.descriptor.size).unwrap_or(0);
             let limit = size.min(self.inner.config.max_bytes);
             if size > self.inner.config.max_bytes {
@@ -155,6 +160,7 @@ impl Stager {
                 let mut stream = resolved.layer_stream(layer).await?;
                 while let Some(chunk) = stream.next().await {
                     let chunk = chunk.map_err(unavailable)?;
+                    progress::fetched(chunk.len());
                     if chunks.send(Chunk::Data(chunk)).await.is_err() {
                         return Err(StageError::Task("the layer writer stopped".into()));
                     }
