@@ -176,6 +176,7 @@ fn finished_status(finished: Finished<'_>) -> SwapAttemptStatus {
         finished_at: Some(finished.finished_at.clone()),
         steps: finished.steps,
         conditions,
+        stage: None,
         serving: None,
     }
 }

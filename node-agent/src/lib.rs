@@ -43,6 +43,7 @@ pub mod notify;
 pub mod observation;
 pub mod ownership;
 pub mod paths;
+pub mod prestage;
 pub mod probe;
 pub mod process;
 pub mod sandbox;

@@ -21,6 +21,7 @@
 //! | `genswap_agent_log_records_dropped_total` | counter | `instance` | records of instances' output their log shims could not write (a full disk), read from the `<N>.dropped` files at each scrape |
 //! | `genswap_agent_listener_handovers_total` | counter | `handover` | attempts with listeners that ended, by how new connections reached generations (SPEC 6.3): `steered` (a socket per generation, the BPF map picks), `shared` (one socket; the kernel refused BPF, or `--listener-handover=shared`) |
 //! | `genswap_agent_listener_datagrams_dropped_total` | counter | `instance`, `listener` | datagrams the kernel dropped on a UDP listener's sockets (a full buffer: no generation read fast enough, or none ran), from `/proc/net/udp` at each scrape |
+//! | `genswap_agent_stage_bytes_total` | counter | | bytes staging fetched from URLs and registries, counted as they arrive while a build is staged ahead of its rollout (`rollout.prestage`) |
 //! | `genswap_agent_retirements_total` | counter | `result` | serving instances no attempt named any more, looked up: `stopped` (the InstanceGeneration was deleted or no longer selects this node), `kept` (it exists and selects this node), `failed` (the lookup or the stop failed; tried again) |
 //!
 //! `/healthz` answers 200 while the process serves HTTP. `/readyz` answers
@@ -173,6 +174,7 @@ pub struct AgentMetrics {
     generation_restarts: Family<ExitLabels, Counter>,
     listener_handovers: Family<HandoverLabels, Counter>,
     datagram_drops: Family<ListenerLabels, Counter>,
+    stage_bytes: Counter,
     datagram_drop_source: Option<DropSource>,
     datagram_drops_seen: Mutex<HashMap<u64, u64>>,
     /// The log dir whose drop counters are read at each scrape, and the
@@ -248,6 +250,12 @@ impl AgentMetrics {
             "Datagrams the kernel dropped on UDP listeners' sockets",
             datagram_drops.clone(),
         );
+        let stage_bytes = Counter::default();
+        registry.register(
+            "stage_bytes",
+            "Bytes fetched from URLs and registries while staging builds ahead of their rollout",
+            stage_bytes.clone(),
+        );
         registry.register(
             "retirements",
             "Serving instances no attempt named any more, by what their InstanceGeneration lookup led to",
@@ -265,6 +273,7 @@ impl AgentMetrics {
             generation_restarts,
             listener_handovers,
             datagram_drops,
+            stage_bytes,
             datagram_drop_source: None,
             datagram_drops_seen: Mutex::new(HashMap::new()),
             log_dir: None,
@@ -392,6 +401,11 @@ impl AgentMetrics {
                 mode: mode.as_str().to_string(),
             })
             .inc();
+    }
+
+    /// Counts bytes a stage fetched.
+    pub fn record_stage_bytes(&self, bytes: u64) {
+        self.stage_bytes.inc_by(bytes);
     }
 
     /// Sets how many instances have a serving generation.

@@ -375,6 +375,12 @@ impl Engine {
         }
     }
 
+    /// The store builds are staged into, for staging ahead of an attempt
+    /// (`rollout.prestage`).
+    pub fn stager(&self) -> &Stager {
+        &self.stager
+    }
+
     /// Every instance the engine has a serving generation for.
     pub fn instances(&self) -> Vec<InstanceKey> {
         let mut keys: Vec<InstanceKey> = self

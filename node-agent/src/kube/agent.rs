@@ -81,6 +81,9 @@ struct Shared {
     metrics: Arc<AgentMetrics>,
     config: KubeAgentConfig,
     ended: mpsc::UnboundedSender<Ended>,
+    /// One build staged ahead at a time: a rollout's pre-staging must not
+    /// take the node's bandwidth from the swaps it serves.
+    stage_slot: Arc<tokio::sync::Semaphore>,
 }
 
 /// A running attempt's revision and its lifetime.
@@ -122,6 +125,12 @@ struct Running {
     serving_before_sync: Vec<ServingChange>,
     /// The `serving` write being retried per attempt (namespace, name).
     serving_writes: HashMap<(String, String), tokio::task::AbortHandle>,
+    /// Stage-only attempts being staged, by (namespace, name).
+    staging: HashMap<(String, String), tokio::task::AbortHandle>,
+    /// Stage-only attempts seen before this agent owned the node: staging
+    /// writes the store, which only the owner may.
+    stage_pending: Vec<Arc<SwapAttempt>>,
+    owns_node: bool,
 }
 
 impl KubeAgent {
@@ -204,6 +213,7 @@ impl KubeAgent {
                 metrics,
                 config: config.clone(),
                 ended: ended_tx,
+                stage_slot: Arc::new(tokio::sync::Semaphore::new(1)),
             }),
             intake: Intake::new(config.node_name.clone(), gate.clone()),
             store,
@@ -216,6 +226,9 @@ impl KubeAgent {
             retirements: JoinSet::new(),
             serving_before_sync: Vec::new(),
             serving_writes: HashMap::new(),
+            staging: HashMap::new(),
+            stage_pending: Vec::new(),
+            owns_node: false,
         };
         let mut retire_retry = tokio::time::interval(config.look_again);
         retire_retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -329,6 +342,10 @@ impl Running {
             }
         }
         self.intake.open();
+        self.owns_node = true;
+        for attempt in std::mem::take(&mut self.stage_pending) {
+            self.stage_ahead(attempt);
+        }
         self.offer_all();
         self.retire_unowned(Candidates::All);
         self.shared
@@ -338,6 +355,28 @@ impl Running {
     }
 
     fn on_watch_event(&mut self, event: watcher::Event<SwapAttempt>, readiness: &Readiness) {
+        let stage_only = match &event {
+            watcher::Event::Apply(a) | watcher::Event::InitApply(a) | watcher::Event::Delete(a) => {
+                a.spec.stage_only
+            }
+            _ => false,
+        };
+        if stage_only {
+            match event {
+                watcher::Event::Apply(attempt) | watcher::Event::InitApply(attempt) => {
+                    self.stage_ahead(Arc::new(attempt));
+                }
+                watcher::Event::Delete(attempt) => {
+                    let key = attempt_key(&attempt);
+                    self.stage_pending.retain(|a| attempt_key(a) != key);
+                    if let Some(task) = self.staging.remove(&key) {
+                        task.abort();
+                    }
+                }
+                _ => {}
+            }
+            return;
+        }
         match event {
             watcher::Event::Apply(attempt) => {
                 let decisions = self.intake.offer(Arc::new(attempt));
@@ -575,6 +614,26 @@ impl Running {
         }
     }
 
+    /// Stages a stage-only attempt's build in the background and reports
+    /// on the attempt; one with an outcome has been staged already.
+    fn stage_ahead(&mut self, attempt: Arc<SwapAttempt>) {
+        if attempt.status.as_ref().is_some_and(|s| s.outcome.is_some()) {
+            return;
+        }
+        let key = attempt_key(&attempt);
+        if !self.owns_node {
+            self.stage_pending.retain(|a| attempt_key(a) != key);
+            self.stage_pending.push(attempt);
+            return;
+        }
+        self.staging.retain(|_, task| !task.is_finished());
+        if self.staging.contains_key(&key) {
+            return;
+        }
+        let task = tokio::spawn(stage_ahead(self.shared.clone(), attempt));
+        self.staging.insert(key, task.abort_handle());
+    }
+
     fn deliver(&mut self, report: OutcomeReport) {
         let reporter = self.shared.reporter.clone();
         self.reports.spawn(async move {
@@ -591,6 +650,10 @@ impl Running {
         );
         self.shared.gate.set_shutting_down();
         self.intake.close();
+        // A stage cut short leaves no entry; the next agent stages it again.
+        for (_, task) in self.staging.drain() {
+            task.abort();
+        }
         for running in self.in_flight.values() {
             running.cancel.cancel("the agent is shutting down");
         }
@@ -703,6 +766,48 @@ impl Drop for EndGuard {
             serving: self.serving.take(),
         });
     }
+}
+
+/// (namespace, name) of an attempt.
+fn attempt_key(attempt: &SwapAttempt) -> (String, String) {
+    (
+        attempt.metadata.namespace.clone().unwrap_or_default(),
+        attempt.metadata.name.clone().unwrap_or_default(),
+    )
+}
+
+/// A stage-only attempt's task: waits its turn, stages, and writes the
+/// progress (the newest only, one write at a time) and then the outcome.
+async fn stage_ahead(shared: Arc<Shared>, attempt: Arc<SwapAttempt>) {
+    let Ok(_turn) = shared.stage_slot.clone().acquire_owned().await else {
+        return;
+    };
+    let target = ReportTarget::of_attempt(&attempt, None);
+    tracing::info!(attempt = %target, build = %attempt.spec.build.id, "staging ahead of the rollout");
+    let (shown, mut to_write) = tokio::sync::watch::channel(None);
+    let stage = crate::prestage::stage_ahead(
+        shared.engine.stager(),
+        &attempt.spec.build,
+        Some(&shared.metrics),
+        move |status| {
+            shown.send_replace(Some(status));
+        },
+    );
+    let writes = async {
+        while to_write.changed().await.is_ok() {
+            let Some(status) = to_write.borrow_and_update().clone() else {
+                continue;
+            };
+            if let Err(error) = shared.reporter.apply(&target, &status).await {
+                if error.is_not_found() {
+                    return;
+                }
+                tracing::debug!(attempt = %target, error = %error_chain(&error), "writing a stage's progress failed; the next one carries it");
+            }
+        }
+    };
+    let (status, ()) = tokio::join!(stage, writes);
+    shared.reporter.deliver_status(&target, &status).await;
 }
 
 /// One attempt's task: the running status, the swap, the

@@ -468,6 +468,30 @@ impl Reporter {
         }
     }
 
+    /// Writes `status` until the API server accepts it or says the
+    /// attempt is gone: an outcome nothing journals (a stage-only attempt),
+    /// which a restart would stage again.
+    pub async fn deliver_status(&self, target: &ReportTarget, status: &SwapAttemptStatus) {
+        let mut retry = 0u32;
+        loop {
+            match self.apply(target, status).await {
+                Ok(()) => return,
+                Err(error) if error.is_not_found() => return,
+                Err(error) => {
+                    let delay = self.backoff.delay(retry);
+                    tracing::warn!(
+                        attempt = %target,
+                        error = %error_chain(&error),
+                        retry_in_ms = delay.as_millis() as u64,
+                        "writing an attempt's status failed; retrying"
+                    );
+                    tokio::time::sleep(delay).await;
+                    retry = retry.saturating_add(1);
+                }
+            }
+        }
+    }
+
     /// One server-side apply of `status` to the target's status subresource.
     pub async fn apply(
         &self,

@@ -508,6 +508,7 @@ pub fn spec(rev: i64, build: &testapp::Build, id: &str) -> SwapAttemptSpec {
         listeners: Vec::new(),
         restart_policy: None,
         sidecars: Vec::new(),
+        stage_only: false,
     }
 }
 

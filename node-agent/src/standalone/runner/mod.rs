@@ -15,7 +15,9 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use genswap_core::scheduler;
-use genswap_crds::{ConditionType, InstanceGeneration, SwapAttempt, set_condition};
+use genswap_crds::{
+    ConditionType, InstanceGeneration, SwapAttempt, SwapAttemptStatus, set_condition,
+};
 use genswap_runtime::prometheus::Prometheus;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
@@ -116,6 +118,12 @@ enum Msg {
         result: Box<SwapResult>,
         /// The `serving` block the attempt starts its lineage with, if any.
         serving: Option<Box<ServingChange>>,
+    },
+    /// A stage-only attempt ended (`rollout.prestage`).
+    Staged {
+        key: InstanceKey,
+        sched_rev: i64,
+        status: Box<SwapAttemptStatus>,
     },
     Stopped {
         key: InstanceKey,
@@ -294,6 +302,11 @@ impl Runner {
                 result,
                 serving,
             } => self.finished(key, sched_rev, *result, serving).await,
+            Msg::Staged {
+                key,
+                sched_rev,
+                status,
+            } => self.staged(key, sched_rev, *status).await,
             Msg::Stopped { key, result } => self.stopped(key, result).await,
             Msg::Supervisor(event) => self.supervised(event).await,
         }

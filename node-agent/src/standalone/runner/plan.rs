@@ -67,7 +67,10 @@ impl Runner {
                 break;
             }
             for attempt in plan.create {
-                self.gate.observe(key, attempt.spec.sched_rev);
+                // A stage-only attempt supersedes nothing.
+                if !attempt.spec.stage_only {
+                    self.gate.observe(key, attempt.spec.sched_rev);
+                }
                 instance.attempts.push(attempt);
             }
         }
@@ -136,6 +139,28 @@ impl Runner {
         else {
             return;
         };
+        if next.spec.stage_only {
+            let started = crate::prestage::staging_status(SystemTime::now(), Default::default());
+            next.status = Some(started);
+            let sched_rev = next.spec.sched_rev;
+            instance.running = Some(InFlight {
+                sched_rev,
+                cancel: Cancel::new(),
+            });
+            tracing::info!(instance = %key, attempt = ?next.metadata.name, build = %next.spec.build.id, "staging ahead of the rollout");
+            let (engine, tx, key) = (self.engine.clone(), self.tx.clone(), key.clone());
+            let build = next.spec.build.clone();
+            tokio::spawn(async move {
+                let status =
+                    crate::prestage::stage_ahead(engine.stager(), &build, None, |_| {}).await;
+                let _ = tx.send(Msg::Staged {
+                    key,
+                    sched_rev,
+                    status: Box::new(status),
+                });
+            });
+            return;
+        }
         let attempt = Attempt {
             instance: key.clone(),
             name: next.metadata.name.clone().unwrap_or_default(),

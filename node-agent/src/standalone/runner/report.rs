@@ -67,6 +67,31 @@ impl Runner {
         }
     }
 
+    /// A stage-only attempt ended: its status is shown and the instance
+    /// planned again. Nothing journals it; a restart stages it again.
+    pub(super) async fn staged(
+        &mut self,
+        key: InstanceKey,
+        sched_rev: i64,
+        status: SwapAttemptStatus,
+    ) {
+        let Some(instance) = self.instances.get_mut(&key) else {
+            return;
+        };
+        instance.running = None;
+        if let Some(attempt) = instance
+            .attempts
+            .iter_mut()
+            .find(|a| a.spec.sched_rev == sched_rev)
+        {
+            attempt.status = Some(status);
+        }
+        match instance.removal {
+            Removal::No => self.replan(&key).await,
+            Removal::Requested | Removal::Stopping => self.begin_stop(&key),
+        }
+    }
+
     /// Whether the journal holds the outcome of `sched_rev` for a restart
     /// to deliver.
     pub(super) async fn journal_keeps(&self, key: &InstanceKey, sched_rev: i64) -> bool {
