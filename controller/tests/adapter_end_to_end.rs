@@ -213,8 +213,11 @@ async fn a_rollout_reserves_ahead_issues_its_later_wave_without_a_status_write_a
     // The process restarts before the next wave: revisions 5 and 6 were
     // this process's alone and are skipped, never issued; the new one
     // reserves 7..8 for n2 and the node still waiting.
+    // Without pre-staging, whose asks would take revisions first: this
+    // story counts the swaps' (scheduler_prestage.rs counts those).
     cluster.with(|s| {
         s.ig.spec.build.id = "b2".into();
+        s.ig.spec.rollout.prestage = false;
         s.ig.metadata.generation = Some(2);
     });
     let (mut b, server) = start_production(&cluster);

@@ -5,7 +5,7 @@ use std::fmt::Write;
 use anstyle::{AnsiColor, Style};
 
 use crate::tree::{AttemptView, NodeView, SidecarView, Tree};
-use genswap_crds::{AnalysisPhase, AnalysisStatus, RolloutStatus};
+use genswap_crds::{AnalysisPhase, AnalysisStatus, PrestageStatus, RolloutStatus, StagingState};
 
 /// Whether the text carries ANSI styles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,14 +43,15 @@ pub fn text(tree: &Tree, colour: Colour) -> String {
     if let Some(counts) = &tree.counts {
         let _ = writeln!(
             out,
-            "  nodes {} selected  {} updated  {} ready  {} in flight  {} waiting  {} stalled  {} need attention",
+            "  nodes {} selected  {} updated  {} ready  {} in flight  {} waiting  {} stalled  {} need attention  {} staged",
             counts.selected,
             counts.updated,
             counts.ready,
             counts.in_flight,
             counts.waiting,
             counts.stalled,
-            counts.attention
+            counts.attention,
+            counts.staged
         );
     }
 
@@ -59,6 +60,9 @@ pub fn text(tree: &Tree, colour: Colour) -> String {
     }
     if let Some(analysis) = tree.rollout.as_ref().and_then(|r| r.analysis.as_ref()) {
         let _ = writeln!(out, "  {}", analysis_line(analysis, &paint));
+    }
+    if let Some(prestage) = tree.rollout.as_ref().and_then(|r| r.prestage.as_ref()) {
+        prestage_lines(&mut out, prestage, &paint);
     }
 
     let width = tree
@@ -249,6 +253,72 @@ fn analysis_line(analysis: &AnalysisStatus, painter: &Painter) -> String {
 }
 
 /// `wave zone-c (1 of 3)  bakes until …`, when a wave is under way.
+/// Width of a node's progress bar, in cells.
+const BAR_CELLS: usize = 24;
+
+/// `prestage b2  2/3 nodes hold it`, then a bar per node still staging and
+/// the reason of each that cannot.
+fn prestage_lines(out: &mut String, prestage: &PrestageStatus, paint: &Painter) {
+    let state = if prestage.done_at.is_some() {
+        paint.style(AnsiColor::Green, "done")
+    } else {
+        paint.style(AnsiColor::Cyan, "staging")
+    };
+    let _ = writeln!(
+        out,
+        "  prestage {}  {state}  {}/{} nodes hold it",
+        prestage.build, prestage.staged, prestage.needed
+    );
+    let width = prestage.nodes.iter().map(|n| n.name.len()).max().unwrap_or(0);
+    for node in &prestage.nodes {
+        let detail = match node.state {
+            StagingState::Failed | StagingState::Abandoned => paint.style(
+                AnsiColor::Red,
+                &format!(
+                    "{}: {}",
+                    node.state.as_str(),
+                    node.reason.as_deref().unwrap_or("no reason given")
+                ),
+            ),
+            StagingState::Waiting | StagingState::Staging => format!(
+                "{}  {}",
+                progress_bar(node.fetched_bytes, node.total_bytes),
+                node.state.as_str()
+            ),
+        };
+        let _ = writeln!(out, "    {:<width$}  {detail}", node.name);
+    }
+}
+
+/// `[#########---------------]  38.1 MiB / 100.0 MiB`; without a total,
+/// the bytes so far.
+pub fn progress_bar(fetched: i64, total: Option<i64>) -> String {
+    let fetched = fetched.max(0);
+    match total.filter(|total| *total > 0) {
+        Some(total) => {
+            let done = usize::try_from(fetched.min(total).saturating_mul(BAR_CELLS as i64) / total)
+                .unwrap_or(0);
+            format!(
+                "[{}{}]  {} / {}",
+                "#".repeat(done),
+                "-".repeat(BAR_CELLS - done),
+                bytes_text(fetched),
+                bytes_text(total)
+            )
+        }
+        None => format!("[{}]  {}", "?".repeat(BAR_CELLS), bytes_text(fetched)),
+    }
+}
+
+fn bytes_text(bytes: i64) -> String {
+    const MIB: f64 = 1024.0 * 1024.0;
+    if bytes < 1024 * 1024 {
+        format!("{:.1} KiB", bytes as f64 / 1024.0)
+    } else {
+        format!("{:.1} MiB", bytes as f64 / MIB)
+    }
+}
+
 fn rollout_line(rollout: &RolloutStatus) -> Option<String> {
     let wave = rollout.wave.as_deref()?;
     let mut line = match (rollout.wave_index, rollout.waves) {
@@ -259,4 +329,52 @@ fn rollout_line(rollout: &RolloutStatus) -> Option<String> {
         line.push_str(&format!("  bakes until {}", until.0));
     }
     Some(line)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use genswap_crds::StagingNode;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use k8s_openapi::jiff::Timestamp;
+
+    #[test]
+    fn prestage_draws_a_bar_per_staging_node_and_the_reason_of_each_that_cannot() {
+        let prestage = PrestageStatus {
+            build: "b2".into(),
+            since: Time(Timestamp::UNIX_EPOCH),
+            done_at: None,
+            staged: 1,
+            needed: 4,
+            nodes: vec![
+                StagingNode {
+                    name: "node-b".into(),
+                    state: StagingState::Staging,
+                    fetched_bytes: 50 * 1024 * 1024,
+                    total_bytes: Some(100 * 1024 * 1024),
+                    reason: None,
+                },
+                StagingNode {
+                    name: "c".into(),
+                    state: StagingState::Failed,
+                    reason: Some("stage: signed by another key".into()),
+                    ..StagingNode::default()
+                },
+                StagingNode {
+                    name: "d".into(),
+                    state: StagingState::Waiting,
+                    ..StagingNode::default()
+                },
+            ],
+        };
+        let mut out = String::new();
+        prestage_lines(&mut out, &prestage, &Painter(Colour::Off));
+        assert_eq!(
+            out,
+            "  prestage b2  staging  1/4 nodes hold it\n\
+             \x20   node-b  [############------------]  50.0 MiB / 100.0 MiB  Staging\n\
+             \x20   c       Failed: stage: signed by another key\n\
+             \x20   d       [????????????????????????]  0.0 KiB  Waiting\n"
+        );
+    }
 }

@@ -233,8 +233,17 @@ fn attempt_view(attempt: &SwapAttempt, now: Timestamp) -> AttemptView {
     AttemptView {
         name: attempt.metadata.name.clone().unwrap_or_default(),
         sched_rev: attempt.spec.sched_rev,
-        cause: attempt.spec.cause.as_str().to_string(),
-        mode: mode.as_str(),
+        // A stage-only attempt swaps nothing: it has no mode to show.
+        cause: if attempt.spec.stage_only {
+            "prestage".to_string()
+        } else {
+            attempt.spec.cause.as_str().to_string()
+        },
+        mode: if attempt.spec.stage_only {
+            "stage-only"
+        } else {
+            mode.as_str()
+        },
         outcome: status
             .and_then(|s| s.outcome)
             .map_or_else(|| "running".to_string(), |o| o.as_str().to_string()),
