@@ -90,6 +90,7 @@ fn the_first_swap_waits_until_every_node_holds_the_build() {
     let prestage = status.rollout.as_ref().and_then(|r| r.prestage.clone());
     let prestage = prestage.expect("status.rollout.prestage");
     assert_eq!((prestage.staged, prestage.needed), (2, 3));
+    assert_eq!(prestage.fetched_bytes, 40);
     assert_eq!(prestage.nodes.len(), 1);
     assert_eq!(prestage.nodes[0].name, "c");
     assert_eq!(prestage.nodes[0].state, StagingState::Staging);
@@ -118,9 +119,15 @@ fn the_first_swap_waits_until_every_node_holds_the_build() {
     let prestage = prestage.expect("status.rollout.prestage is kept");
     assert!(prestage.done_at.is_some());
     assert!(prestage.nodes.is_empty());
+    let frozen = prestage.clone();
     // a's ask goes with its swap attempt (one inbox write for both).
     assert_eq!(plan.delete, Vec::<String>::new());
     world.roll_out();
+    assert_eq!(
+        world.status().rollout.and_then(|r| r.prestage),
+        Some(frozen),
+        "the record stays as it was when every node held the build"
+    );
     assert!(
         world.attempts.iter().all(|a| !a.spec.stage_only),
         "every ask is gone once each node has its swap"

@@ -380,6 +380,10 @@ pub struct PrestageStatus {
     pub staged: i64,
     /// Nodes that serve another build and must hold this one first.
     pub needed: i64,
+    /// Bytes the nodes fetched to stage it, as they reported: 0 when every
+    /// store held it already (an undo to a build kept staged).
+    #[serde(default)]
+    pub fetched_bytes: i64,
     /// At most 100 nodes that do not hold it yet, those that cannot
     /// first, with the bytes fetched so far.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -266,10 +266,18 @@ fn prestage_lines(out: &mut String, prestage: &PrestageStatus, paint: &Painter) 
     };
     let _ = writeln!(
         out,
-        "  prestage {}  {state}  {}/{} nodes hold it",
-        prestage.build, prestage.staged, prestage.needed
+        "  prestage {}  {state}  {}/{} nodes hold it  fetched {}",
+        prestage.build,
+        prestage.staged,
+        prestage.needed,
+        bytes_text(prestage.fetched_bytes)
     );
-    let width = prestage.nodes.iter().map(|n| n.name.len()).max().unwrap_or(0);
+    let width = prestage
+        .nodes
+        .iter()
+        .map(|n| n.name.len())
+        .max()
+        .unwrap_or(0);
     for node in &prestage.nodes {
         let detail = match node.state {
             StagingState::Failed | StagingState::Abandoned => paint.style(
@@ -346,6 +354,7 @@ mod tests {
             done_at: None,
             staged: 1,
             needed: 4,
+            fetched_bytes: 50 * 1024 * 1024,
             nodes: vec![
                 StagingNode {
                     name: "node-b".into(),
@@ -371,7 +380,7 @@ mod tests {
         prestage_lines(&mut out, &prestage, &Painter(Colour::Off));
         assert_eq!(
             out,
-            "  prestage b2  staging  1/4 nodes hold it\n\
+            "  prestage b2  staging  1/4 nodes hold it  fetched 50.0 MiB\n\
              \x20   node-b  [############------------]  50.0 MiB / 100.0 MiB  Staging\n\
              \x20   c       Failed: stage: signed by another key\n\
              \x20   d       [????????????????????????]  0.0 KiB  Waiting\n"

@@ -84,6 +84,13 @@ pub(super) fn observe<'a>(
     }
 
     let mut out = Prestage::default();
+    let previous = ctx
+        .previous_rollout
+        .and_then(|rollout| rollout.prestage.as_ref())
+        .filter(|p| p.build == desired.build);
+    // Once every node held it the record stays as it was then, while the
+    // asks go one by one with the swaps that follow.
+    let finished = previous.is_some_and(|p| p.done_at.is_some());
     let begun = slots
         .iter()
         .any(|slot| holds(slot, desired) || slot.attempts.iter().any(|a| builds(a, desired)));
@@ -99,6 +106,7 @@ pub(super) fn observe<'a>(
     }
 
     let mut listed: Vec<StagingNode> = Vec::new();
+    let mut fetched = 0i64;
     let mut needed = 0usize;
     let mut staged_ahead = 0usize;
     let mut earliest_due: Option<i64> = None;
@@ -117,7 +125,8 @@ pub(super) fn observe<'a>(
                 out.delete.extend(attempt.metadata.name.clone());
             }
         }
-        if holds(slot, desired) {
+        let swapping_to_it = finished && slot.attempts.last().is_some_and(|a| builds(a, desired));
+        if holds(slot, desired) || swapping_to_it {
             out.staged += 1;
             continue;
         }
@@ -126,6 +135,13 @@ pub(super) fn observe<'a>(
             .copied()
             .filter(|a| builds(a, desired))
             .collect();
+        fetched = fetched.saturating_add(
+            toward
+                .iter()
+                .filter_map(|a| a.status.as_ref()?.stage)
+                .map(|stage| stage.fetched_bytes)
+                .sum(),
+        );
         if toward
             .last()
             .is_some_and(|a| outcome(a) == Some(Outcome::Done))
@@ -209,11 +225,7 @@ pub(super) fn observe<'a>(
     out.delete.sort();
     out.delete.dedup();
 
-    let previous = ctx
-        .previous_rollout
-        .and_then(|rollout| rollout.prestage.as_ref())
-        .filter(|p| p.build == desired.build);
-    if needed == 0 && staged_ahead == 0 {
+    if finished || (needed == 0 && staged_ahead == 0) {
         // Nothing staged ahead for this build: the record of an earlier
         // one, or of this one's finished pre-staging, stays as it was.
         out.status = previous.cloned();
@@ -255,6 +267,7 @@ pub(super) fn observe<'a>(
         done_at,
         staged: count(staged_ahead),
         needed: count(needed + staged_ahead),
+        fetched_bytes: fetched,
         nodes: listed,
     });
     out.requeue_after =
