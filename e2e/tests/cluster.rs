@@ -802,7 +802,7 @@ async fn images_roll_out_from_a_registry_and_a_refusal_is_retried() {
     let Some(cluster) = Cluster::find().await else {
         return;
     };
-    let Some(registry) =
+    let Some(mut registry) =
         test_cluster::registry::Registry::start(test_cluster::registry::Access::TlsWithAuth)
     else {
         return;
@@ -914,8 +914,24 @@ async fn images_roll_out_from_a_registry_and_a_refusal_is_retried() {
         })
     };
     patch(apply("two", &digests[1])).await;
-    wait_serving("image-two".into()).await;
+    let two = wait_serving("image-two".into()).await;
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    // The node staged it before its swap (rollout.prestage's default),
+    // fetching its layers.
+    let prestaged = |ig: &InstanceGeneration| {
+        ig.status
+            .as_ref()
+            .and_then(|s| s.rollout.as_ref())
+            .and_then(|r| r.prestage.clone())
+            .expect("status.rollout.prestage")
+    };
+    let record = prestaged(&two);
+    assert_eq!(
+        (record.build.as_str(), record.staged, record.needed),
+        ("image-two", 1, 1),
+        "{record:?}"
+    );
+    assert!(record.done_at.is_some() && record.fetched_bytes > 0, "{record:?}");
     let (answered, failures) = load.join().expect("the client");
     eprintln!(
         "image overlap on a real API server: {answered} answered, {} failed",
@@ -955,12 +971,64 @@ async fn images_roll_out_from_a_registry_and_a_refusal_is_retried() {
         reason.contains(&registry.addr) && reason.contains("401"),
         "{reason}"
     );
+    // It was the ask to stage ahead that the registry refused: the swap
+    // waits for it, and the status names the node and why.
+    assert!(refused.spec.stage_only, "{:?}", refused.spec);
+    let waiting = igs.get("img").await.expect("get the instance");
+    let reconciling = waiting
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Reconciling"))
+        .map(|c| (c.reason.clone(), c.message.clone()))
+        .unwrap_or_default();
+    assert_eq!(reconciling.0, "Prestaging", "{reconciling:?}");
+    assert!(reconciling.1.contains(&hostname), "{reconciling:?}");
     right(&registry);
     let ig = wait_serving("image-three".into()).await;
     assert!(
         ig.status.as_ref().is_some_and(|s| s.held_down.is_empty()),
         "a registry's refusal holds nothing down: {:?}",
         ig.status
+    );
+    assert!(get_over(&stack.current_sock("img")).is_ok());
+
+    // An undo with the registry stopped: the node kept image-two staged
+    // (retention keeps the previous good build), so it swaps back and the
+    // record says nothing needed fetching.
+    registry.stop();
+    let plugin = |args: &[&str]| {
+        let binaries = support::build_binaries();
+        let path = std::env::join_paths(std::iter::once(binaries.bin_dir.clone()).chain(
+            std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()),
+        ))
+        .expect("a PATH");
+        let output = cluster
+            .kubectl_command()
+            .arg("genswap")
+            .args(args)
+            .args(["-n", &namespace])
+            .env("PATH", path)
+            .output()
+            .expect("run kubectl genswap");
+        assert!(
+            output.status.success(),
+            "kubectl genswap {args:?} failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    plugin(&["undo", "img"]);
+    let back = wait_serving("image-two".into()).await;
+    let record = prestaged(&back);
+    assert_eq!(
+        (record.build.as_str(), record.staged, record.fetched_bytes),
+        ("image-two", 1, 0),
+        "{record:?}"
+    );
+    let drawn = plugin(&["get", "img"]);
+    assert!(
+        drawn.contains("prestage image-two  done  1/1 nodes hold it  fetched 0.0 KiB"),
+        "{drawn}"
     );
     assert!(get_over(&stack.current_sock("img")).is_ok());
 
