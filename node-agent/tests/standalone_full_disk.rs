@@ -169,10 +169,12 @@ async fn a_full_state_disk_runs_nothing_unreserved_and_never_gives_a_revision_tw
         Some("build-2".into())
     );
     let release = doc.last_attempt().expect("the release");
+    // Revision 2 is the ask to stage build-2 ahead (rollout.prestage), the
+    // first revision on disk; the swap follows it.
     assert_eq!(
         (release.sched_rev, release.outcome),
-        (2, Outcome::Done),
-        "the release ran once, under the first revision on disk: {:?}",
+        (3, Outcome::Done),
+        "the release ran once, under the first revisions on disk: {:?}",
         doc.attempts
     );
     host.stop().await;

@@ -249,6 +249,7 @@ mod tests {
                 build: "0x10".into(),
                 mode: genswap_crds::Mode::Hold,
                 canary: false,
+                stage_only: false,
                 status: genswap_crds::SwapAttemptStatus {
                     outcome: Some(genswap_crds::Outcome::Abandoned),
                     reason: Some("true".into()),

@@ -82,6 +82,9 @@ pub struct AttemptReport {
     /// In the first rollout cohort (watched for the settle window).
     #[serde(default)]
     pub canary: bool,
+    /// Only stages the build ahead of the swap (`rollout.prestage`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stage_only: bool,
     /// The agent's report; empty before the engine took it.
     #[serde(default)]
     pub status: SwapAttemptStatus,
@@ -97,6 +100,7 @@ impl AttemptReport {
             build: attempt.spec.build.id.clone(),
             mode: attempt.spec.mode,
             canary: attempt.spec.canary,
+            stage_only: attempt.spec.stage_only,
             status: attempt.status.clone().unwrap_or_default(),
         }
     }
