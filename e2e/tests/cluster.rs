@@ -931,7 +931,10 @@ async fn images_roll_out_from_a_registry_and_a_refusal_is_retried() {
         ("image-two", 1, 1),
         "{record:?}"
     );
-    assert!(record.done_at.is_some() && record.fetched_bytes > 0, "{record:?}");
+    assert!(
+        record.done_at.is_some() && record.fetched_bytes > 0,
+        "{record:?}"
+    );
     let (answered, failures) = load.join().expect("the client");
     eprintln!(
         "image overlap on a real API server: {answered} answered, {} failed",

@@ -5,8 +5,8 @@
 //! or is superseded: the engine and the revision gate never see it.
 //!
 //! While bytes arrive the caller is handed `status.stage` at most every
-//! [`PROGRESS_EVERY`], only when it changed, so a build that stages within
-//! that costs no write between the start and the outcome. The outcome
+//! [`PROGRESS_EVERY`], from the first tick on and only when it changed, so
+//! a build that stages within that costs no write but its outcome. The outcome
 //! classifies as a swap's stage step would: the build's fault (a digest or
 //! signature that does not match) is `failed`, the source's or host's (a
 //! registry that does not answer, a full disk) `abandoned`; `executed` is
@@ -50,8 +50,9 @@ pub async fn stage_ahead(
         }
         counted = now;
     };
+    // The first write waits a tick: a build that stages within it costs
+    // no write but its outcome.
     let mut shown = None;
-    progress(staging_status(started_at, stage_of(&fetch)));
     let work = stager.stage_watched(build, &fetch);
     tokio::pin!(work);
     let mut ticks = tokio::time::interval(PROGRESS_EVERY);

@@ -69,11 +69,17 @@ async fn a_release_is_staged_before_its_swap_and_a_bad_build_waits_with_its_reas
     assert_eq!(ask.status.outcome, Some(Outcome::Failed));
     assert_eq!(ask.status.executed, Some(false));
     assert!(
-        doc.attempts.iter().all(|a| a.stage_only || a.build == "build-1"),
+        doc.attempts
+            .iter()
+            .all(|a| a.stage_only || a.build == "build-1"),
         "no swap to build-2 was issued: {:?}",
         doc.attempts
     );
-    assert_eq!(host.who_serves(&web).await, Some(before), "build-1 keeps serving");
+    assert_eq!(
+        host.who_serves(&web).await,
+        Some(before),
+        "build-1 keeps serving"
+    );
 
     let doc = host
         .status("web.yaml", "Stalled=True PrestageDeadlineExceeded", |doc| {
@@ -91,7 +97,10 @@ async fn a_release_is_staged_before_its_swap_and_a_bad_build_waits_with_its_reas
         })
         .await;
     let record = prestage(&doc).expect("the prestage record");
-    assert_eq!((record.build.as_str(), record.staged, record.needed), ("build-2", 1, 1));
+    assert_eq!(
+        (record.build.as_str(), record.staged, record.needed),
+        ("build-2", 1, 1)
+    );
     assert!(record.done_at.is_some(), "{record:?}");
     assert_eq!(record.fetched_bytes, 0, "a path build is read, not fetched");
     assert_eq!(

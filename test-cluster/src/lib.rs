@@ -32,6 +32,7 @@ pub mod process;
 pub mod prometheus;
 pub mod registry;
 pub mod signing;
+pub mod slow_link;
 
 pub use control_plane::{ControlPlane, SKIP_LINE, client_for, workspace};
 pub use namespace::OwnNamespace;

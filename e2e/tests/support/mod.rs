@@ -474,6 +474,18 @@ impl Stack {
         tag: &str,
         labels: &[(&str, &str)],
     ) -> SecondAgent {
+        self.second_agent_with(cluster, tag, labels, Vec::new())
+            .await
+    }
+
+    /// [`Stack::second_agent`], given `extra` flags too.
+    pub async fn second_agent_with(
+        &self,
+        cluster: &Cluster,
+        tag: &str,
+        labels: &[(&str, &str)],
+        extra: Vec<OsString>,
+    ) -> SecondAgent {
         let node = cluster.node_with(tag, labels).await;
         let node_name = node.metadata.name.clone().expect("a node name");
         let dir = host_dir();
@@ -484,6 +496,7 @@ impl Stack {
         let mut command = agent_command(cluster, &node, &self.namespace.name, &cgroups, dir.path());
         // The builds' paths are the same on every node.
         command.arg("--staging-root").arg(&self.staging);
+        command.args(extra);
         let agent = ChildGuard::spawn("node-agent", command, dir.path().join("agent.log"));
         SecondAgent {
             agent,
