@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use genswap_core::scheduler;
 use genswap_crds::{InstanceGeneration, SwapAttempt};
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -90,19 +89,18 @@ pub async fn reconcile(
     let attempts = ctx.attempts.attempts_of(ig);
     let nodes = observe::nodes(&ctx.nodes);
     let now = (ctx.clock)();
-    let mut plan = (ctx.planner)(ig, &attempts, &nodes, now, ctx.revisions(ig));
-    if let Some(request) = plan.analysis.take() {
-        let verdict = genswap_runtime::prometheus::measure(
-            ctx.prometheus.as_ref(),
-            &request,
-            "the controller has no Prometheus to ask (--prometheus-url, the chart's controller.prometheusURL)",
-        )
-        .await;
-        info!(ig = %ig.name_any(), wave = %request.wave, number = request.number, ?verdict, "analysis measured");
-        ctx.metrics.analysis_measured(&verdict);
-        plan = scheduler::measured(plan, &verdict, ig, &Time(now), |measured| {
-            (ctx.planner)(measured, &attempts, &nodes, now, ctx.revisions(ig))
-        });
+    let plan = (ctx.planner)(ig, &attempts, &nodes, now, ctx.revisions(ig));
+    let (plan, verdict) = genswap_runtime::prometheus::measure_plan(
+        plan,
+        ctx.prometheus.as_ref(),
+        "the controller has no Prometheus to ask (--prometheus-url, the chart's controller.prometheusURL)",
+        ig,
+        &Time(now),
+        |measured| (ctx.planner)(measured, &attempts, &nodes, now, ctx.revisions(ig)),
+    )
+    .await;
+    if let Some(verdict) = &verdict {
+        ctx.metrics.analysis_measured(verdict);
     }
     // Copies of the cache, built for the plan: applying it can take
     // minutes (a release's creates are paced across every reconcile), and

@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use genswap_core::scheduler::{AnalysisRequest, Answer, Verdict, judge};
+use genswap_core::scheduler::{self, AnalysisRequest, Answer, Plan, Verdict, judge};
+use genswap_crds::InstanceGeneration;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde::Deserialize;
 use thiserror::Error;
 
@@ -184,6 +186,34 @@ pub async fn measure(
         .map(Answer::from)
         .collect();
     judge(&request.queries, &answers)
+}
+
+/// Takes the measurement `plan` asks for, when it asks for one, and
+/// returns the plan made again with the verdict folded in
+/// ([`scheduler::measured`]), with the verdict for the caller's metrics.
+/// `replan` plans `ig` as the first plan was made: the one way both the
+/// controller and standalone mode measure.
+pub async fn measure_plan(
+    mut plan: Plan,
+    prometheus: Option<&Prometheus>,
+    unconfigured: &str,
+    ig: &InstanceGeneration,
+    now: &Time,
+    replan: impl FnOnce(&InstanceGeneration) -> Plan,
+) -> (Plan, Option<Verdict>) {
+    let Some(request) = plan.analysis.take() else {
+        return (plan, None);
+    };
+    let verdict = measure(prometheus, &request, unconfigured).await;
+    tracing::info!(
+        ig = ig.metadata.name.as_deref().unwrap_or_default(),
+        wave = %request.wave,
+        number = request.number,
+        ?verdict,
+        "analysis measured"
+    );
+    let plan = scheduler::measured(plan, &verdict, ig, now, replan);
+    (plan, Some(verdict))
 }
 
 /// Prometheus writes sample values as strings: numbers, `NaN`, `+Inf`,

@@ -16,19 +16,16 @@ impl Runner {
         let now = time_of(SystemTime::now()).0;
         for _ in 0..MAX_PLANS_PER_CHANGE {
             let node = std::slice::from_ref(&self.node);
-            let mut plan = scheduler::plan(&instance.ig, &instance.attempts, node, now);
-            if let Some(request) = plan.analysis.take() {
-                let verdict = genswap_runtime::prometheus::measure(
-                    self.prometheus.as_ref(),
-                    &request,
-                    "standalone mode has no Prometheus to ask (--prometheus-url)",
-                )
-                .await;
-                tracing::info!(instance = %key, wave = %request.wave, number = request.number, ?verdict, "analysis measured");
-                plan = scheduler::measured(plan, &verdict, &instance.ig, &Time(now), |measured| {
-                    scheduler::plan(measured, &instance.attempts, node, now)
-                });
-            }
+            let first = scheduler::plan(&instance.ig, &instance.attempts, node, now);
+            let (plan, _) = genswap_runtime::prometheus::measure_plan(
+                first,
+                self.prometheus.as_ref(),
+                "standalone mode has no Prometheus to ask (--prometheus-url)",
+                &instance.ig,
+                &Time(now),
+                |measured| scheduler::plan(measured, &instance.attempts, node, now),
+            )
+            .await;
             for event in &plan.events {
                 if event.warning {
                     tracing::warn!(instance = %key, reason = %event.reason, "{}", event.message);
