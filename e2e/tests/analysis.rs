@@ -146,7 +146,7 @@ async fn a_canary_that_fails_its_users_is_halted_by_its_metrics_and_restored() {
             .ok()?
             .items
             .into_iter()
-            .find(|a| a.spec.node_name == canary && a.spec.build.id == "b2")
+            .find(|a| a.spec.node_name == canary && a.spec.build.id == "b2" && !a.spec.stage_only)
             .and_then(|a| a.status?.finished_at)
     })
     .await;
@@ -180,8 +180,10 @@ async fn a_canary_that_fails_its_users_is_halted_by_its_metrics_and_restored() {
     assert!(
         !all.items
             .iter()
-            .any(|a| a.spec.node_name == second.node_name && a.spec.build.id == "b2"),
-        "the second node was never given b2"
+            .any(|a| a.spec.node_name == second.node_name
+                && a.spec.build.id == "b2"
+                && !a.spec.stage_only),
+        "the second node never swapped to b2 (it only staged it ahead)"
     );
     let events: Api<Event> = Api::namespaced(cluster.client().await, &stack.namespace.name);
     let event = wait_for(&mut prometheus, "the AnalysisFailed Event", || async {

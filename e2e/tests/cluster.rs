@@ -150,12 +150,51 @@ async fn genswap_end_to_end_on_a_real_api_server() {
     .await;
     e2e.expect_serving("hello-3").await;
 
-    // 3e. A bad digest: refused at staging with nothing run, and the
-    // build's own fault (its bytes are not the pinned ones): failed, held
-    // down, Stalled; the incumbent still serves.
+    // 3e. A bad digest, pre-staged (rollout.prestage's default): the ask
+    // to stage it fails with nothing run, the swap waits (Reconciling
+    // Prestaging, naming the node and why), and the incumbent serves.
     let mut v4 = e2e.build("hello-4");
     v4.sha256 = "0".repeat(64);
     e2e.apply(&v4, json!({})).await;
+    let waiting = e2e
+        .wait_ig("the bad digest's stage refused", |ig| {
+            condition(ig, "Reconciling").is_some_and(|c| {
+                c.reason == "Prestaging" && c.message.contains("cannot stage")
+            })
+        })
+        .await;
+    let message = condition(&waiting, "Reconciling")
+        .map(|c| c.message.clone())
+        .unwrap_or_default();
+    assert!(
+        message.contains(&e2e.stack.node_name) && message.contains("sha256"),
+        "{message}"
+    );
+    let asks = e2e.attempts.list(&ListParams::default()).await.expect("list");
+    let ask = asks
+        .items
+        .iter()
+        .find(|a| a.spec.stage_only && a.spec.build.id == "hello-4")
+        .expect("the ask to stage hello-4");
+    let status = ask.status.clone().unwrap_or_default();
+    assert_eq!(
+        (status.outcome, status.executed),
+        (Some(Outcome::Failed), Some(false)),
+        "{status:?}"
+    );
+    assert!(
+        asks.items
+            .iter()
+            .all(|a| a.spec.stage_only || a.spec.build.id != "hello-4"),
+        "no swap to hello-4 was issued"
+    );
+    e2e.expect_serving("hello-3").await;
+
+    // 3e'. The same without pre-staging: refused at the swap's staging
+    // with nothing run, and the build's own fault (its bytes are not the
+    // pinned ones): failed, held down, Stalled; the incumbent still serves.
+    e2e.apply(&v4, json!({"rollout": {"prestage": false}}))
+        .await;
     let refused = e2e
         .expect_attempt("hello-4", Outcome::Failed, |_| true)
         .await;
@@ -366,6 +405,9 @@ impl E2e {
         if let Some(node_selector) = extra.get("nodeSelector") {
             spec["nodeSelector"] = node_selector.clone();
         }
+        if let Some(rollout) = extra.get("rollout") {
+            spec["rollout"] = rollout.clone();
+        }
         let object = json!({
             "apiVersion": "genswap.dev/v1alpha1",
             "kind": "InstanceGeneration",
@@ -446,8 +488,10 @@ impl E2e {
         while Instant::now() < deadline {
             self.stack.assert_running();
             if let Ok(list) = self.attempts.list(&ListParams::default()).await {
+                // A swap's attempt: the asks to stage ahead are not.
                 let found = list.items.into_iter().find(|attempt| {
-                    attempt.spec.build.id == build
+                    !attempt.spec.stage_only
+                        && attempt.spec.build.id == build
                         && attempt.status.as_ref().and_then(|s| s.outcome) == Some(outcome)
                         && check(attempt)
                 });

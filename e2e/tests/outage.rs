@@ -96,7 +96,11 @@ async fn after_an_outage_the_rollout_is_ready_within_ten_seconds_of_the_server()
     while !attempts
         .list(&ListParams::default())
         .await
-        .map(|list| list.items.iter().any(|a| a.spec.build.id == "web-2"))
+        .map(|list| {
+            list.items
+                .iter()
+                .any(|a| a.spec.build.id == "web-2" && !a.spec.stage_only)
+        })
         .unwrap_or(false)
     {
         stack.assert_running();
