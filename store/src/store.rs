@@ -105,6 +105,10 @@ impl EntryStamp {
     }
 }
 
+/// The store's directory of verified-signature records
+/// ([`Store::remember_signature`]).
+const SIGNATURES_DIR: &str = "signatures";
+
 /// How much older than the start of its hash an entry's ctime must be for
 /// the stamp to be remembered. The kernel may take ctime from a coarse
 /// clock (one tick, 10 ms at the lowest HZ): a change within the tick of
@@ -199,6 +203,70 @@ impl Store {
         &self.dir
     }
 
+    /// `<store>/signatures/`: an empty file `<hex>.<key>` for each digest
+    /// whose signature by a key (the hex of its fingerprint) was verified,
+    /// so a restarted agent swaps back to a signed build it stores without
+    /// the registry. Only the agent writes the store; the digest pins the
+    /// bytes, and a stored entry is verified again on each hit.
+    fn signature_mark(&self, sha256: &str, key: &str) -> PathBuf {
+        self.dir
+            .join(SIGNATURES_DIR)
+            .join(format!("{sha256}.{key}"))
+    }
+
+    /// Whether a signature of `sha256` by `key` was verified into this
+    /// store (by this process or one before it).
+    pub(crate) fn signature_verified(&self, sha256: &str, key: &str) -> bool {
+        check_digest(sha256).is_ok() && self.signature_mark(sha256, key).is_file()
+    }
+
+    /// Records that a signature of `sha256` by `key` verified. A record
+    /// that cannot be written only costs a verification after a restart.
+    pub(crate) fn remember_signature(&self, sha256: &str, key: &str) {
+        if check_digest(sha256).is_err() {
+            return;
+        }
+        let dir = self.dir.join(SIGNATURES_DIR);
+        let written = fs::DirBuilder::new()
+            .mode(STORE_DIR_MODE)
+            .create(&dir)
+            .or_else(|e| {
+                if e.kind() == io::ErrorKind::AlreadyExists {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            })
+            .and_then(|()| {
+                fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(false)
+                    .mode(0o400)
+                    .open(self.signature_mark(sha256, key))
+                    .map(drop)
+            });
+        if let Err(error) = written {
+            tracing::debug!(sha256, %error, "the verified signature is remembered by this process only");
+        }
+    }
+
+    /// Drops the signature records of digests the store does not hold
+    /// (`kept`): removed entries, and stages that never finished.
+    fn prune_signatures(&self, kept: &HashSet<&str>) {
+        let Ok(records) = fs::read_dir(self.dir.join(SIGNATURES_DIR)) else {
+            return;
+        };
+        for record in records.flatten() {
+            let name = record.file_name();
+            let name = name.to_string_lossy();
+            let sha256 = name.split('.').next().unwrap_or_default();
+            if !kept.contains(sha256) {
+                let _ = fs::remove_file(record.path());
+            }
+        }
+    }
+
     /// `<store>/sha256-<hex>`, whether or not it exists.
     pub fn entry_path(&self, sha256: &str) -> PathBuf {
         self.dir.join(format!("{ENTRY_PREFIX}{sha256}"))
@@ -289,6 +357,12 @@ impl Store {
                 report.kept_bytes += entry.bytes;
             }
         }
+        let kept: HashSet<&str> = entries
+            .iter()
+            .filter(|e| !removed_names.contains(&(e.sha256.as_str(), e.kind)))
+            .map(|e| e.sha256.as_str())
+            .collect();
+        self.prune_signatures(&kept);
         for entry in remove {
             let (name, result) = match entry.kind {
                 EntryKind::File => {

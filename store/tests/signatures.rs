@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use genswap_crds::{Artifact, BuildSpec, Unpack};
 use genswap_store::{
-    RegistrySettings, StageError, Stager, StagerConfig, Store, TrustError, TrustPolicy,
+    RegistrySettings, StageError, Staged, Stager, StagerConfig, Store, TrustError, TrustPolicy,
 };
 use support::Fixture;
 use test_cluster::registry::{Access, Registry, Umoci};
@@ -169,7 +169,33 @@ async fn an_image_signed_by_the_named_key_stages_and_is_not_fetched_again_to_swa
         .stage(&stager, Some("release"))
         .await
         .expect("staged again without the registry");
-    assert_eq!(again, staged);
+    assert!(staged.fetched > 0, "the first stage fetched it: {staged:?}");
+    assert_eq!(
+        Staged {
+            fetched: staged.fetched,
+            ..again
+        },
+        staged,
+        "the same entry, and nothing fetched"
+    );
+
+    // A restarted agent (a new stager over the same store) reads the
+    // verification from the store: still no network needed.
+    let restarted = case.stager(false);
+    let after_restart = case
+        .stage(&restarted, Some("release"))
+        .await
+        .expect("staged after a restart without the registry");
+    assert_eq!(after_restart.sha256, staged.sha256);
+
+    // A key rotated under the same name is another key: its signature is
+    // looked for again, and the registry is gone.
+    case.trusted_key("release");
+    let rotated = case.stager(false);
+    assert!(
+        case.stage(&rotated, Some("release")).await.is_err(),
+        "a record of the old key does not vouch for the new one"
+    );
 }
 
 #[tokio::test]

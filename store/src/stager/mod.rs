@@ -275,21 +275,38 @@ impl Stager {
         Ok(staged)
     }
 
-    /// Whether this process verified `sha256` with `key` already.
+    /// Whether `sha256` was verified with `key` already: by this process,
+    /// or into the store by one before it.
     fn verified(&self, sha256: &str, key: &TrustedKey) -> bool {
-        self.inner
+        let fingerprint = key.fingerprint();
+        let mut verified = self
+            .inner
             .verified
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .contains(&(sha256.to_string(), key.fingerprint()))
+            .unwrap_or_else(PoisonError::into_inner);
+        if verified.contains(&(sha256.to_string(), fingerprint)) {
+            return true;
+        }
+        let recorded = self
+            .inner
+            .store
+            .signature_verified(sha256, &hex(&fingerprint));
+        if recorded {
+            verified.insert((sha256.to_string(), fingerprint));
+        }
+        recorded
     }
 
     fn remember_verified(&self, sha256: &str, key: &TrustedKey) {
+        let fingerprint = key.fingerprint();
+        self.inner
+            .store
+            .remember_signature(sha256, &hex(&fingerprint));
         self.inner
             .verified
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert((sha256.to_string(), key.fingerprint()));
+            .insert((sha256.to_string(), fingerprint));
     }
 
     async fn verify_image_signature(
@@ -877,6 +894,11 @@ fn redacted(url: &reqwest::Url) -> String {
     shown.set_query(None);
     shown.set_fragment(None);
     shown.to_string()
+}
+
+/// Lowercase hex of `bytes`.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 /// Installs aws-lc-rs as the process's rustls crypto provider unless one
