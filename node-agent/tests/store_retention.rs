@@ -121,3 +121,37 @@ async fn the_store_never_removes_a_tree_in_use_even_past_its_limit() {
     assert_eq!(stored(&host), now);
     host.tear_down().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_staged_ahead_is_kept_until_its_holder_lets_go() {
+    let host = SwapHost::with_stager("retention-ahead", |config| {
+        config.retention = RetentionPolicy {
+            keep: 0,
+            max_bytes: 1,
+        };
+    });
+    let a = testapp_archive(&host, "a");
+    let ahead = testapp_archive(&host, "ahead");
+    let result = host.swap(&tree_attempt(&host, 1, "a", &a)).await;
+    assert_eq!(result.outcome, Outcome::Done, "{result:?}");
+
+    // Staged ahead of its swap, as a stage-only attempt does, and held.
+    let build = tree_attempt(&host, 2, "ahead", &ahead).spec.build;
+    let status = node_agent::prestage::stage_ahead(&host.stager, &build, None, |_| {}).await;
+    assert_eq!(status.outcome, Some(Outcome::Done), "{status:?}");
+    assert_eq!(status.executed, Some(false));
+    host.engine
+        .keep_prestaged("attempt apps/web-node-a-2", vec![ahead.1.clone()]);
+    let report = host.engine.collect_store().await.expect("collected");
+    assert!(report.removed.is_empty(), "{report:?}");
+    let mut both = vec![tree(&a.1), tree(&ahead.1)];
+    both.sort();
+    assert_eq!(stored(&host), both);
+
+    // Its holder gone (no swap followed): retention may take it.
+    host.engine
+        .keep_prestaged("attempt apps/web-node-a-2", Vec::new());
+    let report = host.engine.collect_store().await.expect("collected");
+    assert_eq!(report.removed, vec![tree(&ahead.1)], "{report:?}");
+    host.tear_down().await;
+}

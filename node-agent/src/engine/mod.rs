@@ -279,6 +279,10 @@ pub struct Engine {
     /// staged, or about to be, before the journal names them, and kept by
     /// the store's retention meanwhile.
     staging: Mutex<(u64, HashMap<u64, Vec<String>>)>,
+    /// Build digests staged ahead of their swap (`stageOnly` attempts), by
+    /// the holder that asked: kept by retention until it lets go, since
+    /// no journal names them before the swap.
+    prestaged: Mutex<HashMap<String, Vec<String>>>,
 }
 
 impl Engine {
@@ -303,6 +307,7 @@ impl Engine {
             notices: supervise::Notices::new(),
             sidecar_board: sidecars::Board::default(),
             staging: Mutex::new((0, HashMap::new())),
+            prestaged: Mutex::new(HashMap::new()),
         }
     }
 
@@ -381,6 +386,21 @@ impl Engine {
         &self.stager
     }
 
+    /// Keeps `sha256s`, staged ahead of their swap, from the store's
+    /// retention for `holder` (a stage-only attempt, or an instance's
+    /// asks); none lets go of what `holder` kept.
+    pub fn keep_prestaged(&self, holder: &str, sha256s: Vec<String>) {
+        let mut prestaged = self
+            .prestaged
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if sha256s.is_empty() {
+            prestaged.remove(holder);
+        } else {
+            prestaged.insert(holder.to_string(), sha256s);
+        }
+    }
+
     /// Every instance the engine has a serving generation for.
     pub fn instances(&self) -> Vec<InstanceKey> {
         let mut keys: Vec<InstanceKey> = self
@@ -440,6 +460,14 @@ impl Engine {
             .flatten()
             .cloned()
             .collect();
+        protected.extend(
+            self.prestaged
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .values()
+                .flatten()
+                .cloned(),
+        );
         protected.extend(
             self.lock_instances()
                 .values()

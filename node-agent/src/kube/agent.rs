@@ -372,6 +372,9 @@ impl Running {
                     if let Some(task) = self.staging.remove(&key) {
                         task.abort();
                     }
+                    // Gone with the node's swap attempt (which keeps the
+                    // build while it runs), a newer build, or its IG.
+                    self.shared.engine.keep_prestaged(&holder(&key), Vec::new());
                 }
                 _ => {}
             }
@@ -617,7 +620,14 @@ impl Running {
     /// Stages a stage-only attempt's build in the background and reports
     /// on the attempt; one with an outcome has been staged already.
     fn stage_ahead(&mut self, attempt: Arc<SwapAttempt>) {
-        if attempt.status.as_ref().is_some_and(|s| s.outcome.is_some()) {
+        if let Some(outcome) = attempt.status.as_ref().and_then(|s| s.outcome) {
+            // Staged by an agent before this one: kept until its swap.
+            if outcome == Outcome::Done {
+                self.shared.engine.keep_prestaged(
+                    &holder(&attempt_key(&attempt)),
+                    vec![attempt.spec.build.sha256.clone()],
+                );
+            }
             return;
         }
         let key = attempt_key(&attempt);
@@ -768,6 +778,11 @@ impl Drop for EndGuard {
     }
 }
 
+/// Who keeps a stage-only attempt's build from retention.
+fn holder((namespace, name): &(String, String)) -> String {
+    format!("attempt {namespace}/{name}")
+}
+
 /// (namespace, name) of an attempt.
 fn attempt_key(attempt: &SwapAttempt) -> (String, String) {
     (
@@ -807,6 +822,12 @@ async fn stage_ahead(shared: Arc<Shared>, attempt: Arc<SwapAttempt>) {
         }
     };
     let (status, ()) = tokio::join!(stage, writes);
+    if status.outcome == Some(Outcome::Done) {
+        shared.engine.keep_prestaged(
+            &holder(&attempt_key(&attempt)),
+            vec![attempt.spec.build.sha256.clone()],
+        );
+    }
     shared.reporter.deliver_status(&target, &status).await;
 }
 

@@ -409,6 +409,8 @@ impl Runner {
             return;
         };
         self.gate.forget(key);
+        self.engine
+            .keep_prestaged(&format!("instance {key}"), Vec::new());
         let engine = self.engine.clone();
         let store = self.store.clone();
         let owned = key.clone();

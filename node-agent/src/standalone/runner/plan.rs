@@ -49,6 +49,21 @@ impl Runner {
                                 .any(|name| attempt.metadata.name.as_deref() == Some(name.as_str()))
                     });
             instance.attempts = kept;
+            // The builds its asks staged stay until the asks go (with the
+            // swap that keeps them, or a newer build).
+            self.engine.keep_prestaged(
+                &format!("instance {key}"),
+                instance
+                    .attempts
+                    .iter()
+                    .filter(|a| {
+                        a.spec.stage_only
+                            && a.status.as_ref().and_then(|s| s.outcome)
+                                == Some(genswap_crds::Outcome::Done)
+                    })
+                    .map(|a| a.spec.build.sha256.clone())
+                    .collect(),
+            );
             instance.history.extend(
                 deleted
                     .iter()
