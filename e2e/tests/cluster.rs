@@ -158,9 +158,8 @@ async fn genswap_end_to_end_on_a_real_api_server() {
     e2e.apply(&v4, json!({})).await;
     let waiting = e2e
         .wait_ig("the bad digest's stage refused", |ig| {
-            condition(ig, "Reconciling").is_some_and(|c| {
-                c.reason == "Prestaging" && c.message.contains("cannot stage")
-            })
+            condition(ig, "Reconciling")
+                .is_some_and(|c| c.reason == "Prestaging" && c.message.contains("cannot stage"))
         })
         .await;
     let message = condition(&waiting, "Reconciling")
@@ -170,7 +169,11 @@ async fn genswap_end_to_end_on_a_real_api_server() {
         message.contains(&e2e.stack.node_name) && message.contains("sha256"),
         "{message}"
     );
-    let asks = e2e.attempts.list(&ListParams::default()).await.expect("list");
+    let asks = e2e
+        .attempts
+        .list(&ListParams::default())
+        .await
+        .expect("list");
     let ask = asks
         .items
         .iter()

@@ -164,10 +164,11 @@ async fn a_missing_artifact_is_abandoned_with_the_reason_in_the_status_file() {
     let (host, serving) = host_serving_hello("bad-missing").await;
     let two = host.build("build-2");
     fs::remove_file(&two.path).expect("remove build-2");
-    host.write(
-        "hello.yaml",
-        &Manifest::new("hello", "build-2", &two).yaml(),
-    );
+    // The swap's own stage step refuses it (with pre-staging the ask to
+    // stage would, and the swap would wait: standalone_prestage.rs).
+    let mut manifest = Manifest::new("hello", "build-2", &two);
+    manifest.rollout = Some("{prestage: false}".into());
+    host.write("hello.yaml", &manifest.yaml());
     // Abandoned is never the build's fault: the scheduler retries it with
     // backoff, so the first refusal is what to wait for, not a settled state.
     let doc = host
@@ -213,10 +214,11 @@ async fn a_refusal_repeated_three_times_is_stalled_until_the_spec_changes() {
     let two = host.build("build-2");
     fs::remove_file(&two.path).expect("remove build-2");
     fs::create_dir(&two.path).expect("a directory where the artifact should be");
-    host.write(
-        "hello.yaml",
-        &Manifest::new("hello", "build-2", &two).yaml(),
-    );
+    // Refusals of the swap itself (pre-staging's asks stall by their
+    // deadline instead: standalone_prestage.rs).
+    let mut manifest = Manifest::new("hello", "build-2", &two);
+    manifest.rollout = Some("{prestage: false}".into());
+    host.write("hello.yaml", &manifest.yaml());
     let reason = |doc: &node_agent::standalone::StatusDocument| {
         doc.status
             .conditions

@@ -524,6 +524,10 @@ impl Manifest {
         }
     }
 
+    /// Without `rollout.prestage`: the crash points are the swap's, and
+    /// the release is revision 2. (A stage-only ask has no crash points:
+    /// nothing of it is journaled or runs, and one without an outcome is
+    /// staged again by the next agent.)
     pub fn yaml(&self) -> String {
         format!(
             "apiVersion: genswap.dev/v1alpha1
@@ -547,6 +551,8 @@ spec:
     allNodes: true
   stop:
     timeoutSeconds: 10
+  rollout:
+    prestage: false
 {resources}{listeners}{sidecars}",
             resources = self
                 .resources
