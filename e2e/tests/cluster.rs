@@ -427,30 +427,10 @@ impl E2e {
             .unwrap_or_else(|e| panic!("apply the InstanceGeneration: {e}"));
     }
 
-    /// Runs `kubectl genswap ARGS -n <namespace>` (kubectl finds the plugin
-    /// on PATH) and returns what it printed; panics when it fails.
+    /// [`plugin`] in this story's namespace; panics when it fails.
     fn plugin(&self, args: &[&str]) -> String {
-        let binaries = support::build_binaries();
-        let path = std::env::join_paths(std::iter::once(binaries.bin_dir.clone()).chain(
-            std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()),
-        ))
-        .expect("a PATH");
-        let output = self
-            .cluster
-            .kubectl_command()
-            .arg("genswap")
-            .args(args)
-            .args(["-n", &self.stack.namespace.name])
-            .env("PATH", path)
-            .output()
-            .expect("run kubectl genswap");
-        assert!(
-            output.status.success(),
-            "kubectl genswap {args:?} failed: {}{}",
-            String::from_utf8_lossy(&output.stderr),
-            self.diagnosis()
-        );
-        String::from_utf8_lossy(&output.stdout).into_owned()
+        plugin(&self.cluster, &self.stack.namespace.name, args)
+            .unwrap_or_else(|failed| panic!("{failed}{}", self.diagnosis()))
     }
 
     /// Polls the IG until `done` holds, returning it.
@@ -589,6 +569,32 @@ impl E2e {
     /// The processes' last log lines, for a failure message.
     fn diagnosis(&self) -> String {
         self.stack.diagnosis()
+    }
+}
+
+/// Runs `kubectl genswap ARGS -n <namespace>` (kubectl finds the plugin
+/// on PATH) and returns what it printed, or why it failed.
+fn plugin(cluster: &Cluster, namespace: &str, args: &[&str]) -> Result<String, String> {
+    let binaries = support::build_binaries();
+    let path = std::env::join_paths(std::iter::once(binaries.bin_dir.clone()).chain(
+        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()),
+    ))
+    .expect("a PATH");
+    let output = cluster
+        .kubectl_command()
+        .arg("genswap")
+        .args(args)
+        .args(["-n", namespace])
+        .env("PATH", path)
+        .output()
+        .expect("run kubectl genswap");
+    if output.status.success() {
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    } else {
+        Err(format!(
+            "kubectl genswap {args:?} failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        ))
     }
 }
 
@@ -1047,25 +1053,7 @@ async fn images_roll_out_from_a_registry_and_a_refusal_is_retried() {
     // record says nothing needed fetching.
     registry.stop();
     let plugin = |args: &[&str]| {
-        let binaries = support::build_binaries();
-        let path = std::env::join_paths(std::iter::once(binaries.bin_dir.clone()).chain(
-            std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()),
-        ))
-        .expect("a PATH");
-        let output = cluster
-            .kubectl_command()
-            .arg("genswap")
-            .args(args)
-            .args(["-n", &namespace])
-            .env("PATH", path)
-            .output()
-            .expect("run kubectl genswap");
-        assert!(
-            output.status.success(),
-            "kubectl genswap {args:?} failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8_lossy(&output.stdout).into_owned()
+        plugin(&cluster, &namespace, args).unwrap_or_else(|failed| panic!("{failed}"))
     };
     plugin(&["undo", "img"]);
     let back = wait_serving("image-two".into()).await;

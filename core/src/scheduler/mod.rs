@@ -309,20 +309,15 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
             ),
         });
     }
-    if let Some(after) = prestage.deadline_exceeded
-        && !previous.is_some_and(|status| {
-            genswap_crds::conditions::true_reason(&status.conditions, ConditionType::Stalled)
-                == Some(reasons::PRESTAGE_DEADLINE_EXCEEDED)
-        })
-    {
-        events.push(PlanEvent {
-            warning: true,
-            reason: reasons::PRESTAGE_DEADLINE_EXCEEDED.into(),
-            message: format!(
+    if let Some(after) = prestage.deadline_exceeded {
+        events.extend(newly_stalled(
+            previous,
+            reasons::PRESTAGE_DEADLINE_EXCEEDED,
+            format!(
                 "build {} is not staged on every node after {after} s (rollout.prestageDeadlineSeconds {})",
                 ctx.desired.build, ctx.spec.rollout.prestage_deadline_seconds
             ),
-        });
+        ));
     }
 
     let mut delete = strays;
@@ -343,20 +338,15 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
     );
     decisions.progress.deadline_exceeded = deadline.exceeded_after;
     decisions.progress.last_progress = deadline.last_progress;
-    if let Some(after) = deadline.exceeded_after
-        && !previous.is_some_and(|status| {
-            genswap_crds::conditions::true_reason(&status.conditions, ConditionType::Stalled)
-                == Some(reasons::PROGRESS_DEADLINE_EXCEEDED)
-        })
-    {
-        events.push(PlanEvent {
-            warning: true,
-            reason: reasons::PROGRESS_DEADLINE_EXCEEDED.into(),
-            message: format!(
+    if let Some(after) = deadline.exceeded_after {
+        events.extend(newly_stalled(
+            previous,
+            reasons::PROGRESS_DEADLINE_EXCEEDED,
+            format!(
                 "no progress toward build {} for {after} s (rollout.progressDeadlineSeconds {})",
                 ctx.desired.build, ctx.spec.rollout.progress_deadline_seconds
             ),
-        });
+        ));
     }
     let (analysis_record, analysis_request) =
         analysis_of(&ctx, &decisions.progress.position, &waves.names, &slots);
@@ -408,6 +398,24 @@ pub fn plan_with<A: Borrow<SwapAttempt>>(
         .min(),
         analysis: analysis_request,
     }
+}
+
+/// A Warning Event of `reason`, unless the status before already said
+/// `Stalled` for it: one Event per stall, not one per plan.
+fn newly_stalled(
+    previous: Option<&InstanceGenerationStatus>,
+    reason: &str,
+    message: String,
+) -> Option<PlanEvent> {
+    let said = previous.is_some_and(|status| {
+        genswap_crds::conditions::true_reason(&status.conditions, ConditionType::Stalled)
+            == Some(reason)
+    });
+    (!said).then(|| PlanEvent {
+        warning: true,
+        reason: reason.into(),
+        message,
+    })
 }
 
 /// The analysis record the status carries, and the measurement due now.

@@ -27,9 +27,8 @@ use std::time::Duration;
 use genswap_crds::{
     DesiredState, NODES_LISTED, Outcome, PrestageStatus, StagingNode, StagingState, SwapAttempt,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use super::rollout::abandoned_backoff;
+use super::rollout::abandoned_run_backoff;
 use super::{ABANDONED_RUN_KEPT, Context, NodeSlot, cut};
 
 /// At most this many bytes of a listed node's reason.
@@ -181,7 +180,7 @@ pub(super) fn observe<'a>(
                     }
                     Some(Outcome::Abandoned) => {
                         node.state = StagingState::Abandoned;
-                        let due = backoff_until(&toward);
+                        let due = abandoned_run_backoff(&toward, |_| true);
                         if due.is_none_or(|due| due <= now_ms) {
                             out.issue.push(index);
                         } else if let Some(due) = due {
@@ -288,21 +287,4 @@ fn builds(attempt: &SwapAttempt, desired: &DesiredState) -> bool {
 
 fn outcome(attempt: &SwapAttempt) -> Option<Outcome> {
     attempt.status.as_ref().and_then(|s| s.outcome)
-}
-
-/// When the newest of a node's stage attempts, abandoned, may go again.
-fn backoff_until(toward: &[&SwapAttempt]) -> Option<i64> {
-    let run = toward
-        .iter()
-        .rev()
-        .take_while(|a| outcome(a) == Some(Outcome::Abandoned))
-        .count();
-    let newest = toward.last()?;
-    let ended: &Time = newest
-        .status
-        .as_ref()
-        .and_then(|s| s.finished_at.as_ref())
-        .or(newest.metadata.creation_timestamp.as_ref())?;
-    let wait = i64::try_from(abandoned_backoff(run).as_millis()).unwrap_or(i64::MAX);
-    Some(ended.0.as_millisecond().saturating_add(wait))
 }

@@ -695,12 +695,21 @@ fn cause_for(entry: &NodeGeneration, desired: &DesiredState, spec_cause: Cause) 
 /// its end (or creation) plus the backoff for the run of consecutive
 /// abandoned attempts of that state. `None` when no time is known.
 fn backoff_until(attempts: &[&SwapAttempt], desired: &DesiredState) -> Option<i64> {
+    abandoned_run_backoff(attempts, |a| aims_at(&a.spec, desired))
+}
+
+/// When the newest of `attempts` may go again: its end (or creation) plus
+/// the backoff for the trailing run of abandoned attempts that `counts`.
+/// `None` when no time is known.
+pub(super) fn abandoned_run_backoff(
+    attempts: &[&SwapAttempt],
+    counts: impl Fn(&SwapAttempt) -> bool,
+) -> Option<i64> {
     let run = attempts
         .iter()
         .rev()
         .take_while(|a| {
-            aims_at(&a.spec, desired)
-                && a.status.as_ref().and_then(|s| s.outcome) == Some(Outcome::Abandoned)
+            counts(a) && a.status.as_ref().and_then(|s| s.outcome) == Some(Outcome::Abandoned)
         })
         .count();
     let newest = attempts.last()?;
