@@ -5,7 +5,7 @@
 //! deleted the attempts) keeps serving, and is looked at again until
 //! either changes; one deleted while no agent ran is stopped by the next
 //! agent; an agent watching one namespace leaves the others' instances
-//! alone. Real engine, cgroup v2 and testapp processes against a mocked API
+//! alone; an ask to stage ahead keeps no instance serving. Real engine, cgroup v2 and testapp processes against a mocked API
 //! server; e2e/tests/cluster.rs deletes a real namespace on a real one.
 
 #[path = "support/cgroup_guard.rs"]
@@ -362,6 +362,40 @@ async fn a_node_that_leaves_the_selector_stops_its_instance() {
     // Relabelled back, the node gets an install attempt with the object's
     // next revision, and it runs.
     installs_again(&node, &mut server, &feed, 3).await;
+
+    finish(&node, agent, server).await;
+}
+
+#[tokio::test]
+async fn an_ask_to_stage_ahead_deleted_after_the_swap_attempt_does_not_keep_the_instance() {
+    let Serving {
+        node,
+        mut server,
+        agent,
+        feed,
+        install,
+        serving,
+    } = serving_web("kube-retire-ask", 2).await;
+    // The controller asked the node to stage b2 ahead of a release, and the
+    // node holds it.
+    let b2 = node.build("b2");
+    let mut ask_spec = node.spec("web", 3, &b2, "b2");
+    ask_spec.stage_only = true;
+    let ask = object(&ask_spec);
+    feed.added(&ask);
+    let staged = outcome_status(&mut server, &ask).await;
+    assert_eq!(
+        (&staged["outcome"], &staged["executed"]),
+        (&json!("done"), &json!(false)),
+        "{staged:#}"
+    );
+
+    // The node left the selector and the controller deleted its attempts,
+    // the swap attempt before the ask: the ask owns no instance, so the
+    // instance is looked up and stopped before the ask goes.
+    attempt_deleted_on_node_labelled(&mut server, &feed, &install, json!({ "pool": "core" })).await;
+    assert_stopped(&node, &agent, &serving).await;
+    feed.deleted(&ask);
 
     finish(&node, agent, server).await;
 }

@@ -49,8 +49,11 @@ pub enum Owner {
 /// How long each read (the InstanceGeneration, the Node) may take.
 pub const LOOK_UP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The serving instances no cached attempt of this node names and none
-/// running: the ones whose InstanceGeneration may be gone.
+/// The serving instances no cached swap attempt of this node names and none
+/// running: the ones whose InstanceGeneration may be gone. An ask to stage
+/// ahead (`stageOnly`) owns nothing: the controller deletes a node's asks
+/// and swaps in any order, so one left for a moment must not keep an
+/// unwanted instance serving.
 pub fn unowned<'a>(
     serving: &[InstanceKey],
     cached: impl IntoIterator<Item = &'a SwapAttempt>,
@@ -58,6 +61,7 @@ pub fn unowned<'a>(
 ) -> Vec<InstanceKey> {
     let named: HashSet<InstanceKey> = cached
         .into_iter()
+        .filter(|attempt| !attempt.spec.stage_only)
         .filter_map(|attempt| {
             InstanceKey::new(attempt.namespace()?, attempt.spec.instance.clone()).ok()
         })
@@ -155,6 +159,15 @@ mod tests {
         let candidates = unowned(&serving, &cached, |instance| instance.name() == "batch");
         // web has an attempt; api's is in another namespace; batch is busy.
         assert_eq!(candidates, [key("api"), key("cron")]);
+    }
+
+    #[test]
+    fn an_ask_to_stage_ahead_does_not_keep_an_instance() {
+        let serving = [key("web"), key("api")];
+        let mut ask = attempt("apps", "web");
+        ask.spec.stage_only = true;
+        let cached = [ask, attempt("apps", "api")];
+        assert_eq!(unowned(&serving, &cached, |_| false), [key("web")]);
     }
 
     #[test]
