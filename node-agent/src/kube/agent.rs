@@ -1,5 +1,6 @@
 //! The agent's event loop: the watch, the node lock, the intake, one task per
-//! running attempt, one per outcome being written, and shutdown.
+//! running attempt, one per build staged ahead, one per outcome being
+//! written, and shutdown.
 //!
 //! All decisions are made on the loop by [`Intake`]; tasks only do I/O and
 //! tell the loop when an attempt has ended.
@@ -9,7 +10,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use futures::StreamExt;
-use genswap_crds::{Outcome, ServingState, ServingStatus, SwapAttempt};
+use genswap_crds::{Outcome, ServingState, ServingStatus, SwapAttempt, SwapAttemptStatus};
 use genswap_runtime::watch_backoff::reconnecting;
 use kube::Client;
 use kube::api::Api;
@@ -86,6 +87,20 @@ struct Shared {
     stage_slot: Arc<tokio::sync::Semaphore>,
 }
 
+/// A stage-only attempt this agent took.
+enum Ask {
+    Staging(tokio::task::AbortHandle),
+    /// Its outcome is being written: a later event of it (a progress write
+    /// the watch delivers late) does not stage it again.
+    Finished,
+}
+
+/// What a stage-only attempt's task hands the loop.
+struct StagedAhead {
+    attempt: Arc<SwapAttempt>,
+    status: SwapAttemptStatus,
+}
+
 /// A running attempt's revision and its lifetime.
 struct InFlight {
     sched_rev: i64,
@@ -125,8 +140,10 @@ struct Running {
     serving_before_sync: Vec<ServingChange>,
     /// The `serving` write being retried per attempt (namespace, name).
     serving_writes: HashMap<(String, String), tokio::task::AbortHandle>,
-    /// Stage-only attempts being staged, by (namespace, name).
-    staging: HashMap<(String, String), tokio::task::AbortHandle>,
+    /// Stage-only attempts this agent took, by (namespace, name), until
+    /// they are deleted.
+    asks: HashMap<(String, String), Ask>,
+    stages: JoinSet<StagedAhead>,
     /// Stage-only attempts seen before this agent owned the node: staging
     /// writes the store, which only the owner may.
     stage_pending: Vec<Arc<SwapAttempt>>,
@@ -226,7 +243,8 @@ impl KubeAgent {
             retirements: JoinSet::new(),
             serving_before_sync: Vec::new(),
             serving_writes: HashMap::new(),
-            staging: HashMap::new(),
+            asks: HashMap::new(),
+            stages: JoinSet::new(),
             stage_pending: Vec::new(),
             owns_node: false,
         };
@@ -279,6 +297,9 @@ impl KubeAgent {
                 Some(_) = state.reports.join_next(), if !state.reports.is_empty() => {}
                 Some(done) = state.retirements.join_next(), if !state.retirements.is_empty() => {
                     state.on_retired(done);
+                }
+                Some(done) = state.stages.join_next(), if !state.stages.is_empty() => {
+                    state.on_staged(done);
                 }
                 _ = retire_retry.tick() => state.retire_unowned(Candidates::LookAgain),
             }
@@ -355,32 +376,20 @@ impl Running {
     }
 
     fn on_watch_event(&mut self, event: watcher::Event<SwapAttempt>, readiness: &Readiness) {
-        let stage_only = match &event {
-            watcher::Event::Apply(a) | watcher::Event::InitApply(a) | watcher::Event::Delete(a) => {
-                a.spec.stage_only
-            }
-            _ => false,
-        };
-        if stage_only {
-            match event {
-                watcher::Event::Apply(attempt) | watcher::Event::InitApply(attempt) => {
-                    self.stage_ahead(Arc::new(attempt));
-                }
-                watcher::Event::Delete(attempt) => {
-                    let key = attempt_key(&attempt);
-                    self.stage_pending.retain(|a| attempt_key(a) != key);
-                    if let Some(task) = self.staging.remove(&key) {
-                        task.abort();
-                    }
-                    // Gone with the node's swap attempt (which keeps the
-                    // build while it runs), a newer build, or its IG.
-                    self.shared.engine.keep_prestaged(&holder(&key), Vec::new());
-                }
-                _ => {}
-            }
-            return;
-        }
         match event {
+            watcher::Event::Apply(ask) | watcher::Event::InitApply(ask) if ask.spec.stage_only => {
+                self.stage_ahead(Arc::new(ask));
+            }
+            watcher::Event::Delete(ask) if ask.spec.stage_only => {
+                let key = attempt_key(&ask);
+                self.stage_pending.retain(|a| attempt_key(a) != key);
+                if let Some(Ask::Staging(task)) = self.asks.remove(&key) {
+                    task.abort();
+                }
+                // Gone with the node's swap attempt (which keeps the build
+                // while it runs), a newer build, or its IG.
+                self.shared.engine.keep_prestaged(&holder(&key), Vec::new());
+            }
             watcher::Event::Apply(attempt) => {
                 let decisions = self.intake.offer(Arc::new(attempt));
                 self.execute(decisions);
@@ -522,12 +531,14 @@ impl Running {
             .set_generations_running(self.shared.engine.instances().len());
     }
 
-    /// Offers every attempt in the watch cache, oldest revision first.
+    /// Offers every swap attempt in the watch cache, oldest revision first.
+    /// Asks to stage ahead are not swaps: [`Running::stage_ahead`] has them.
     fn offer_all(&mut self) {
         if !self.intake.is_open() {
             return;
         }
         let mut attempts = self.store.state();
+        attempts.retain(|attempt| !attempt.spec.stage_only);
         attempts.sort_by_key(|a| a.spec.sched_rev);
         for attempt in attempts {
             let decisions = self.intake.offer(attempt);
@@ -636,12 +647,36 @@ impl Running {
             self.stage_pending.push(attempt);
             return;
         }
-        self.staging.retain(|_, task| !task.is_finished());
-        if self.staging.contains_key(&key) {
+        if self.asks.contains_key(&key) {
             return;
         }
-        let task = tokio::spawn(stage_ahead(self.shared.clone(), attempt));
-        self.staging.insert(key, task.abort_handle());
+        let task = self.stages.spawn(stage_ahead(self.shared.clone(), attempt));
+        self.asks.insert(key, Ask::Staging(task));
+    }
+
+    /// A stage ended: the build is kept from retention while its ask
+    /// stands, and the outcome is written. Decided here, not in the task,
+    /// so an ask deleted meanwhile leaves no holder behind.
+    fn on_staged(&mut self, done: Result<StagedAhead, tokio::task::JoinError>) {
+        // Aborted: its ask was deleted, or the agent is shutting down.
+        let Ok(StagedAhead { attempt, status }) = done else {
+            return;
+        };
+        let key = attempt_key(&attempt);
+        match self.asks.get_mut(&key) {
+            Some(ask @ Ask::Staging(_)) => *ask = Ask::Finished,
+            _ => return,
+        }
+        if status.outcome == Some(Outcome::Done) {
+            self.shared
+                .engine
+                .keep_prestaged(&holder(&key), vec![attempt.spec.build.sha256.clone()]);
+        }
+        let reporter = self.shared.reporter.clone();
+        self.reports.spawn(async move {
+            let target = ReportTarget::of_attempt(&attempt, None);
+            reporter.deliver_status(&target, &status).await;
+        });
     }
 
     fn deliver(&mut self, report: OutcomeReport) {
@@ -661,9 +696,8 @@ impl Running {
         self.shared.gate.set_shutting_down();
         self.intake.close();
         // A stage cut short leaves no entry; the next agent stages it again.
-        for (_, task) in self.staging.drain() {
-            task.abort();
-        }
+        self.stages.abort_all();
+        while self.stages.join_next().await.is_some() {}
         for running in self.in_flight.values() {
             running.cancel.cancel("the agent is shutting down");
         }
@@ -792,11 +826,11 @@ fn attempt_key(attempt: &SwapAttempt) -> (String, String) {
 }
 
 /// A stage-only attempt's task: waits its turn, stages, and writes the
-/// progress (the newest only, one write at a time) and then the outcome.
-async fn stage_ahead(shared: Arc<Shared>, attempt: Arc<SwapAttempt>) {
-    let Ok(_turn) = shared.stage_slot.clone().acquire_owned().await else {
-        return;
-    };
+/// progress (the newest only, one write at a time); the loop writes the
+/// outcome it returns.
+async fn stage_ahead(shared: Arc<Shared>, attempt: Arc<SwapAttempt>) -> StagedAhead {
+    // Never closed; closed, it would only lift the one-at-a-time rule.
+    let _turn = shared.stage_slot.clone().acquire_owned().await.ok();
     let target = ReportTarget::of_attempt(&attempt, None);
     tracing::info!(attempt = %target, build = %attempt.spec.build.id, "staging ahead of the rollout");
     let (shown, mut to_write) = tokio::sync::watch::channel(None);
@@ -822,13 +856,7 @@ async fn stage_ahead(shared: Arc<Shared>, attempt: Arc<SwapAttempt>) {
         }
     };
     let (status, ()) = tokio::join!(stage, writes);
-    if status.outcome == Some(Outcome::Done) {
-        shared.engine.keep_prestaged(
-            &holder(&attempt_key(&attempt)),
-            vec![attempt.spec.build.sha256.clone()],
-        );
-    }
-    shared.reporter.deliver_status(&target, &status).await;
+    StagedAhead { attempt, status }
 }
 
 /// One attempt's task: the running status, the swap, the
