@@ -3,7 +3,8 @@
 //! Every write is a server-side apply of the `status` subresource with the
 //! field manager [`FIELD_MANAGER`], forced: the agent is the only writer of
 //! an attempt's status, so it owns every field it sets, and an apply states
-//! the whole status the agent wants, never a diff.
+//! the whole status the agent wants, never a diff. Every write carries the
+//! attempt's `observedGeneration` and is cut to a size the server accepts.
 //!
 //! Two writes per attempt, built by the status functions standalone mode
 //! uses too (`crate::standalone::report`), so both modes report alike:
@@ -12,10 +13,14 @@
 //!   [`running_status`]: `startedAt`, `effectiveMode` and
 //!   `Reconciling=True` (retried until the attempt ends; the final write
 //!   replaces it);
-//! - when it ends, [`finished_status`]: outcome, effective mode, generation,
-//!   reason, executed, clean exit, drain, steps, both timestamps, and the
-//!   conditions `Ready` (True on done), `Stalled` (True on failed and down)
-//!   and `Reconciling=False`.
+//! - when it ends, [`status_from_outcome_record`]: outcome, effective
+//!   mode, generation, reason, executed, clean exit, drain, steps, both
+//!   timestamps, and the conditions `Ready` (True on done), `Stalled` (True
+//!   on failed and down) and `Reconciling=False`.
+//!
+//! A stage-only attempt's progress and outcome (`crate::prestage`) go
+//! through the same apply; they are not journaled: a restarted agent
+//! stages it again.
 //!
 //! The final write is retried with a bounded, jittered exponential backoff
 //! ([`ReportBackoff`]) until the API server accepts it. Only then is the
@@ -228,37 +233,18 @@ fn system_millis(at: SystemTime) -> i64 {
         .unwrap_or(0)
 }
 
-/// The status of a finished attempt, as [`status_from_outcome_record`]
-/// builds it for both modes (every outcome field; `Ready` True on done,
-/// `Stalled` True on failed and down, `Reconciling` False), with
-/// `observedGeneration` on the conditions and messages cut to a size the API
-/// server accepts.
-pub fn finished_status(
-    outcome: &OutcomeRecord,
-    observed_generation: Option<i64>,
-) -> SwapAttemptStatus {
-    let mut status = status_from_outcome_record(outcome);
-    fit_for_the_api(&mut status, observed_generation);
-    status
-}
-
 /// The status of an attempt that has started: `startedAt`, the effective
 /// mode, `Reconciling=True` (as [`status_running`] builds it for both modes).
-pub fn running_status(
-    mode: Mode,
-    started_at_ms: i64,
-    observed_generation: Option<i64>,
-) -> SwapAttemptStatus {
+pub fn running_status(mode: Mode, started_at_ms: i64) -> SwapAttemptStatus {
     let started_at = UNIX_EPOCH + Duration::from_millis(u64::try_from(started_at_ms).unwrap_or(0));
     let mut status = status_running(started_at);
     status.effective_mode = Some(mode);
-    fit_for_the_api(&mut status, observed_generation);
     status
 }
 
 /// Sets the conditions' `observedGeneration` and cuts long texts: a reason
-/// can quote a long error, and a write the server refuses for its size would
-/// be retried forever.
+/// can quote a long error (a stage's included), and a write the server
+/// refuses for its size would be retried forever.
 fn fit_for_the_api(status: &mut SwapAttemptStatus, observed_generation: Option<i64>) {
     for condition in &mut status.conditions {
         condition.observed_generation = observed_generation;
@@ -369,32 +355,21 @@ impl Reporter {
     /// in the journal for the next start).
     pub async fn deliver(&self, report: &OutcomeReport) -> Delivered {
         let _backlog = BacklogEntry::new(&self.metrics);
-        let status = finished_status(&report.outcome, report.target.observed_generation);
-        let mut retry = 0u32;
-        let delivered = loop {
-            match self.apply(&report.target, &status).await {
-                Ok(()) => break Delivered::Accepted,
-                Err(error) if error.is_not_found() => {
-                    tracing::warn!(
-                        attempt = %report.target,
-                        outcome = ?report.outcome.outcome,
-                        "the SwapAttempt was deleted before its outcome was written; the outcome is dropped"
-                    );
-                    break Delivered::Gone;
-                }
-                Err(error) => {
-                    let delay = self.backoff.delay(retry);
-                    tracing::warn!(
-                        attempt = %report.target,
-                        error = %error_chain(&error),
-                        retry_in_ms = delay.as_millis() as u64,
-                        "writing an attempt's outcome failed; it stays in the journal and is retried"
-                    );
-                    tokio::time::sleep(delay).await;
-                    retry = retry.saturating_add(1);
-                }
-            }
-        };
+        let status = status_from_outcome_record(&report.outcome);
+        let delivered = self
+            .apply_until_settled(
+                &report.target,
+                &status,
+                "writing an attempt's outcome failed; it stays in the journal and is retried",
+            )
+            .await;
+        if delivered == Delivered::Gone {
+            tracing::warn!(
+                attempt = %report.target,
+                outcome = ?report.outcome.outcome,
+                "the SwapAttempt was deleted before its outcome was written; the outcome is dropped"
+            );
+        }
         self.acknowledge(&report.target).await;
         delivered
     }
@@ -410,7 +385,7 @@ impl Reporter {
         started_at_ms: i64,
         until: &Cancel,
     ) {
-        let status = running_status(mode, started_at_ms, target.observed_generation);
+        let status = running_status(mode, started_at_ms);
         let mut retry = 0u32;
         loop {
             match self.apply(target, &status).await {
@@ -472,18 +447,34 @@ impl Reporter {
     /// attempt is gone: an outcome nothing journals (a stage-only attempt),
     /// which a restart would stage again.
     pub async fn deliver_status(&self, target: &ReportTarget, status: &SwapAttemptStatus) {
+        self.apply_until_settled(
+            target,
+            status,
+            "writing an attempt's status failed; retrying",
+        )
+        .await;
+    }
+
+    /// Applies `status` until the API server accepts it or says the attempt
+    /// is gone, backing off between failures, each logged as `failing`.
+    async fn apply_until_settled(
+        &self,
+        target: &ReportTarget,
+        status: &SwapAttemptStatus,
+        failing: &str,
+    ) -> Delivered {
         let mut retry = 0u32;
         loop {
             match self.apply(target, status).await {
-                Ok(()) => return,
-                Err(error) if error.is_not_found() => return,
+                Ok(()) => return Delivered::Accepted,
+                Err(error) if error.is_not_found() => return Delivered::Gone,
                 Err(error) => {
                     let delay = self.backoff.delay(retry);
                     tracing::warn!(
                         attempt = %target,
                         error = %error_chain(&error),
                         retry_in_ms = delay.as_millis() as u64,
-                        "writing an attempt's status failed; retrying"
+                        "{failing}"
                     );
                     tokio::time::sleep(delay).await;
                     retry = retry.saturating_add(1);
@@ -492,7 +483,8 @@ impl Reporter {
         }
     }
 
-    /// One server-side apply of `status` to the target's status subresource.
+    /// One server-side apply of `status` to the target's status
+    /// subresource, fit for the API (see [`fit_for_the_api`]).
     pub async fn apply(
         &self,
         target: &ReportTarget,
@@ -500,7 +492,9 @@ impl Reporter {
     ) -> Result<(), ReportError> {
         let api: Api<SwapAttempt> = Api::namespaced(self.client.clone(), &target.namespace);
         let params = PatchParams::apply(FIELD_MANAGER).force();
-        let body = apply_body(status);
+        let mut status = status.clone();
+        fit_for_the_api(&mut status, target.observed_generation);
+        let body = apply_body(&status);
         let started = Instant::now();
         let written = tokio::time::timeout(
             REQUEST_TIMEOUT,
