@@ -18,6 +18,7 @@ use genswap_crds::{BuildSpec, ConditionType, Outcome, StageProgress, SwapAttempt
 use genswap_store::{FetchProgress, Stager};
 
 use crate::attempt_status::time_of;
+use crate::classify::{StepError, classify};
 use crate::metrics::AgentMetrics;
 
 /// How often a stage in progress reports its bytes at most.
@@ -84,12 +85,14 @@ pub async fn stage_ahead(
             finished_status(started_at, Outcome::Done, reason, stage)
         }
         Err(error) => {
-            let outcome = if error.is_build_fault() {
+            let reason = format!("stage: {error}");
+            // Classified as the swap's stage step is, by the one classifier.
+            let failed: Result<(), StepError> = Err(StepError::Stage(error));
+            let outcome = if classify(&failed, false).is_build_failure() {
                 Outcome::Failed
             } else {
                 Outcome::Abandoned
             };
-            let reason = format!("stage: {error}");
             tracing::warn!(build = %build.id, ?outcome, %reason, "staging ahead failed");
             finished_status(started_at, outcome, reason, stage)
         }

@@ -86,7 +86,9 @@ pub(super) fn observe<'a>(
     let previous = ctx
         .previous_rollout
         .and_then(|rollout| rollout.prestage.as_ref())
-        .filter(|p| p.build == desired.build);
+        .filter(|p| {
+            p.build == desired.build && p.sha256.as_deref().is_none_or(|sha| sha == desired.sha256)
+        });
     // Once every node held it the record stays as it was then, while the
     // asks go one by one with the swaps that follow.
     let finished = previous.is_some_and(|p| p.done_at.is_some());
@@ -262,6 +264,7 @@ pub(super) fn observe<'a>(
     let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
     out.status = Some(PrestageStatus {
         build: desired.build.clone(),
+        sha256: Some(desired.sha256.clone()),
         since,
         done_at,
         staged: count(staged_ahead),
@@ -274,7 +277,9 @@ pub(super) fn observe<'a>(
     out
 }
 
-/// The node serves the desired build (whatever its config or restart).
+/// The node serves the desired build, whatever its config or restart: it
+/// has the bytes, which is all pre-staging is about. Unlike
+/// `rollout::serves`, which decides whether the node still needs a swap.
 pub(super) fn holds(slot: &NodeSlot<'_>, desired: &DesiredState) -> bool {
     slot.entry.build.as_deref() == Some(desired.build.as_str())
         && slot.entry.sha256.as_deref() == Some(desired.sha256.as_str())
