@@ -371,6 +371,11 @@ pub struct PrestageStatus {
     /// The build staged ahead.
     #[schemars(length(max = 253))]
     pub build: String,
+    /// Its digest: a new one under the same `build` starts a new record.
+    /// Absent in records written before it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
+    pub sha256: Option<String>,
     /// When the nodes were first asked to stage it.
     pub since: Time,
     /// When the last of them held it; absent while any stages.

@@ -350,6 +350,7 @@ mod tests {
     fn prestage_draws_a_bar_per_staging_node_and_the_reason_of_each_that_cannot() {
         let prestage = PrestageStatus {
             build: "b2".into(),
+            sha256: None,
             since: Time(Timestamp::UNIX_EPOCH),
             done_at: None,
             staged: 1,
