@@ -290,3 +290,34 @@ fn a_newer_build_replaces_the_asks_of_the_one_before() {
         .expect("prestage");
     assert_eq!((prestage.build.as_str(), prestage.staged), ("b3", 0));
 }
+
+#[test]
+fn a_new_digest_under_the_same_build_id_is_staged_again() {
+    let mut world = releasing_b2();
+    world.reconcile();
+    for node in ["a", "b", "c"] {
+        world.finish_rev(stage_rev(&world, node), done());
+    }
+    let plan = world.reconcile();
+    assert_eq!(swaps(&plan).len(), 1, "the canary goes once all hold b2");
+    let first = world
+        .status()
+        .rollout
+        .and_then(|r| r.prestage)
+        .expect("prestage");
+    assert!(first.done_at.is_some(), "{first:?}");
+
+    // b2 is rebuilt under the same id: no node holds those bytes.
+    world.edit(|spec| spec.build.sha256 = "c".repeat(64));
+    let plan = world.reconcile();
+    assert_eq!(stage_asks(&plan).len(), 3, "{:?}", created(&plan));
+    assert!(swaps(&plan).is_empty(), "{:?}", created(&plan));
+    let record = world
+        .status()
+        .rollout
+        .and_then(|r| r.prestage)
+        .expect("prestage");
+    assert_eq!(record.sha256.as_deref(), Some("c".repeat(64).as_str()));
+    assert_eq!((record.staged, record.needed), (0, 3));
+    assert_eq!(record.done_at, None);
+}
