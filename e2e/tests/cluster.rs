@@ -1030,13 +1030,22 @@ async fn images_roll_out_from_a_registry_and_a_refusal_is_retried() {
     // It was the ask to stage ahead that the registry refused: the swap
     // waits for it, and the status names the node and why.
     assert!(refused.spec.stage_only, "{:?}", refused.spec);
-    let waiting = igs.get("img").await.expect("get the instance");
-    let reconciling = waiting
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Reconciling"))
-        .map(|c| (c.reason.clone(), c.message.clone()))
-        .unwrap_or_default();
+    // The controller plans from that outcome after the agent wrote it; the
+    // node is named while it waits out the backoff before the next ask.
+    let deadline = Instant::now() + STEP_DEADLINE;
+    let reconciling = loop {
+        let waiting = igs.get("img").await.expect("get the instance");
+        let reconciling = waiting
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Reconciling"))
+            .map(|c| (c.reason.clone(), c.message.clone()))
+            .unwrap_or_default();
+        if reconciling.1.contains("cannot stage") || Instant::now() >= deadline {
+            break reconciling;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     assert_eq!(reconciling.0, "Prestaging", "{reconciling:?}");
     assert!(reconciling.1.contains(&hostname), "{reconciling:?}");
     right(&registry);
