@@ -5,7 +5,8 @@
 //! simulated by this process: each attempt is answered `done` about a
 //! second after it appears, with the status a real agent writes for a
 //! `done` (one status write per attempt; a real agent's own requests are in
-//! the cluster bench). An install of all M, then a release of all M; for
+//! the cluster bench); an ask to stage ahead (`rollout.prestage`, the
+//! default) as a real agent answers one whose store holds the build. An install of all M, then a release of all M; for
 //! each, the time from the last write to every IG Ready, the controller's
 //! requests per attempt, its RSS at the peak and at rest, the API server's
 //! RSS and CPU, etcd's database size, the largest object written, and the
@@ -73,6 +74,8 @@ pub struct FleetOptions {
     pub zones: usize,
     /// Every IG's `rollout.maxParallel` (`10%`, `50`); the fleet when `None`.
     pub max_parallel: Option<String>,
+    /// Every IG's `rollout.prestage` (the default: true).
+    pub prestage: bool,
     /// Another `genswap-controller` run on the same fleet first (an older
     /// build), so before and after come from one run.
     pub compare: Option<PathBuf>,
@@ -609,11 +612,13 @@ impl RssSampler {
     }
 }
 
-/// (IG, node, build id).
-type Issued = (String, String, String);
+/// (IG, node, build id, stage-only): a build's ask to stage ahead and its
+/// swap are one of each, not one issued twice.
+type Issued = (String, String, String, bool);
 
 /// The node agents, simulated: each attempt without an outcome is answered
-/// `done` after `answer_after`, with the generation after the node's last.
+/// `done` after `answer_after`, a swap with the generation after the
+/// node's last.
 struct SimulatedAgents {
     answered: Arc<AtomicU64>,
     /// Attempts seen per (IG, node, build).
@@ -651,6 +656,7 @@ impl SimulatedAgents {
                         attempt.spec.instance.clone(),
                         attempt.spec.node_name.clone(),
                         attempt.spec.build.id.clone(),
+                        attempt.spec.stage_only,
                     ))
                     .or_default() += 1;
                 if answered_already {
@@ -668,19 +674,23 @@ impl SimulatedAgents {
                     let Ok(_permit) = writers.acquire().await else {
                         return;
                     };
-                    let generation = {
-                        let mut generations =
-                            generations.lock().unwrap_or_else(PoisonError::into_inner);
-                        let n = generations
-                            .entry((
-                                attempt.spec.instance.clone(),
-                                attempt.spec.node_name.clone(),
-                            ))
-                            .or_insert(0);
-                        *n += 1;
-                        *n
+                    let status = if attempt.spec.stage_only {
+                        staged_status(started)
+                    } else {
+                        let generation = {
+                            let mut generations =
+                                generations.lock().unwrap_or_else(PoisonError::into_inner);
+                            let n = generations
+                                .entry((
+                                    attempt.spec.instance.clone(),
+                                    attempt.spec.node_name.clone(),
+                                ))
+                                .or_insert(0);
+                            *n += 1;
+                            *n
+                        };
+                        done_status(&attempt, generation, started)
                     };
-                    let status = done_status(&attempt, generation, started);
                     if attempts
                         .patch_status(&name, &PatchParams::default(), &Patch::Merge(status))
                         .await
@@ -738,6 +748,25 @@ fn done_status(attempt: &SwapAttempt, generation: i64, started: Timestamp) -> se
     }})
 }
 
+/// What a real agent writes for an ask to stage ahead whose build its
+/// store already holds.
+fn staged_status(started: Timestamp) -> serde_json::Value {
+    let now = Timestamp::now().to_string();
+    json!({"status": {
+        "outcome": "done",
+        "reason": "the store holds it: nothing needed fetching",
+        "executed": false,
+        "startedAt": started.to_string(),
+        "finishedAt": now,
+        "stage": {"fetchedBytes": 0},
+        "conditions": [{
+            "type": "Ready", "status": "True", "reason": "Staged",
+            "message": "the store holds it: nothing needed fetching",
+            "lastTransitionTime": now,
+        }],
+    }})
+}
+
 fn instance_generation(
     name: &str,
     nodes: usize,
@@ -755,10 +784,14 @@ fn instance_generation(
     if options.zones > 0 {
         ig["spec"]["rollout"]["waves"] = json!({"byLabel": ZONE_LABEL});
     }
+    if !options.prestage {
+        ig["spec"]["rollout"]["prestage"] = json!(false);
+    }
     ig
 }
 
-/// `maxParallel 10%, 5 zone waves`, or nothing for the default rollout.
+/// `maxParallel 10%, 5 zone waves, no pre-staging`, or nothing for the
+/// default rollout.
 fn rollout_summary(options: &FleetOptions) -> String {
     let mut parts = Vec::new();
     if let Some(value) = &options.max_parallel {
@@ -766,6 +799,9 @@ fn rollout_summary(options: &FleetOptions) -> String {
     }
     if options.zones > 0 {
         parts.push(format!("{} zone waves", options.zones));
+    }
+    if !options.prestage {
+        parts.push("no pre-staging".into());
     }
     parts.join(", ")
 }

@@ -184,6 +184,10 @@ struct FleetArgs {
     /// (`10%`); the whole fleet when not given.
     #[arg(long)]
     max_parallel: Option<String>,
+    /// `rollout.prestage: false` on every IG: a release's swaps go without
+    /// first asking each node to stage the build.
+    #[arg(long)]
+    no_prestage: bool,
     /// Another genswap-controller binary (an older build) to run on each
     /// fleet first, for before and after in one run.
     #[arg(long)]
@@ -488,6 +492,7 @@ async fn run_fleet(args: FleetArgs) -> Result<(), BenchError> {
         answer_after: Duration::from_millis(args.answer_ms),
         zones: args.zones,
         max_parallel: args.max_parallel.clone(),
+        prestage: !args.no_prestage,
         compare: args.compare.clone(),
         compare_crds: args.compare_crds.clone(),
     };
