@@ -290,7 +290,7 @@ impl Stager {
         let recorded = self
             .inner
             .store
-            .signature_verified(sha256, &hex(&fingerprint));
+            .signature_verified(sha256, &hex::encode(fingerprint));
         if recorded {
             verified.insert((sha256.to_string(), fingerprint));
         }
@@ -301,7 +301,7 @@ impl Stager {
         let fingerprint = key.fingerprint();
         self.inner
             .store
-            .remember_signature(sha256, &hex(&fingerprint));
+            .remember_signature(sha256, &hex::encode(fingerprint));
         self.inner
             .verified
             .lock()
@@ -894,11 +894,6 @@ fn redacted(url: &reqwest::Url) -> String {
     shown.set_query(None);
     shown.set_fragment(None);
     shown.to_string()
-}
-
-/// Lowercase hex of `bytes`.
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 /// Installs aws-lc-rs as the process's rustls crypto provider unless one
