@@ -57,18 +57,24 @@ fn stored(host: &SwapHost) -> Vec<String> {
     names
 }
 
+/// A host whose store keeps nothing retention may remove: no count kept,
+/// one byte allowed.
+fn keeping_nothing(tag: &str) -> SwapHost {
+    SwapHost::with_stager(tag, |config| {
+        config.retention = RetentionPolicy {
+            keep: 0,
+            max_bytes: 1,
+        };
+    })
+}
+
 fn tree(digest: &str) -> String {
     format!("tree-sha256-{digest}")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_never_removes_a_tree_in_use_even_past_its_limit() {
-    let host = SwapHost::with_stager("retention", |config| {
-        config.retention = RetentionPolicy {
-            keep: 0,
-            max_bytes: 1,
-        };
-    });
+    let host = keeping_nothing("retention");
     let a = testapp_archive(&host, "a");
     let b = testapp_archive(&host, "b");
     let c = testapp_archive(&host, "c");
@@ -124,12 +130,7 @@ async fn the_store_never_removes_a_tree_in_use_even_past_its_limit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_build_staged_ahead_is_kept_until_its_holder_lets_go() {
-    let host = SwapHost::with_stager("retention-ahead", |config| {
-        config.retention = RetentionPolicy {
-            keep: 0,
-            max_bytes: 1,
-        };
-    });
+    let host = keeping_nothing("retention-ahead");
     let a = testapp_archive(&host, "a");
     let ahead = testapp_archive(&host, "ahead");
     let result = host.swap(&tree_attempt(&host, 1, "a", &a)).await;
